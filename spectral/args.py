@@ -1,0 +1,115 @@
+"""ServerArgs: every flag of spectral, defined once, with one argparse for all entry points."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ServerArgs:
+    # Model
+    model_path: str = "default"
+    model_cache_dir: str | None = None
+    tokenizer_path: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    context_length: int | None = None
+    # Memory and scheduling
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.25
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 8192
+    attention_backend: str = "auto"
+    random_seed: int | None = None
+    # Server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda (got {self.device!r})")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1 (got {self.max_total_tokens})")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1) (got {self.mem_fraction_static})"
+            )
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1 (got {self.max_running_requests})")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1 (got {self.max_prefill_tokens})")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**kwargs)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        if self.resolved_device() == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        help_text = {
+            "model_path": "HF model directory, a .gguf file, or 'default' (SmolLM2-135M-Instruct)",
+            "model_cache_dir": "where converted GGUF models are kept (default ~/.cache/spectral)",
+            "tokenizer_path": "tokenizer directory (default: the model's)",
+            "dtype": "auto (bf16 where native), float32, bfloat16, float16",
+            "device": "auto, cpu or cuda",
+            "context_length": "override the model's context length",
+            "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
+            "mem_fraction_static": "fraction of free memory given to the KV pool",
+            "max_running_requests": "most requests decoding at once",
+            "max_prefill_tokens": "most prompt tokens in one prefill batch",
+            "attention_backend": "auto, torch",
+            "random_seed": "seed for unseeded sampling",
+            "host": "address to bind (default loopback only)",
+            "port": "HTTP port",
+            "log_level": "debug, info, warning, error",
+        }
+        for f in fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            kind = {"int": int, "float": float, "str": str}
+            type_name = str(f.type).split(" ")[0].replace("| None", "").strip()
+            parser.add_argument(
+                flag,
+                type=kind.get(type_name, str),
+                default=default,
+                choices=DTYPES if f.name == "dtype" else None,
+                help=help_text.get(f.name, ""),
+            )
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False

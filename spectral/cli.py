@@ -1,0 +1,68 @@
+"""The `spectral` command. `serve` runs the main job on a model; until the HTTP server lands it
+runs an offline generation demo through the same Engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from spectral.args import ServerArgs
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn.",
+    "Explain in one sentence what a hash table is.",
+]
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def run_demo(args: ServerArgs, max_new_tokens: int) -> None:
+    from spectral.engine import Engine
+
+    start = time.perf_counter()
+    engine = Engine(**vars(args))
+    print(
+        f"loaded {args.model_path} in {time.perf_counter() - start:.1f}s "
+        f"(dtype {engine.worker.dtype}, KV pool {engine.worker.num_kv_slots} tokens)"
+    )
+    prompts = [chat_prompt(engine.tokenizer, q) for q in DEMO_PROMPTS]
+    params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    for question, out in zip(DEMO_PROMPTS, outputs):
+        print(f"\n>>> {question}\n{out['text'].strip()}")
+    print(
+        f"\n{tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tok/s, batch {len(prompts)})"
+    )
+    engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="spectral")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve", help="run spectral on a model (offline demo until the server lands)"
+    )
+    ServerArgs.add_cli_args(serve)
+    serve.add_argument("--demo-max-new-tokens", type=int, default=96)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    try:
+        args = ServerArgs.from_cli_args(ns)
+    except ValueError as err:
+        parser.error(str(err))
+    if ns.command == "serve":
+        run_demo(args, ns.demo_max_new_tokens)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

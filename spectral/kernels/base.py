@@ -1,0 +1,47 @@
+"""The attention backend interface every model layer calls."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from spectral.forward import ForwardBatch
+from spectral.mem.kv_pool import KVPool
+from spectral.mem.req_to_token import ReqToTokenPool
+
+
+class AttentionBackend(ABC):
+    """Attention over the paged KV cache for every forward mode.
+
+    `init_forward_metadata` runs once per forward, before the first layer; `forward` runs once per
+    layer and writes the new tokens' K and V into the pool before attending.
+    """
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, scaling: float) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.scaling = scaling
+
+    @abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Build whatever the per-layer calls share (indices, masks) and store it on `batch`."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] for the batch's new tokens. Returns [T, H * D]."""
+
+
+def create_attention_backend(
+    name: str, kv_pool: KVPool, req_to_token: ReqToTokenPool, scaling: float, device: str
+) -> AttentionBackend:
+    """`auto` picks by device: cpu → torch."""
+    if name == "auto":
+        name = "torch" if device == "cpu" else "torch"
+    if name == "torch":
+        from spectral.kernels.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend(kv_pool, req_to_token, scaling)
+    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch")

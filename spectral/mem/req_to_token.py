@@ -1,0 +1,29 @@
+"""The request-to-token table: one row per running request, the KV slot of each position.
+
+The scheduler decides which row a request gets; this table only records slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    def __init__(self, max_requests: int, max_context_len: int, device: str = "cpu") -> None:
+        self.max_requests = max_requests
+        self.max_context_len = max_context_len
+        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=device)
+
+    def write(self, row: int, start: int, slots: list[int] | torch.Tensor) -> None:
+        """Record the slots of positions start, start+1, ... of request `row`."""
+        values = torch.as_tensor(slots, dtype=torch.int64)
+        end = start + values.numel()
+        if end > self.max_context_len:
+            raise ValueError(
+                f"position {end - 1} exceeds the context length {self.max_context_len}"
+            )
+        self.table[row, start:end] = values.to(self.table.device)
+
+    def read(self, row: int, length: int) -> list[int]:
+        """The slots of the first `length` positions of request `row`."""
+        return self.table[row, :length].tolist()

@@ -1,0 +1,1 @@
+"""Model code (Llama family), configuration and weight loading."""

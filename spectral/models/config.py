@@ -1,0 +1,83 @@
+"""The model facts the runtime needs, read once from a HF config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_context_len: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    hf_config: PretrainedConfig
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> ModelConfig:
+        hf = AutoConfig.from_pretrained(model_dir)
+        archs = getattr(hf, "architectures", None) or ["LlamaForCausalLM"]
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        eos = hf.eos_token_id
+        eos_ids = (
+            tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        )
+        max_ctx = hf.max_position_embeddings
+        window = getattr(hf, "sliding_window", None)
+        if window:
+            max_ctx = min(max_ctx, window)
+        return cls(
+            architecture=archs[0],
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=hf.vocab_size,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_context_len=max_ctx,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False))
+            or archs[0].startswith("Qwen2"),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            eos_token_ids=eos_ids,
+            hf_config=hf,
+        )
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention scaling) per the config's rope settings."""
+    hf = config.hf_config
+    params = getattr(hf, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        dim = config.head_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+    if rope_type == "dynamic":
+        raise NotImplementedError(
+            "dynamic NTK rope scaling changes with the sequence length and is not supported; "
+            "supported rope types: default, "
+            + ", ".join(sorted(set(ROPE_INIT_FUNCTIONS) - {"dynamic"}))
+        )
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise NotImplementedError(f"unknown rope type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    return inv_freq.float(), float(scaling)

@@ -1,0 +1,102 @@
+"""Build a model from a HF directory: read safetensors by name, fuse projections, check shapes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from spectral.models.config import ModelConfig
+from spectral.models.llama import LlamaForCausalLM, RotaryEmbedding
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+# HF tensor name → (our parameter name, row offset key within a fused matrix or None)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def _fused_offsets(config: ModelConfig, fused: str) -> list[int]:
+    if fused.endswith("qkv_proj"):
+        q = config.num_heads * config.head_dim
+        kv = config.num_kv_heads * config.head_dim
+        return [0, q, q + kv, q + 2 * kv]
+    return [0, config.intermediate_size, 2 * config.intermediate_size]
+
+
+def _target(config: ModelConfig, name: str) -> tuple[str, slice | None]:
+    """Our parameter name and the row slice `name` fills in it (None: the whole tensor)."""
+    if name.startswith("model.") and not _LAYER.match(name):
+        return name[len("model.") :], None
+    if name.startswith("lm_head."):
+        return name, None
+    m = _LAYER.match(name)
+    if not m:
+        return name, None
+    layer, rest = m.groups()
+    for hf_prefix, (ours, part) in _FUSED.items():
+        if rest.startswith(hf_prefix + "."):
+            suffix = rest[len(hf_prefix) :]
+            offsets = _fused_offsets(config, ours)
+            return f"layers.{layer}.{ours}{suffix}", slice(offsets[part], offsets[part + 1])
+    return f"layers.{layer}.{rest}", None
+
+
+def load_model(
+    model_dir: str, dtype: torch.dtype, device: str = "cpu"
+) -> tuple[nn.Module, ModelConfig]:
+    config = ModelConfig.from_pretrained(model_dir)
+    cls = ARCHITECTURES.get(config.architecture)
+    if cls is None:
+        raise ValueError(
+            f"architecture {config.architecture!r} is not supported; supported: "
+            + ", ".join(sorted(ARCHITECTURES))
+        )
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = RotaryEmbedding(config).to(device)
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {name: 0 for name in params}
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if "rotary_emb" in name:
+                    continue
+                ours, rows = _target(config, name)
+                if ours == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                if ours not in params:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r}")
+                tensor = f.get_tensor(name)
+                dest = params[ours].data if rows is None else params[ours].data[rows]
+                if tuple(dest.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(dest.shape)}"
+                    )
+                dest.copy_(tensor.to(dtype))
+                filled[ours] += tensor.numel()
+    missing = [n for n, p in params.items() if filled[n] != p.numel()]
+    if missing:
+        raise ValueError(f"{model_dir}: weights missing for {', '.join(missing[:5])}")
+    model.requires_grad_(False)
+    model.eval()
+    return model, config

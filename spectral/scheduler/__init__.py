@@ -1,0 +1,1 @@
+"""The scheduler: requests, batches, admission and the step loop."""

@@ -1,0 +1,1 @@
+"""The model worker: owns weights, KV tensors and sampling."""

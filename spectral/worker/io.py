@@ -1,0 +1,50 @@
+"""What the scheduler sends the worker each step, and what comes back. Plain lists only, so a
+message encodes without pickle when the worker lives in another process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spectral.forward import ForwardMode
+from spectral.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestSampling:
+    """Sampling state of one request for one step."""
+
+    params: SamplingParams
+    # Tokens generated so far: the step index that seeds a seeded request, and the counts that
+    # frequency/presence penalties use. `penalty_prompt_ids` only when a repetition penalty is on.
+    output_ids: list[int] = field(default_factory=list)
+    penalty_prompt_ids: list[int] = field(default_factory=list)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    # Tokens that may not be sampled this step (EOS and stop ids before `min_new_tokens`).
+    banned_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class WorkerBatch:
+    """One forward. Request i writes `out_cache_loc` for its `extend_lens[i]` new tokens at
+    positions `prefix_lens[i]...` of table row `req_pool_indices[i]`; `table_writes` first
+    records prefix slots that the row does not hold yet (row, start position, slots)."""
+
+    mode: ForwardMode
+    input_ids: list[int]
+    positions: list[int]
+    out_cache_loc: list[int]
+    req_pool_indices: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    sampling: list[RequestSampling]
+    table_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    custom_mask: list[bool] | None = None
+
+
+@dataclass
+class WorkerResult:
+    next_token_ids: list[int]
+    # Per request, when asked for: logprob of the chosen token, and the top-k (logprob, id) pairs.
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[float, int]] | None]

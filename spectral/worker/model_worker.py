@@ -1,0 +1,117 @@
+"""ModelWorker: loads the model, owns the KV tensors, runs one forward per `WorkerBatch`."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from spectral.forward import ForwardBatch, ForwardMode
+from spectral.kernels.base import create_attention_backend
+from spectral.mem.kv_pool import KVPool
+from spectral.mem.req_to_token import ReqToTokenPool
+from spectral.models.config import ModelConfig
+from spectral.models.loader import load_model
+from spectral.worker.io import WorkerBatch, WorkerResult
+from spectral.worker.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+
+def free_memory_bytes(device: str) -> int:
+    """Free accelerator memory, or the system's available memory for the CPU."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read available memory; pass --max-total-tokens")
+
+
+class ModelWorker:
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: torch.dtype,
+        device: str,
+        max_total_tokens: int | None,
+        max_running_requests: int,
+        max_context_len: int,
+        mem_fraction_static: float = 0.25,
+        attention_backend: str = "auto",
+    ) -> None:
+        """The KV pool holds `max_total_tokens` tokens, or what `mem_fraction_static` of the
+        memory still free after loading the weights allows."""
+        self.device = device
+        self.dtype = dtype
+        self.model, self.config = load_model(model_dir, dtype, device)
+        cfg: ModelConfig = self.config
+        per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+        if max_total_tokens is None:
+            max_total_tokens = int(free_memory_bytes(device) * mem_fraction_static) // per_token
+            if max_total_tokens < max_context_len:
+                raise RuntimeError(
+                    f"only {max_total_tokens} tokens of KV cache fit in memory, "
+                    f"fewer than the context length {max_context_len}; "
+                    "free memory or raise --mem-fraction-static"
+                )
+        self.num_kv_slots = max_total_tokens
+        logger.info(
+            "KV pool: %d tokens (%.1f MiB)", max_total_tokens, max_total_tokens * per_token / 2**20
+        )
+        self.kv_pool = KVPool(
+            max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device
+        )
+        self.req_to_token = ReqToTokenPool(max_running_requests, max_context_len, device)
+        self.attn_backend = create_attention_backend(
+            attention_backend, self.kv_pool, self.req_to_token, cfg.head_dim**-0.5, device
+        )
+
+    def to_forward_batch(self, wb: WorkerBatch) -> ForwardBatch:
+        """Record the batch's slots in the req-to-token table and build the tensors."""
+        for row, start, slots in wb.table_writes:
+            self.req_to_token.write(row, start, slots)
+        dev = self.device
+        out_loc = torch.tensor(wb.out_cache_loc, dtype=torch.int64, device=dev)
+        offset = 0
+        for row, prefix, ext in zip(wb.req_pool_indices, wb.prefix_lens, wb.extend_lens):
+            self.req_to_token.table[row, prefix : prefix + ext] = out_loc[offset : offset + ext]
+            offset += ext
+        custom = None
+        if wb.custom_mask is not None:
+            custom = torch.tensor(wb.custom_mask, dtype=torch.bool, device=dev)
+        return ForwardBatch(
+            mode=wb.mode,
+            input_ids=torch.tensor(wb.input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(wb.positions, dtype=torch.int64, device=dev),
+            out_cache_loc=out_loc,
+            req_pool_indices=torch.tensor(wb.req_pool_indices, dtype=torch.int64, device=dev),
+            prefix_lens=list(wb.prefix_lens),
+            extend_lens=list(wb.extend_lens),
+            custom_mask=custom,
+            logits_rows="all" if wb.mode == ForwardMode.TARGET_VERIFY else "last",
+        )
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final-normed hidden states of every new token, plus captured layer inputs."""
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch, self.attn_backend)
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits for the rows `batch.logits_rows` selects."""
+        hidden, _ = self.forward_hidden(batch)
+        if batch.logits_rows == "last":
+            ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
+            hidden = hidden[ends.to(hidden.device)]
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def forward(self, wb: WorkerBatch) -> WorkerResult:
+        """Run one EXTEND or DECODE step and sample one token per request."""
+        logits = self.forward_logits(self.to_forward_batch(wb))
+        out = sample(logits.cpu(), wb.sampling)
+        return WorkerResult(out.next_token_ids.tolist(), out.logprobs, out.top_logprobs)

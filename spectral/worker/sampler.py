@@ -1,0 +1,127 @@
+"""Turn logits into next tokens: penalties, temperature, top-k, top-p, min-p, seeded sampling.
+
+Returned logprobs are those of the model's own distribution (log-softmax of the raw logits),
+whatever the sampling parameters; they are what select-by-logprob and OpenAI `logprobs` expect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spectral.worker.io import RequestSampling
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: torch.Tensor  # [B] int64
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[float, int]] | None]
+
+
+def apply_penalties(logits: torch.Tensor, sampling: list[RequestSampling]) -> torch.Tensor:
+    """Repetition penalty over prompt + output (transformers' rule: divide positive logits,
+    multiply negative ones); frequency and presence penalties over the output (OpenAI's rule);
+    banned tokens get -inf."""
+    out = logits
+    for row, s in enumerate(sampling):
+        p = s.params
+        if s.banned_token_ids:
+            if out is logits:
+                out = logits.clone()
+            out[row, s.banned_token_ids] = float("-inf")
+        if not p.has_penalties:
+            continue
+        if out is logits:
+            out = logits.clone()
+        vocab = logits.shape[-1]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(
+                sorted(set(s.penalty_prompt_ids) | set(s.output_ids)), dtype=torch.long
+            )
+            if seen.numel():
+                vals = out[row, seen]
+                out[row, seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+        if s.output_ids and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(s.output_ids, dtype=torch.long), minlength=vocab)
+            counts = counts.to(out.dtype)
+            out[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
+                out.dtype
+            )
+    return out
+
+
+def filtered_probs(logits: torch.Tensor, sampling: list[RequestSampling]) -> torch.Tensor:
+    """Softmax(logits / T) with top-k, top-p and min-p applied and renormalised, per row."""
+    temps = torch.tensor([max(s.params.temperature, 1e-6) for s in sampling], dtype=logits.dtype)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    needs_filter = [
+        s.params.top_k > 0 or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in sampling
+    ]
+    if not any(needs_filter):
+        return probs
+    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in sampling])
+    top_p = torch.tensor([s.params.top_p for s in sampling], dtype=probs.dtype)
+    min_p = torch.tensor([s.params.min_p for s in sampling], dtype=probs.dtype)
+    ranks = torch.arange(vocab)[None, :]
+    drop = ranks >= top_k[:, None]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before >= top_p[:, None]
+    drop |= sorted_probs < (min_p * sorted_probs[:, 0])[:, None]
+    drop[:, 0] = False
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    kept = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sample_from_probs(probs: torch.Tensor, sampling: list[RequestSampling]) -> torch.Tensor:
+    """One token per row by the exponential race argmax(p / E), E ~ Exp(1).
+
+    A seeded request draws E from a generator seeded by (seed, tokens generated so far), so
+    its output does not depend on the batch it runs in.
+    """
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, s in enumerate(sampling) if s.params.seed is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(
+            (len(unseeded), probs.shape[-1]), dtype=probs.dtype
+        ).exponential_()
+    for i, s in enumerate(sampling):
+        if s.params.seed is not None:
+            gen = torch.Generator().manual_seed(request_step_seed(s.params.seed, len(s.output_ids)))
+            noise[i] = torch.empty(probs.shape[-1], dtype=probs.dtype).exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)
+
+
+def request_step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7_919 + 12_345) % (2**63 - 1)
+
+
+def sample(logits: torch.Tensor, sampling: list[RequestSampling]) -> SampleOutput:
+    """logits: [B, vocab] float32, one row per request in `sampling`."""
+    want_logprobs = any(s.return_logprob or s.top_logprobs_num for s in sampling)
+    logprobs_all = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+    adjusted = apply_penalties(logits, sampling)
+    greedy = [s.params.is_greedy for s in sampling]
+    next_ids = adjusted.argmax(dim=-1)
+    if not all(greedy):
+        rows = [i for i, g in enumerate(greedy) if not g]
+        sub = [sampling[i] for i in rows]
+        next_ids[rows] = sample_from_probs(filtered_probs(adjusted[rows], sub), sub)
+
+    logprobs: list[float | None] = [None] * len(sampling)
+    top: list[list[tuple[float, int]] | None] = [None] * len(sampling)
+    if logprobs_all is not None:
+        for i, s in enumerate(sampling):
+            if s.return_logprob:
+                logprobs[i] = float(logprobs_all[i, next_ids[i]])
+            if s.top_logprobs_num:
+                vals, ids = logprobs_all[i].topk(s.top_logprobs_num)
+                top[i] = list(zip(vals.tolist(), ids.tolist()))
+    return SampleOutput(next_ids, logprobs, top)

@@ -1,0 +1,92 @@
+"""Shared fixtures: the embedded default model (float32), its transformers twin, and a tiny
+random Llama that shares the default tokenizer (fast property tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from spectral.models.resolve import resolve_model_path
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    return resolve_model_path("default")
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_dir: str) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir: str):
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def engine_fp32(default_model_dir: str):
+    from spectral import Engine
+
+    engine = Engine(model_path=default_model_dir, dtype="float32", max_total_tokens=16384)
+    yield engine
+    engine.shutdown()
+
+
+def make_tiny_llama(path: Path, tokenizer_dir: str, seed: int = 0, **overrides) -> str:
+    """A 2-layer random Llama with the default tokenizer, saved as a HF directory."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        **overrides,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+
+
+def make_worker(model_dir: str, max_total_tokens: int, max_context_len: int):
+    """A float32 CPU worker with four request rows."""
+    from spectral.worker.model_worker import ModelWorker
+
+    return ModelWorker(
+        model_dir,
+        dtype=torch.float32,
+        device="cpu",
+        max_total_tokens=max_total_tokens,
+        max_running_requests=4,
+        max_context_len=max_context_len,
+    )
+
+
+def assert_no_leaks(engine) -> None:
+    """Everything the scheduler handed out has come back."""
+    s = engine.scheduler
+    assert not s.running and not s.waiting
+    assert s.allocator.free_count == s.allocator.num_slots
+    assert len(s.free_rows) == s.max_running_requests
+    assert s.reserved_tokens == 0

@@ -1,0 +1,171 @@
+"""Engine behaviour: finishing rules, outputs, bad input, and nothing leaked."""
+
+from __future__ import annotations
+
+import pytest
+
+from spectral import Engine
+from spectral.models.resolve import ModelNotFoundError
+from spectral.sampling_params import InvalidRequestError
+from tests.conftest import assert_no_leaks
+
+PROMPT = "Write a short poem about the sea."
+GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def reference(engine_fp32) -> dict:
+    return engine_fp32.generate(PROMPT, GREEDY)
+
+
+def test_output_shape_and_meta_info(reference):
+    meta = reference["meta_info"]
+    assert meta["prompt_tokens"] > 0
+    assert meta["completion_tokens"] == 24 == len(reference["output_ids"])
+    assert meta["finish_reason"] == {"type": "length", "length": 24}
+    assert meta["e2e_latency"] > 0
+    assert isinstance(reference["text"], str) and reference["text"]
+
+
+def test_stop_token_id_ends_the_request_on_that_token(engine_fp32, reference):
+    stop_id = reference["output_ids"][5]
+    first = reference["output_ids"].index(stop_id)
+    out = engine_fp32.generate(PROMPT, {**GREEDY, "stop_token_ids": [stop_id]})
+    assert out["output_ids"] == reference["output_ids"][: first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert_no_leaks(engine_fp32)
+
+
+def test_stop_string_is_matched_and_trimmed(engine_fp32, reference, tokenizer):
+    text = reference["text"]
+    stop = text[10:14]
+    out = engine_fp32.generate(PROMPT, {**GREEDY, "stop": stop})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[: text.index(stop)]
+    assert len(out["output_ids"]) < 24
+
+
+def test_eos_ends_generation_unless_ignored(engine_fp32):
+    prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    stopped = engine_fp32.generate(prompt, {"temperature": 0.0, "max_new_tokens": 64})
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    assert stopped["output_ids"][-1] == 2
+    n = len(stopped["output_ids"])
+    ignored = engine_fp32.generate(
+        prompt, {"temperature": 0.0, "max_new_tokens": n + 3, "ignore_eos": True}
+    )
+    assert ignored["output_ids"][:n] == stopped["output_ids"]
+    assert len(ignored["output_ids"]) == n + 3
+
+
+def test_min_new_tokens_holds_back_eos(engine_fp32):
+    prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    stopped = engine_fp32.generate(prompt, {"temperature": 0.0, "max_new_tokens": 64})
+    n = len(stopped["output_ids"])
+    out = engine_fp32.generate(
+        prompt, {"temperature": 0.0, "max_new_tokens": 64, "min_new_tokens": n + 2}
+    )
+    assert len(out["output_ids"]) >= n + 2
+    assert 2 not in out["output_ids"][: n + 1]
+
+
+def test_max_new_tokens_zero_returns_no_tokens(engine_fp32):
+    out = engine_fp32.generate(PROMPT, {"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
+def test_batch_with_different_lengths_and_params_finishes_each_on_its_own(engine_fp32, reference):
+    outs = engine_fp32.generate(
+        [PROMPT, PROMPT, "Hello"],
+        [
+            GREEDY,
+            {**GREEDY, "max_new_tokens": 7},
+            {"temperature": 0.9, "top_p": 0.9, "max_new_tokens": 5, "seed": 1},
+        ],
+    )
+    assert outs[0]["output_ids"] == reference["output_ids"]
+    assert outs[1]["output_ids"] == reference["output_ids"][:7]
+    assert len(outs[2]["output_ids"]) <= 5
+    assert_no_leaks(engine_fp32)
+
+
+def test_seeded_sampling_is_reproducible(engine_fp32):
+    params = {"temperature": 1.0, "top_k": 50, "max_new_tokens": 12, "seed": 42, "ignore_eos": True}
+    a = engine_fp32.generate(PROMPT, params)
+    b = engine_fp32.generate([PROMPT, "Another prompt"], [params, params])[0]
+    assert a["output_ids"] == b["output_ids"]
+
+
+def test_logprobs_are_returned_per_output_token(engine_fp32, reference):
+    out = engine_fp32.generate(PROMPT, GREEDY, return_logprob=True, top_logprobs_num=3)
+    lps = out["meta_info"]["output_token_logprobs"]
+    tops = out["meta_info"]["output_top_logprobs"]
+    assert [t for _, t, _ in lps] == reference["output_ids"]
+    assert len(tops) == 24 and all(len(t) == 3 for t in tops)
+    # greedy: the chosen token is the most likely one
+    for (lp, tok, _), top in zip(lps, tops):
+        assert top[0][1] == tok and top[0][0] == pytest.approx(lp)
+
+
+def test_server_info_reports_memory(engine_fp32):
+    info = engine_fp32.get_server_info()
+    assert info["memory"]["total_tokens"] == 16384
+    assert info["memory"]["free_tokens"] == 16384
+    assert info["requests"] == {"running": 0, "waiting": 0}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt=""), "prompt is empty"),
+        (dict(input_ids=[]), "prompt is empty"),
+        (dict(prompt="x", sampling_params={"max_new_tokens": -1}), "max_new_tokens must be >= 0"),
+        (dict(prompt="x", sampling_params={"temperature": -0.5}), "temperature must be >= 0"),
+        (dict(prompt="x", sampling_params={"top_p": 0.0}), r"top_p must be in \(0, 1\]"),
+        (dict(prompt="x", sampling_params={"top_p": 1.5}), r"top_p must be in \(0, 1\]"),
+        (dict(prompt="x", sampling_params={"top_k": 0}), "top_k must be -1"),
+        (dict(prompt="x", sampling_params={"max_new_token": 3}), "unknown sampling parameter"),
+        (dict(prompt="x", sampling_params={"max_new_tokens": "3"}), "must be an integer"),
+        (dict(input_ids=[1, 10**7]), "outside the vocabulary"),
+        (dict(prompt="x", input_ids=[1]), "exactly one of"),
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_the_engine_keeps_working(engine_fp32, kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        engine_fp32.generate(**kwargs)
+    assert_no_leaks(engine_fp32)
+    assert engine_fp32.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_prompt_longer_than_the_context_is_refused(engine_fp32):
+    ids = [100] * engine_fp32.context_len
+    with pytest.raises(InvalidRequestError, match=f"context length is {engine_fp32.context_len}"):
+        engine_fp32.generate(input_ids=ids)
+    assert_no_leaks(engine_fp32)
+
+
+def test_request_that_cannot_fit_the_pool_is_refused(tiny_model_dir):
+    engine = Engine(model_path=tiny_model_dir, dtype="float32", max_total_tokens=64)
+    with pytest.raises(InvalidRequestError, match="the pool holds 64"):
+        engine.generate(input_ids=[5] * 40, sampling_params={"max_new_tokens": 30})
+
+
+def test_generation_stops_at_the_context_length(tiny_model_dir):
+    engine = Engine(model_path=tiny_model_dir, dtype="float32", max_total_tokens=1024)
+    out = engine.generate(
+        input_ids=[5] * 500, sampling_params={"max_new_tokens": 100, "ignore_eos": True}
+    )
+    assert len(out["output_ids"]) == 12  # tiny model context: 512
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    assert_no_leaks(engine)
+
+
+def test_unknown_model_path_says_what_to_give():
+    with pytest.raises(ModelNotFoundError, match="does not exist; give a HF model directory"):
+        Engine(model_path="/nonexistent/model")
+
+
+def test_unknown_engine_option_is_named():
+    with pytest.raises(TypeError, match="unknown option.*max_tokens_total"):
+        Engine(max_tokens_total=5)

@@ -1,0 +1,54 @@
+"""Greedy generation equals transformers' greedy generation token for token (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import assert_no_leaks
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):",
+    "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n",
+    "1, 2, 3, 5, 8, 13,",
+]
+NEW_TOKENS = 64
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Plain greedy decoding with transformers' KV cache, not stopping at EOS."""
+    out: list[int] = []
+    past = None
+    step_input = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            res = model(step_input, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            token = int(res.logits[0, -1].argmax())
+            out.append(token)
+            step_input = torch.tensor([[token]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model, tokenizer) -> list[list[int]]:
+    return [hf_greedy(hf_model, tokenizer(p)["input_ids"], NEW_TOKENS) for p in PROMPTS]
+
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+
+
+def test_greedy_one_at_a_time(engine_fp32, expected):
+    for prompt, want in zip(PROMPTS, expected):
+        out = engine_fp32.generate(prompt, GREEDY)
+        assert out["output_ids"] == want
+    assert_no_leaks(engine_fp32)
+
+
+def test_greedy_as_one_batch_of_mixed_lengths(engine_fp32, expected):
+    outs = engine_fp32.generate(PROMPTS, GREEDY)
+    assert [o["output_ids"] for o in outs] == expected
+    assert all(o["meta_info"]["completion_tokens"] == NEW_TOKENS for o in outs)
+    assert_no_leaks(engine_fp32)

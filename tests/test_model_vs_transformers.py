@@ -1,0 +1,103 @@
+"""The model computes what transformers computes on the same weights (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spectral.forward import ForwardMode
+from spectral.worker.io import WorkerBatch
+from spectral.worker.model_worker import ModelWorker
+from tests.conftest import make_worker
+
+PROMPTS = [
+    "The capital of France is",
+    "def quicksort(xs):\n    if len(xs) <= 1:",
+    "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def worker(default_model_dir: str) -> ModelWorker:
+    return make_worker(default_model_dir, 4096, 1024)
+
+
+def run_extend(
+    worker: ModelWorker, ids: list[int], prefix: int, row: int, slots: list[int], capture=()
+):
+    """Forward ids[prefix:] on top of the first `prefix` tokens already cached in `slots`."""
+    n = len(ids)
+    wb = WorkerBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=ids[prefix:],
+        positions=list(range(prefix, n)),
+        out_cache_loc=slots[prefix:n],
+        req_pool_indices=[row],
+        prefix_lens=[prefix],
+        extend_lens=[n - prefix],
+        sampling=[],
+    )
+    fb = worker.to_forward_batch(wb)
+    fb.capture_layers = tuple(capture)
+    hidden, captured = worker.forward_hidden(fb)
+    return worker.model.compute_logits(hidden), captured
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_logits_match_transformers(worker, hf_model, tokenizer, prompt):
+    ids = tokenizer(prompt)["input_ids"]
+    logits, _ = run_extend(worker, ids, 0, 0, list(range(1, len(ids) + 1)))
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0]
+    assert (logits - expected).abs().max().item() < 1e-4
+
+
+def test_prefix_then_extend_matches_one_pass(worker, hf_model, tokenizer):
+    ids = tokenizer(PROMPTS[1] + " return xs\n    pivot = xs[0]")["input_ids"]
+    slots = list(range(101, 101 + len(ids)))
+    split = len(ids) // 2
+    run_extend(worker, ids[:split], 0, 1, slots)
+    logits, _ = run_extend(worker, ids, split, 1, slots)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0, split:]
+    assert logits.shape == expected.shape
+    assert (logits - expected).abs().max().item() < 1e-4
+
+
+def test_captured_hidden_states_match_transformers(worker, hf_model, tokenizer):
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    layers = (2, 15, 27)
+    _, captured = run_extend(worker, ids, 0, 2, list(range(201, 201 + len(ids))), capture=layers)
+    with torch.no_grad():
+        hs = hf_model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    assert len(captured) == 3
+    for layer, got in zip(layers, captured):
+        assert (got - hs[layer][0]).abs().max().item() < 1e-4
+
+
+def test_batch_of_mixed_lengths_matches_single_requests(worker, tokenizer):
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    singles = []
+    base = 1000
+    for ids in prompts:
+        logits, _ = run_extend(worker, ids, 0, 3, list(range(base, base + len(ids))))
+        singles.append(logits[-1])
+        base += len(ids)
+    input_ids, positions, loc = [], [], []
+    for ids in prompts:
+        input_ids += ids
+        positions += list(range(len(ids)))
+    loc = list(range(2000, 2000 + len(input_ids)))
+    wb = WorkerBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=loc,
+        req_pool_indices=[0, 1, 2],
+        prefix_lens=[0, 0, 0],
+        extend_lens=[len(p) for p in prompts],
+        sampling=[],
+    )
+    logits = worker.forward_logits(worker.to_forward_batch(wb))
+    for got, expected in zip(logits, singles):
+        assert (got - expected).abs().max().item() < 1e-4

@@ -1,0 +1,117 @@
+"""The custom-mask (tree) path: attending over a token tree under its mask gives each node what
+running its root-to-node path alone would give."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spectral.forward import ForwardMode
+from spectral.worker.io import WorkerBatch
+from spectral.worker.model_worker import ModelWorker
+from tests.conftest import make_worker
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_dir: str) -> ModelWorker:
+    return make_worker(tiny_model_dir, 2048, 256)
+
+
+@st.composite
+def trees(draw):
+    """(prefix tokens, tree tokens, parents) with parents[i] < i, -1 for children of the prefix."""
+    prefix = draw(st.lists(st.integers(3, 49151), min_size=1, max_size=20))
+    n = draw(st.integers(1, 12))
+    parents = [-1] + [draw(st.integers(-1, i - 1)) for i in range(1, n)]
+    tokens = draw(st.lists(st.integers(3, 49151), min_size=n, max_size=n))
+    return prefix, tokens, parents
+
+
+def ancestors(parents: list[int], i: int) -> list[int]:
+    """Root-to-node path of tree node i (inclusive)."""
+    path = []
+    while i != -1:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def extend(worker, row, ids, prefix, slots, mode=ForwardMode.EXTEND, positions=None, mask=None):
+    wb = WorkerBatch(
+        mode=mode,
+        input_ids=ids[prefix:],
+        positions=positions if positions is not None else list(range(prefix, len(ids))),
+        out_cache_loc=slots[prefix : len(ids)],
+        req_pool_indices=[row],
+        prefix_lens=[prefix],
+        extend_lens=[len(ids) - prefix],
+        sampling=[],
+        custom_mask=mask,
+    )
+    fb = worker.to_forward_batch(wb)
+    fb.logits_rows = "all"
+    return worker.forward_logits(fb)
+
+
+@settings(max_examples=25, deadline=None)
+@given(trees())
+def test_tree_node_logits_equal_its_path_run_alone(worker, tree):
+    prefix, tokens, parents = tree
+    p, n = len(prefix), len(tokens)
+    slots = list(range(1, p + n + 1))
+    extend(worker, 0, prefix, 0, slots)
+
+    paths = [ancestors(parents, i) for i in range(n)]
+    mask = [j in paths[i] for i in range(n) for j in range(n)]
+    positions = [p + len(path) - 1 for path in paths]
+    tree_logits = extend(
+        worker, 0, prefix + tokens, p, slots, ForwardMode.TARGET_VERIFY, positions, mask
+    )
+
+    for i, path in enumerate(paths):
+        ids = prefix + [tokens[j] for j in path]
+        alone = extend(worker, 1, ids, 0, list(range(1000, 1000 + len(ids))))
+        assert (tree_logits[i] - alone[-1]).abs().max().item() < 1e-4
+
+
+def test_two_trees_in_one_batch_match_separate_runs(worker):
+    """Requests with different prefix and tree sizes, batched (padding must stay invisible)."""
+    specs = [
+        ([5, 6, 7, 8, 9], [10, 11, 12], [-1, 0, 0]),
+        ([20, 21], [30, 31, 32, 33, 34], [-1, 0, 1, 1, 3]),
+    ]
+    expected = []
+    base = 1
+    layout = []
+    for row, (prefix, tokens, parents) in enumerate(specs):
+        slots = list(range(base, base + len(prefix) + len(tokens)))
+        base += len(slots)
+        extend(worker, row, prefix, 0, slots)
+        paths = [ancestors(parents, i) for i in range(len(tokens))]
+        for path in paths:
+            ids = prefix + [tokens[j] for j in path]
+            expected.append(extend(worker, 3, ids, 0, list(range(1500, 1500 + len(ids))))[-1])
+        layout.append((slots, paths))
+    input_ids, positions, loc, mask = [], [], [], []
+    for (prefix, tokens, _), (slots, paths) in zip(specs, layout):
+        n = len(tokens)
+        input_ids += tokens
+        positions += [len(prefix) + len(path) - 1 for path in paths]
+        loc += slots[len(prefix) :]
+        mask += [j in paths[i] for i in range(n) for j in range(n)]
+    wb = WorkerBatch(
+        mode=ForwardMode.TARGET_VERIFY,
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=loc,
+        req_pool_indices=[0, 1],
+        prefix_lens=[len(s[0]) for s in specs],
+        extend_lens=[len(s[1]) for s in specs],
+        sampling=[],
+        custom_mask=mask,
+    )
+    logits = worker.forward_logits(worker.to_forward_batch(wb))
+    assert logits.shape[0] == len(expected)
+    for got, want in zip(logits, expected):
+        assert (got - want).abs().max().item() < 1e-4
