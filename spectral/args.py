@@ -27,6 +27,7 @@ class ServerArgs:
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
     attention_backend: str = "auto"
+    disable_cpu_kernels: bool = False
     random_seed: int | None = None
     # Server
     host: str = "127.0.0.1"
@@ -85,6 +86,7 @@ class ServerArgs:
             "max_running_requests": "most requests decoding at once",
             "max_prefill_tokens": "most prompt tokens in one prefill batch",
             "attention_backend": "auto, torch",
+            "disable_cpu_kernels": "use plain PyTorch matmuls instead of spectral's C++ kernels",
             "random_seed": "seed for unseeded sampling",
             "host": "address to bind (default loopback only)",
             "port": "HTTP port",
@@ -95,6 +97,9 @@ class ServerArgs:
             default = f.default if f.default is not dataclasses.MISSING else None
             kind = {"int": int, "float": float, "str": str}
             type_name = str(f.type).split(" ")[0].replace("| None", "").strip()
+            if type_name == "bool":
+                parser.add_argument(flag, action="store_true", help=help_text.get(f.name, ""))
+                continue
             parser.add_argument(
                 flag,
                 type=kind.get(type_name, str),

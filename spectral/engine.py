@@ -46,6 +46,7 @@ class Engine:
             max_running_requests=args.max_running_requests,
             max_context_len=self.context_len,
             attention_backend=args.attention_backend,
+            use_cpu_kernels=not args.disable_cpu_kernels,
         )
         self.model_config = self.worker.config
         self.scheduler = Scheduler(

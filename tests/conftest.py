@@ -69,7 +69,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
 
 
-def make_worker(model_dir: str, max_total_tokens: int, max_context_len: int):
+def make_worker(
+    model_dir: str, max_total_tokens: int, max_context_len: int, use_cpu_kernels: bool = True
+):
     """A float32 CPU worker with four request rows."""
     from spectral.worker.model_worker import ModelWorker
 
@@ -80,6 +82,7 @@ def make_worker(model_dir: str, max_total_tokens: int, max_context_len: int):
         max_total_tokens=max_total_tokens,
         max_running_requests=4,
         max_context_len=max_context_len,
+        use_cpu_kernels=use_cpu_kernels,
     )
 
 

@@ -52,3 +52,18 @@ def test_greedy_as_one_batch_of_mixed_lengths(engine_fp32, expected):
     assert [o["output_ids"] for o in outs] == expected
     assert all(o["meta_info"]["completion_tokens"] == NEW_TOKENS for o in outs)
     assert_no_leaks(engine_fp32)
+
+
+def test_greedy_without_cpu_kernels_matches_too(default_model_dir, expected):
+    from spectral import Engine
+
+    engine = Engine(
+        model_path=default_model_dir,
+        dtype="float32",
+        max_total_tokens=2048,
+        disable_cpu_kernels=True,
+    )
+    assert engine.worker.model.kernels is None
+    out = engine.generate(PROMPTS[0], GREEDY)
+    assert out["output_ids"] == expected[0]
+    assert_no_leaks(engine)

@@ -17,9 +17,9 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def worker(default_model_dir: str) -> ModelWorker:
-    return make_worker(default_model_dir, 4096, 1024)
+@pytest.fixture(scope="module", params=[True, False], ids=["cpu-kernels", "pytorch"])
+def worker(request, default_model_dir: str) -> ModelWorker:
+    return make_worker(default_model_dir, 4096, 1024, use_cpu_kernels=request.param)
 
 
 def run_extend(
@@ -72,7 +72,10 @@ def test_captured_hidden_states_match_transformers(worker, hf_model, tokenizer):
         hs = hf_model(torch.tensor([ids]), output_hidden_states=True).hidden_states
     assert len(captured) == 3
     for layer, got in zip(layers, captured):
-        assert (got - hs[layer][0]).abs().max().item() < 1e-4
+        expected = hs[layer][0]
+        # hidden states reach magnitudes in the hundreds: compare relative to the largest
+        scale = expected.abs().max().item()
+        assert (got - expected).abs().max().item() < 1e-5 * scale
 
 
 def test_batch_of_mixed_lengths_matches_single_requests(worker, tokenizer):

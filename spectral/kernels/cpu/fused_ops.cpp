@@ -1,0 +1,218 @@
+// Fused CPU ops for the decode path, each the same math as its PyTorch reference in spectral
+// (float32 arithmetic inside, results cast to the tensor dtype):
+//   add_rms_norm: optional residual add, then RMSNorm (transformers' order of operations)
+//   rotary_inplace: rotate-half rotary embedding of q and k, in place
+//   decode_attention: one query per request over its KV slots, grouped-query heads
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const at::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(at::BFloat16* p, int64_t i, float v) { p[i] = static_cast<at::BFloat16>(v); }
+// transformers rounds the normalised value to the model dtype before the weight multiply.
+inline float round_to(const float*, float v) { return v; }
+inline float round_to(const at::BFloat16*, float v) {
+  return static_cast<float>(static_cast<at::BFloat16>(v));
+}
+
+template <typename T>
+void add_rms_norm_impl(T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t h,
+                       double eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* xr = x + r * h;
+      if (residual != nullptr) {
+        T* rr = residual + r * h;
+        // residual <- x + residual (in the model dtype), the norm reads the sum
+        for (int64_t i = 0; i < h; ++i) store(rr, i, round_to(rr, load(xr, i) + load(rr, i)));
+        xr = rr;
+      }
+      float sum = 0.f;
+      for (int64_t i = 0; i < h; ++i) {
+        float v = load(xr, i);
+        sum += v * v;
+      }
+      float inv = 1.f / std::sqrt(sum / static_cast<float>(h) + static_cast<float>(eps));
+      T* orow = out + r * h;
+      for (int64_t i = 0; i < h; ++i)
+        store(orow, i, round_to(orow, round_to(orow, load(xr, i) * inv) * load(weight, i)));
+    }
+  });
+}
+
+template <typename T>
+void rotary_impl(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t row_stride,
+                 const float* cos, const float* sin, const int64_t* positions) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens * heads, 16, [&](int64_t a, int64_t b) {
+    std::vector<float> tmp(dim);
+    for (int64_t th = a; th < b; ++th) {
+      const int64_t t = th / heads;
+      T* v = x + t * row_stride + (th % heads) * dim;
+      const float* c = cos + positions[t] * dim;
+      const float* s = sin + positions[t] * dim;
+      for (int64_t i = 0; i < dim; ++i) tmp[i] = load(v, i);
+      // transformers: x * cos + rotate_half(x) * sin, with cos/sin cast to the model dtype
+      for (int64_t i = 0; i < dim; ++i) {
+        float rot = i < half ? -tmp[i + half] : tmp[i - half];
+        float ci = round_to(v, c[i]), si = round_to(v, s[i]);
+        store(v, i, round_to(v, round_to(v, tmp[i] * ci) + round_to(v, rot * si)));
+      }
+    }
+  });
+}
+
+template <typename T>
+void decode_attention_impl(const T* q, const T* kbuf, const T* vbuf, const int64_t* kv_indices,
+                           const int64_t* seq_lens, T* out, int64_t batch, int64_t heads,
+                           int64_t kv_heads, int64_t dim, int64_t max_len, int64_t q_stride,
+                           double scale) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> qf(group * dim), scores, acc(group * dim);
+    for (int64_t bk = a; bk < b; ++bk) {
+      const int64_t bi = bk / kv_heads, kh = bk % kv_heads;
+      const int64_t len = seq_lens[bi];
+      const int64_t* idx = kv_indices + bi * max_len;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < dim; ++d)
+          qf[g * dim + d] =
+              load(q, bi * q_stride + (kh * group + g) * dim + d) * static_cast<float>(scale);
+      scores.assign(group * len, 0.f);
+      for (int64_t l = 0; l < len; ++l) {
+        const T* krow = kbuf + (idx[l] * kv_heads + kh) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          float s = 0.f;
+          const float* qg = qf.data() + g * dim;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < dim; ++d) s += qg[d] * load(krow, d);
+          scores[g * len + l] = s;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t l = 0; l < len; ++l) mx = std::max(mx, sg[l]);
+        float total = 0.f;
+        for (int64_t l = 0; l < len; ++l) {
+          sg[l] = std::exp(sg[l] - mx);
+          total += sg[l];
+        }
+        for (int64_t l = 0; l < len; ++l) sg[l] /= total;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t l = 0; l < len; ++l) {
+        const T* vrow = vbuf + (idx[l] * kv_heads + kh) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + l];
+          float* ag = acc.data() + g * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) ag[d] += p * load(vrow, d);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < dim; ++d)
+          store(out, (bi * heads + kh * group + g) * dim + d, acc[g * dim + d]);
+    }
+  });
+}
+
+void check_float_or_bf16(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
+              " must be float32 or bfloat16");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace
+
+// Returns (normed, residual_out). With a residual, residual is updated in place to x + residual.
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                        const c10::optional<torch::Tensor>& residual,
+                                        const torch::Tensor& weight, double eps) {
+  check_float_or_bf16(x, "x");
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  torch::Tensor out = torch::empty_like(x);
+  torch::Tensor xr = x;
+  AT_DISPATCH_SWITCH(x.scalar_type(), "add_rms_norm",
+                     AT_DISPATCH_CASE(torch::kFloat32, [&] {
+                       add_rms_norm_impl<float>(x.data_ptr<float>(),
+                                                residual ? residual->data_ptr<float>() : nullptr,
+                                                weight.data_ptr<float>(), out.data_ptr<float>(),
+                                                rows, h, eps);
+                     }) AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+                       add_rms_norm_impl<at::BFloat16>(
+                           x.data_ptr<at::BFloat16>(),
+                           residual ? residual->data_ptr<at::BFloat16>() : nullptr,
+                           weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, h,
+                           eps);
+                     }));
+  return {out, residual ? *residual : x};
+}
+
+// Rotates heads [0, heads) of every row of x ([tokens, row_len], rows may hold more heads after
+// them, e.g. the v part of a fused qkv projection).
+void rotary_inplace(torch::Tensor& x, int64_t heads, int64_t dim, const torch::Tensor& cos,
+                    const torch::Tensor& sin, const torch::Tensor& positions) {
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) >= heads * dim, "x must be [tokens, >= heads * dim]");
+  TORCH_CHECK(positions.numel() == x.size(0), "one position per token");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.is_contiguous(), "cos must be float32");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64, "positions must be int64");
+  AT_DISPATCH_SWITCH(x.scalar_type(), "rotary_inplace",
+                     AT_DISPATCH_CASE(torch::kFloat32, [&] {
+                       rotary_impl<float>(x.data_ptr<float>(), x.size(0), heads, dim, x.stride(0),
+                                          cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                          positions.data_ptr<int64_t>());
+                     }) AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+                       rotary_impl<at::BFloat16>(x.data_ptr<at::BFloat16>(), x.size(0), heads, dim,
+                                                 x.stride(0), cos.data_ptr<float>(),
+                                                 sin.data_ptr<float>(),
+                                                 positions.data_ptr<int64_t>());
+                     }));
+}
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf,
+                               const torch::Tensor& v_buf, const torch::Tensor& kv_indices,
+                               const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3,
+              "q: [batch, heads, dim], k_buf: [slots, kv_heads, dim]");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each row of q must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type(), "q and the KV pool dtypes differ");
+  TORCH_CHECK(kv_indices.scalar_type() == torch::kInt64 && kv_indices.is_contiguous(),
+              "kv_indices must be contiguous int64");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_buf.size(1);
+  TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv heads");
+  torch::Tensor out = torch::empty({batch, heads, dim}, q.options());
+  torch::Tensor lens = seq_lens.to(torch::kInt64).contiguous();
+  AT_DISPATCH_SWITCH(q.scalar_type(), "decode_attention",
+                     AT_DISPATCH_CASE(torch::kFloat32, [&] {
+                       decode_attention_impl<float>(
+                           q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(),
+                           kv_indices.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                           out.data_ptr<float>(), batch, heads, kv_heads, dim, kv_indices.size(1),
+                           q.stride(0), scale);
+                     }) AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+                       decode_attention_impl<at::BFloat16>(
+                           q.data_ptr<at::BFloat16>(), k_buf.data_ptr<at::BFloat16>(),
+                           v_buf.data_ptr<at::BFloat16>(), kv_indices.data_ptr<int64_t>(),
+                           lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), batch, heads,
+                           kv_heads, dim, kv_indices.size(1), q.stride(0), scale);
+                     }));
+  return out;
+}
+
+void register_fused_ops(pybind11::module& m) {
+  m.def("add_rms_norm", &add_rms_norm, "(x [+ residual]) -> RMSNorm; returns (normed, residual)");
+  m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding, in place");
+  m.def("decode_attention", &decode_attention, "one query per request over its KV slots");
+}

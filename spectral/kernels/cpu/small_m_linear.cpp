@@ -1,0 +1,201 @@
+// y = x @ w.T (+ bias) for a few rows of x: the decode-time matmul, a single stream over the
+// weights. Each thread takes a contiguous block of weight rows and reads it front to back, one
+// row at a time, dotting it with every row of x; several accumulators per dot product hide the
+// FMA latency. Sums are float32. Weights and x share a dtype: float32, or bfloat16 (products
+// of two bfloat16 values are exact in float32, so the bf16 dot-product instruction and widening
+// both give float32 sums of exact products).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 16;
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_float(v); }
+
+// Results are written in the weights' dtype (bfloat16 rounded to nearest even).
+inline void put(float* out, int64_t i, float v) { out[i] = v; }
+inline void put(at::BFloat16* out, int64_t i, float v) { out[i] = static_cast<at::BFloat16>(v); }
+
+// Scalar reference path, used where AVX-512 is not compiled in and for leftover rows.
+template <typename T, typename O>
+void dot_rows_scalar(const T* w, const T* x, O* out, int64_t m, int64_t n, int64_t k,
+                     int64_t n0, int64_t n1) {
+  for (int64_t j = n0; j < n1; ++j) {
+    for (int64_t q = 0; q < m; ++q) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < k; ++i) acc += widen(w[j * k + i]) * widen(x[q * k + i]);
+      put(out, q * n + j, acc);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+struct F32Op {
+  using T = float;
+  static constexpr int kStep = 16;
+  static __m512 fma(__m512 acc, const T* w, const T* x) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_loadu_ps(x), acc);
+  }
+  static __m512 fma_tail(__m512 acc, const T* w, const T* x, int64_t len) {
+    __mmask16 mask = static_cast<__mmask16>((1u << len) - 1);
+    return _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, w), _mm512_maskz_loadu_ps(mask, x), acc);
+  }
+};
+
+#if defined(__AVX512BF16__)
+struct Bf16Op {
+  using T = uint16_t;
+  static constexpr int kStep = 32;
+  static __m512 fma(__m512 acc, const T* w, const T* x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_loadu_si512(x));
+  }
+  static __m512 fma_tail(__m512 acc, const T* w, const T* x, int64_t len) {
+    __mmask32 mask = static_cast<__mmask32>((1ull << len) - 1);
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(mask, w),
+                            (__m512bh)_mm512_maskz_loadu_epi16(mask, x));
+  }
+};
+#else
+struct Bf16Op {
+  using T = uint16_t;
+  static constexpr int kStep = 16;
+  static __m512 widen16(__m256i raw) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  static __m512 fma(__m512 acc, const T* w, const T* x) {
+    return _mm512_fmadd_ps(widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))),
+                           widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), acc);
+  }
+  static __m512 fma_tail(__m512 acc, const T* w, const T* x, int64_t len) {
+    __mmask16 mask = static_cast<__mmask16>((1u << len) - 1);
+    return _mm512_fmadd_ps(widen16(_mm256_maskz_loadu_epi16(mask, w)),
+                           widen16(_mm256_maskz_loadu_epi16(mask, x)), acc);
+  }
+};
+#endif
+
+// M rows of x, A accumulators per row of x (A * M registers).
+template <class Op, int M, int A, typename O>
+void dot_rows(const typename Op::T* w, const typename Op::T* x, O* out, int64_t n, int64_t k,
+              int64_t n0, int64_t n1) {
+  constexpr int S = Op::kStep;
+  for (int64_t j = n0; j < n1; ++j) {
+    const typename Op::T* row = w + j * k;
+    __m512 acc[M][A];
+    for (int q = 0; q < M; ++q)
+      for (int a = 0; a < A; ++a) acc[q][a] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + S * A <= k; i += S * A)
+      for (int a = 0; a < A; ++a)
+        for (int q = 0; q < M; ++q) acc[q][a] = Op::fma(acc[q][a], row + i + S * a, x + q * k + i + S * a);
+    for (; i + S <= k; i += S)
+      for (int q = 0; q < M; ++q) acc[q][0] = Op::fma(acc[q][0], row + i, x + q * k + i);
+    if (i < k)
+      for (int q = 0; q < M; ++q) acc[q][0] = Op::fma_tail(acc[q][0], row + i, x + q * k + i, k - i);
+    for (int q = 0; q < M; ++q) {
+      __m512 sum = acc[q][0];
+      for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[q][a]);
+      put(out, q * n + j, _mm512_reduce_add_ps(sum));
+    }
+  }
+}
+
+template <class Op, typename O>
+void dispatch(int64_t m, const typename Op::T* w, const typename Op::T* x, O* out, int64_t n,
+              int64_t k, int64_t n0, int64_t n1) {
+  switch (m) {
+    case 1: return dot_rows<Op, 1, 6, O>(w, x, out, n, k, n0, n1);
+    case 2: return dot_rows<Op, 2, 4, O>(w, x, out, n, k, n0, n1);
+    case 3: return dot_rows<Op, 3, 3, O>(w, x, out, n, k, n0, n1);
+    case 4: return dot_rows<Op, 4, 2, O>(w, x, out, n, k, n0, n1);
+    case 5: return dot_rows<Op, 5, 2, O>(w, x, out, n, k, n0, n1);
+    case 6: return dot_rows<Op, 6, 2, O>(w, x, out, n, k, n0, n1);
+    case 7: return dot_rows<Op, 7, 2, O>(w, x, out, n, k, n0, n1);
+    case 8: return dot_rows<Op, 8, 2, O>(w, x, out, n, k, n0, n1);
+    case 9: return dot_rows<Op, 9, 1, O>(w, x, out, n, k, n0, n1);
+    case 10: return dot_rows<Op, 10, 1, O>(w, x, out, n, k, n0, n1);
+    case 11: return dot_rows<Op, 11, 1, O>(w, x, out, n, k, n0, n1);
+    case 12: return dot_rows<Op, 12, 1, O>(w, x, out, n, k, n0, n1);
+    case 13: return dot_rows<Op, 13, 1, O>(w, x, out, n, k, n0, n1);
+    case 14: return dot_rows<Op, 14, 1, O>(w, x, out, n, k, n0, n1);
+    case 15: return dot_rows<Op, 15, 1, O>(w, x, out, n, k, n0, n1);
+    default: return dot_rows<Op, 16, 1, O>(w, x, out, n, k, n0, n1);
+  }
+}
+#endif
+
+template <typename T, typename O>
+void run(const T* w, const T* x, O* out, int64_t m, int64_t n, int64_t k) {
+  // Blocks of 64 rows keep each thread's stream long and the split even.
+  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+      dispatch<F32Op>(m, w, x, out, n, k, n0, n1);
+    } else {
+      dispatch<Bf16Op>(m, w, x, out, n, k, n0, n1);
+    }
+#else
+    dot_rows_scalar(w, x, out, m, n, k, n0, n1);
+#endif
+  });
+}
+
+}  // namespace
+
+torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                             const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x and weight must be 2-D");
+  TORCH_CHECK(x.size(1) == weight.size(1), "x has ", x.size(1), " columns, weight has ",
+              weight.size(1));
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "1 to ", kMaxRows, " rows (got ",
+              x.size(0), ")");
+  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight dtypes differ");
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "float32 or bfloat16 only");
+
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  torch::Tensor xc = x.contiguous();
+  torch::Tensor out = torch::empty({m, n}, x.options());
+  if (dtype == torch::kFloat32) {
+    run(weight.data_ptr<float>(), xc.data_ptr<float>(), out.data_ptr<float>(), m, n, k);
+  } else {
+    run(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()),
+        reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),
+        out.data_ptr<at::BFloat16>(), m, n, k);
+  }
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
+bool has_avx512() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void register_fused_ops(pybind11::module& m);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_fused_ops(m);
+  m.def("small_m_linear", &small_m_linear, "x @ weight.T (+ bias) for 1 to 16 rows of x");
+  m.def("has_avx512", &has_avx512, "whether the vector path was compiled in");
+}

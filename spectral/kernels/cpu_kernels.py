@@ -1,0 +1,60 @@
+"""spectral's C++ CPU kernels, compiled once per machine (JIT, cached) and optional.
+
+`load_cpu_kernels()` returns the compiled module, or None (with the reason logged) when no
+compiler is available; every caller then falls back to the plain PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from spectral.cache import DEFAULT_CACHE_DIR
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("small_m_linear.cpp", "fused_ops.cpp")]
+# The most rows of x the small-M matmul takes; larger batches go to torch's GEMM.
+SMALL_M_MAX_ROWS = 16
+
+
+@functools.cache
+def load_cpu_kernels() -> ModuleType | None:
+    digest = hashlib.sha256()
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    digest.update(torch.__version__.encode())
+    build_dir = DEFAULT_CACHE_DIR / "kernels" / digest.hexdigest()[:16]
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils.cpp_extension import load
+
+        if not (build_dir / "spectral_cpu_kernels.so").exists():
+            logger.info("compiling spectral's CPU kernels (once per machine, ~30 s)")
+        return load(
+            name="spectral_cpu_kernels",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as err:  # a missing compiler or ninja must not stop the runtime
+        logger.warning("CPU kernels unavailable, using PyTorch matmuls (%s)", err)
+        return None
+
+
+def small_m_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= SMALL_M_MAX_ROWS
+        and x.dtype == weight.dtype
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.is_contiguous()
+    )

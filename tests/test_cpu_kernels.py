@@ -1,0 +1,126 @@
+"""spectral's C++ CPU kernels against their PyTorch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spectral.forward import ForwardBatch, ForwardMode
+from spectral.kernels.cpu_kernels import load_cpu_kernels
+from spectral.kernels.torch_backend import TorchAttentionBackend
+from spectral.mem.kv_pool import KVPool
+from spectral.mem.req_to_token import ReqToTokenPool
+from spectral.models.llama import RMSNorm, apply_rotary
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler to build the CPU kernels")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def bf16_tolerance(reference: torch.Tensor, dtype: torch.dtype) -> float:
+    """Float32 sums in another order, then one rounding to the output dtype."""
+    scale = reference.abs().max().item()
+    return scale * (1e-5 if dtype == torch.float32 else 2**-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16])
+@pytest.mark.parametrize("n, k", [(96, 64), (200, 576), (70, 1000), (33, 17)])
+def test_small_m_linear_matches_float32_matmul(dtype, rows, n, k):
+    torch.manual_seed(rows * n + k)
+    x = torch.randn(rows, k).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    expected = x.float() @ w.float().T + bias.float()
+    got = kernels.small_m_linear(x, w, bias)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert (got.float() - expected).abs().max().item() <= bf16_tolerance(expected, dtype)
+
+
+def test_small_m_linear_refuses_bad_shapes_with_a_message():
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        kernels.small_m_linear(torch.randn(17, 8), torch.randn(4, 8), None)
+    with pytest.raises(RuntimeError, match="columns"):
+        kernels.small_m_linear(torch.randn(1, 8), torch.randn(4, 9), None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_reference(dtype):
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576)
+    norm = norm.to(dtype)
+    x = (torch.randn(7, 576) * 3).to(dtype)
+    residual = torch.randn(7, 576).to(dtype)
+    want_normed, want_sum = norm(x, residual.clone())
+    norm.kernels = kernels
+    got_normed, got_sum = norm(x, residual.clone())
+    assert torch.equal(got_sum, want_sum)
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    assert torch.allclose(got_normed.float(), want_normed.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_inplace_matches_reference(dtype):
+    torch.manual_seed(1)
+    heads, kv_heads, dim, tokens = 9, 3, 64, 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    positions = torch.tensor([0, 3, 17, 100, 4095])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.arange(4096).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos(), emb.sin()
+    q = qkv[:, : heads * dim].reshape(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(tokens, kv_heads, dim)
+    c, s = cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None]
+    want_q, want_k = apply_rotary(q, c, s), apply_rotary(k, c, s)
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    kernels.rotary_inplace(qkv, heads + kv_heads, dim, cos, sin, positions)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    got_q = qkv[:, : heads * dim].reshape(tokens, heads, dim)
+    got_k = qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(tokens, kv_heads, dim)
+    assert torch.allclose(got_q.float(), want_q.float(), rtol=tol, atol=tol)
+    assert torch.allclose(got_k.float(), want_k.float(), rtol=tol, atol=tol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_matches_the_torch_backend(dtype):
+    """A batch of decode queries over scattered slots with different lengths."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim = 9, 3, 64
+    pool = KVPool(512, 1, kv_heads, dim, dtype)
+    table = ReqToTokenPool(4, 128)
+    lens = [5, 40, 1]
+    slots = torch.randperm(511)[: sum(lens)] + 1
+    offset = 0
+    for row, n in enumerate(lens):
+        prefix = slots[offset : offset + n - 1]
+        pool.k[0][prefix] = torch.randn(n - 1, kv_heads, dim).to(dtype)
+        pool.v[0][prefix] = torch.randn(n - 1, kv_heads, dim).to(dtype)
+        table.write(row, 0, slots[offset : offset + n])
+        offset += n
+    new_loc = torch.tensor([slots[sum(lens[: i + 1]) - 1] for i in range(3)])
+    q = torch.randn(3, heads, dim).to(dtype)
+    k = torch.randn(3, kv_heads, dim).to(dtype)
+    v = torch.randn(3, kv_heads, dim).to(dtype)
+
+    def run(backend_kernels):
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=torch.zeros(3, dtype=torch.long),
+            positions=torch.tensor([n - 1 for n in lens]),
+            out_cache_loc=new_loc,
+            req_pool_indices=torch.tensor([0, 1, 2]),
+            prefix_lens=[n - 1 for n in lens],
+            extend_lens=[1, 1, 1],
+        )
+        backend = TorchAttentionBackend(pool, table, dim**-0.5, backend_kernels)
+        backend.init_forward_metadata(batch)
+        return backend.forward(q, k, v, 0, batch)
+
+    expected = run(None)
+    got = run(kernels)
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    assert torch.allclose(got.float(), expected.float(), rtol=tol, atol=tol)
