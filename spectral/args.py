@@ -26,6 +26,9 @@ class ServerArgs:
     mem_fraction_static: float = 0.25
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
+    chunked_prefill_size: int | None = None
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
     attention_backend: str = "auto"
     disable_cpu_kernels: bool = False
     random_seed: int | None = None
@@ -47,6 +50,13 @@ class ServerArgs:
             )
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1 (got {self.max_running_requests})")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
+            raise ValueError(
+                f"chunked_prefill_size must be >= 1 (got {self.chunked_prefill_size}); "
+                "leave it unset to prefill whole prompts"
+            )
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be fcfs or lpm (got {self.schedule_policy!r})")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {self.max_prefill_tokens})")
 
@@ -85,6 +95,9 @@ class ServerArgs:
             "mem_fraction_static": "fraction of free memory given to the KV pool",
             "max_running_requests": "most requests decoding at once",
             "max_prefill_tokens": "most prompt tokens in one prefill batch",
+            "chunked_prefill_size": "prefill long prompts in chunks of this many tokens",
+            "schedule_policy": "fcfs (arrival order) or lpm (longest cached prefix first)",
+            "disable_radix_cache": "do not share KV between requests with a common prefix",
             "attention_backend": "auto, torch",
             "disable_cpu_kernels": "use plain PyTorch matmuls instead of spectral's C++ kernels",
             "random_seed": "seed for unseeded sampling",

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
 import logging
+import queue
+import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -58,14 +63,94 @@ class Engine:
             max_prefill_tokens=args.max_prefill_tokens,
             eos_token_ids=self._eos_ids(config),
             vocab_size=config.vocab_size,
+            chunked_prefill_size=args.chunked_prefill_size,
+            schedule_policy=args.schedule_policy,
+            disable_radix_cache=args.disable_radix_cache,
         )
         self._rid_counter = itertools.count()
+        self._start_loop()
 
     def _eos_ids(self, config: ModelConfig) -> tuple[int, ...]:
         ids = set(config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
+
+    # ---- the scheduler thread -----------------------------------------------------------------
+
+    def _start_loop(self) -> None:
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._listeners: dict[str, Callable[[Req, BaseException | None], None]] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="spectral-scheduler", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        """Runs scheduler steps while there is work; requests and aborts arrive by the inbox."""
+        scheduler = self.scheduler
+        while not self._closed:
+            self._drain_inbox()
+            if not scheduler.has_work:
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                changed = scheduler.step()
+            except Exception as err:  # a bug must fail the requests, not hang their callers
+                logger.exception("scheduler step failed")
+                self._fail_all(err)
+                continue
+            for req in changed:
+                self._notify(req, None)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.scheduler.waiting.append(payload)
+            elif kind == "call":
+                payload()
+            elif kind == "abort":
+                req = self.scheduler.abort(payload)
+                if req is not None:
+                    self._notify(req, None)
+
+    def _notify(self, req: Req, error: BaseException | None) -> None:
+        listener = self._listeners.get(req.rid)
+        if listener is not None:
+            if req.finished or error is not None:
+                self._listeners.pop(req.rid, None)
+            listener(req, error)
+
+    def _fail_all(self, err: BaseException) -> None:
+        s = self.scheduler
+        stuck = list(s.waiting) + list(s.running) + ([s.chunked] if s.chunked else [])
+        for req in stuck:
+            s.abort(req.rid)
+            self._notify(req, err)
+
+    def _submit(
+        self, reqs: list[Req], listener: Callable[[Req, BaseException | None], None]
+    ) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        for req in reqs:
+            self.scheduler.validate(req)
+        for req in reqs:
+            self._listeners[req.rid] = listener
+            self._inbox.put(("add", req))
+        self._wakeup.set()
+
+    def abort(self, rid: str) -> None:
+        """Abort a request by id, at any stage; its KV is cached or freed."""
+        self._inbox.put(("abort", rid))
+        self._wakeup.set()
+
+    # ---- public API ----------------------------------------------------------------------------
 
     def generate(
         self,
@@ -75,21 +160,76 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
     ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Generate for one prompt (a dict back) or a list of prompts run as one batch (a list)."""
+        """Generate for one prompt (a dict back) or a list of prompts run as one batch (a list).
+        Requests from other threads join the same running batch."""
         reqs, single = self._make_reqs(
             prompt, input_ids, sampling_params, return_logprob, top_logprobs_num
         )
-        for req in reqs:
-            self.scheduler.add_request(req)
+        done = threading.Event()
+        remaining = [len(reqs)]
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def on_update(req: Req, error: BaseException | None) -> None:
+            if error is not None:
+                errors.append(error)
+            if req.finished or error is not None:
+                with lock:
+                    remaining[0] -= 1
+                    if remaining[0] == 0:
+                        done.set()
+
+        self._submit(reqs, on_update)
         try:
-            while not all(r.finished for r in reqs):
-                self.scheduler.step()
+            while not done.wait(timeout=0.1):
+                if not self._thread.is_alive():
+                    raise RuntimeError("the scheduler thread died")
         except BaseException:
             for req in reqs:
-                self.scheduler.abort(req.rid)
+                self.abort(req.rid)
             raise
+        if errors:
+            raise RuntimeError(f"generation failed: {errors[0]}") from errors[0]
         outputs = [self._output(req) for req in reqs]
         return outputs[0] if single else outputs
+
+    async def async_generate(
+        self,
+        prompt: str | None = None,
+        sampling_params: dict[str, Any] | None = None,
+        input_ids: list[int] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """One request. With `stream`, yields an output after every new token (cumulative
+        text and ids, as SGLang streams them); otherwise yields the final output once.
+        Cancelling the iteration aborts the request."""
+        if isinstance(prompt, list) or (input_ids and isinstance(input_ids[0], list)):
+            raise InvalidRequestError("async_generate takes one prompt; call it once per prompt")
+        reqs, _ = self._make_reqs(
+            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num
+        )
+        req = reqs[0]
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[BaseException | None] = asyncio.Queue()
+
+        def on_update(_: Req, error: BaseException | None) -> None:
+            loop.call_soon_threadsafe(updates.put_nowait, error)
+
+        self._submit([req], on_update)
+        try:
+            while True:
+                error = await updates.get()
+                if error is not None:
+                    raise RuntimeError(f"generation failed: {error}") from error
+                if req.finished or stream:
+                    yield self._output(req)
+                if req.finished:
+                    return
+        finally:
+            if not req.finished:
+                self.abort(req.rid)
 
     def _make_reqs(
         self,
@@ -150,7 +290,7 @@ class Engine:
             "id": req.rid,
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(req.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": req.cached_tokens,
             "finish_reason": req.finished_reason.to_dict() if req.finished_reason else None,
             "e2e_latency": (req.finished_at or time.perf_counter()) - req.created_at,
         }
@@ -169,16 +309,40 @@ class Engine:
         return {
             "model_path": self.args.model_path,
             "context_length": self.context_len,
-            "memory": {
-                "total_tokens": s.allocator.num_slots,
-                "free_tokens": s.allocator.free_count,
+            "memory": s.kv.memory(),
+            "requests": {
+                "running": len(s.running) + (1 if s.chunked else 0),
+                "waiting": len(s.waiting),
             },
-            "requests": {"running": len(s.running), "waiting": len(s.waiting)},
+            "stats": dataclasses.asdict(s.stats),
         }
 
+    def flush_cache(self) -> bool:
+        """Empty the radix cache. Only when idle: returns False while requests are in flight."""
+        done = threading.Event()
+        result = [False]
+
+        def flush() -> None:
+            result[0] = self.scheduler.flush_cache()
+            done.set()
+
+        self._inbox.put(("call", flush))
+        self._wakeup.set()
+        done.wait()
+        return result[0]
+
     def shutdown(self) -> None:
-        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self.scheduler.abort(req.rid)
+        """Abort what is in flight and stop the scheduler thread."""
+        if self._closed:
+            return
+        for rid in list(self._listeners):
+            self.abort(rid)
+        deadline = time.monotonic() + 5
+        while self._listeners and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._closed = True
+        self._wakeup.set()
+        self._thread.join(timeout=5)
 
     def __enter__(self) -> Engine:
         return self

@@ -3,6 +3,7 @@ random Llama that shares the default tokenizer (fast property tests)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -86,10 +87,21 @@ def make_worker(
     )
 
 
+def wait_idle(engine, timeout: float = 10.0) -> None:
+    """Wait until the engine's scheduler thread has nothing in flight."""
+    deadline = time.monotonic() + timeout
+    while engine.scheduler.has_work or engine._listeners:
+        assert time.monotonic() < deadline, "engine did not become idle"
+        time.sleep(0.01)
+
+
 def assert_no_leaks(engine) -> None:
-    """Everything the scheduler handed out has come back."""
+    """Everything the scheduler handed out has come back: every slot is free or in the radix
+    cache unlocked, every request row is free."""
+    wait_idle(engine)
     s = engine.scheduler
-    assert not s.running and not s.waiting
-    assert s.allocator.free_count == s.allocator.num_slots
-    assert len(s.free_rows) == s.max_running_requests
-    assert s.reserved_tokens == 0
+    kv = s.kv
+    assert not s.running and not s.waiting and s.chunked is None
+    assert kv.tree.protected_size == 0
+    assert kv.allocator.free_count + kv.tree.evictable_size == kv.allocator.num_slots
+    assert len(kv.free_rows) == kv.max_rows

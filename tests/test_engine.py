@@ -108,11 +108,16 @@ def test_logprobs_are_returned_per_output_token(engine_fp32, reference):
         assert top[0][1] == tok and top[0][0] == pytest.approx(lp)
 
 
-def test_server_info_reports_memory(engine_fp32):
-    info = engine_fp32.get_server_info()
-    assert info["memory"]["total_tokens"] == 16384
-    assert info["memory"]["free_tokens"] == 16384
-    assert info["requests"] == {"running": 0, "waiting": 0}
+def test_server_info_reports_memory_and_flush_cache_empties_the_radix_cache(engine_fp32):
+    engine_fp32.generate(PROMPT, {"max_new_tokens": 3})
+    mem = engine_fp32.get_server_info()["memory"]
+    assert mem["total_tokens"] == 16384
+    assert mem["evictable_tokens"] > 0 and mem["protected_tokens"] == 0
+    assert mem["free_tokens"] + mem["evictable_tokens"] == 16384
+    assert engine_fp32.get_server_info()["requests"] == {"running": 0, "waiting": 0}
+    assert engine_fp32.flush_cache() is True
+    mem = engine_fp32.get_server_info()["memory"]
+    assert mem["free_tokens"] == 16384 and mem["evictable_tokens"] == 0
 
 
 @pytest.mark.parametrize(

@@ -14,29 +14,38 @@ class ScheduleBatch:
     mode: ForwardMode
     reqs: list[Req]
 
+    def new_token_range(self, req: Req) -> tuple[int, int]:
+        """[start, end) of the positions this batch computes for `req`."""
+        if self.mode == ForwardMode.EXTEND:
+            return req.extend_start, req.extend_start + req.extend_len
+        return req.seq_len - 1, req.seq_len
+
+    def completes_prefill(self, req: Req) -> bool:
+        """Whether this forward reaches the request's last token (its logits are wanted)."""
+        return self.new_token_range(req)[1] == len(req.input_ids) + len(req.output_ids)
+
     def to_worker_batch(self, banned_for: dict[str, list[int]]) -> WorkerBatch:
-        """Every request's new tokens: the whole prompt past its cached prefix for EXTEND, the
-        newest output token for DECODE. Their slots must already be in `req.kv_slots`."""
+        """The new tokens of every request (their slots already in `req.kv_slots`), plus the
+        table rows the worker has not seen yet."""
         input_ids: list[int] = []
         positions: list[int] = []
         out_loc: list[int] = []
         prefix_lens: list[int] = []
         extend_lens: list[int] = []
+        table_writes: list[tuple[int, int, list[int]]] = []
         sampling: list[RequestSampling] = []
         for req in self.reqs:
+            start, end = self.new_token_range(req)
             ids = req.all_ids
-            seq_len = req.seq_len
-            if self.mode == ForwardMode.EXTEND:
-                prefix = 0
-                new = ids[:seq_len]
-            else:
-                prefix = seq_len - 1
-                new = [ids[seq_len - 1]]
-            input_ids.extend(new)
-            positions.extend(range(prefix, seq_len))
-            out_loc.extend(req.kv_slots[prefix:seq_len])
-            prefix_lens.append(prefix)
-            extend_lens.append(seq_len - prefix)
+            input_ids.extend(ids[start:end])
+            positions.extend(range(start, end))
+            out_loc.extend(req.kv_slots[start:end])
+            prefix_lens.append(start)
+            extend_lens.append(end - start)
+            stale = req.table_stale_from
+            if stale is not None and stale < start:
+                table_writes.append((req.req_pool_idx, stale, req.kv_slots[stale:start]))
+            req.table_stale_from = None
             p = req.sampling_params
             sampling.append(
                 RequestSampling(
@@ -57,4 +66,5 @@ class ScheduleBatch:
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             sampling=sampling,
+            table_writes=table_writes,
         )

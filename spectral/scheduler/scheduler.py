@@ -1,7 +1,8 @@
-"""The scheduler loop: admit waiting requests, prefill them, decode the running batch, finish.
+"""The scheduler loop: admit waiting requests into prefill batches (sharing cached prefixes,
+chunking long prompts), decode the running batch, retract when KV runs out, finish requests.
 
-The scheduler owns every decision and all bookkeeping: which KV slots and table row belong to
-which request. The worker only runs the batches it is given.
+The scheduler owns every decision and all bookkeeping (slots, rows, the radix tree, queues);
+the worker only runs the batches it is given.
 """
 
 from __future__ import annotations
@@ -9,16 +10,25 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 from spectral.forward import ForwardMode
-from spectral.mem.allocator import TokenSlotAllocator
 from spectral.sampling_params import InvalidRequestError
+from spectral.scheduler.kv_manager import KVManager
+from spectral.scheduler.prefill import PrefillAdder, order_waiting
 from spectral.scheduler.req import FinishReason, Req
 from spectral.scheduler.schedule_batch import ScheduleBatch
 from spectral.worker.io import WorkerBatch, WorkerResult
 
 logger = logging.getLogger(__name__)
+
+# The share of running requests' remaining output reserved at admission starts here, decays
+# each decode step towards the minimum, and goes back up when a retraction shows it was low.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+RETRACT_HEADROOM_STEPS = 20
 
 
 class Worker(Protocol):
@@ -27,6 +37,15 @@ class Worker(Protocol):
 
 class Detokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass
+class SchedulerStats:
+    prefill_tokens: int = 0  # prompt tokens computed
+    cached_tokens: int = 0  # prompt tokens taken from the radix cache
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    retractions: int = 0
 
 
 class Scheduler:
@@ -40,24 +59,33 @@ class Scheduler:
         max_prefill_tokens: int,
         eos_token_ids: tuple[int, ...],
         vocab_size: int,
+        chunked_prefill_size: int | None = None,
+        schedule_policy: str = "fcfs",
+        disable_radix_cache: bool = False,
     ) -> None:
+        if schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be fcfs or lpm (got {schedule_policy!r})")
         self.worker = worker
         self.tokenizer = tokenizer
-        self.allocator = TokenSlotAllocator(num_kv_slots)
-        self.free_rows: list[int] = list(range(max_running_requests - 1, -1, -1))
+        self.kv = KVManager(num_kv_slots, max_running_requests, disable_radix_cache)
         self.max_running_requests = max_running_requests
         self.max_context_len = max_context_len
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill_size = chunked_prefill_size
+        self.schedule_policy = schedule_policy
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.reserved_tokens = 0
+        self.chunked: Req | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.last_mode: ForwardMode | None = None
+        self.stats = SchedulerStats()
 
     # ---- requests in -------------------------------------------------------------------------
 
-    def add_request(self, req: Req) -> None:
-        """Validate and queue. Raises InvalidRequestError for a request that can never run."""
+    def validate(self, req: Req) -> None:
+        """Raise InvalidRequestError for a request that can never run. Reads only settings."""
         n = len(req.input_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty: give a non-empty text or input_ids")
@@ -72,106 +100,171 @@ class Scheduler:
                 f"so prompts may have at most {self.max_context_len - 1}"
             )
         req.sampling_params.validate(self.vocab_size)
-        needed = n + self._max_output(req)
-        if needed > self.allocator.num_slots:
+        needed = n + self.max_output(req)
+        if needed > self.kv.allocator.num_slots:
             raise InvalidRequestError(
                 f"the request needs {needed} tokens of KV cache (prompt {n} + max_new_tokens), "
-                f"the pool holds {self.allocator.num_slots}; lower max_new_tokens or raise "
+                f"the pool holds {self.kv.allocator.num_slots}; lower max_new_tokens or raise "
                 "--max-total-tokens"
             )
+
+    def add_request(self, req: Req) -> None:
+        self.validate(req)
         self.waiting.append(req)
 
-    def abort(self, rid: str) -> bool:
-        """Finish request `rid` with reason abort, wherever it is. False if unknown."""
-        for req in list(self.waiting):
+    def abort(self, rid: str) -> Req | None:
+        """Finish request `rid` with reason abort wherever it is, releasing its KV (computed
+        tokens are cached). Returns the request, or None if it is unknown or done."""
+        for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
-                req.finished_reason = FinishReason("abort")
-                req.finished_at = time.perf_counter()
-                return True
+                self._finish(req, FinishReason("abort"))
+                return req
+        if self.chunked is not None and self.chunked.rid == rid:
+            req, self.chunked = self.chunked, None
+            self._finish(req, FinishReason("abort"))
+            return req
         for req in self.running:
             if req.rid == rid:
+                self.running.remove(req)
                 self._finish(req, FinishReason("abort"))
-                self.running = [r for r in self.running if not r.finished]
-                return True
-        return False
+                return req
+        return None
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.chunked)
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache; only when idle (returns False otherwise)."""
+        if self.has_work:
+            return False
+        self.kv.tree.reset()
+        return True
+
+    def max_output(self, req: Req) -> int:
+        return min(req.sampling_params.max_new_tokens, self.max_context_len - len(req.input_ids))
 
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[Req]:
-        """Run one batch. Returns the requests that received a token (finished ones included)."""
+        """Run one batch. Returns the requests whose output changed (finished ones included)."""
+        done_early = self._finish_empty_requests()
         batch = self._next_batch()
         if batch is None:
-            return []
+            return done_early
+        self.last_mode = batch.mode
         banned = {
             req.rid: self._stop_ids(req)
             for req in batch.reqs
             if len(req.output_ids) < req.sampling_params.min_new_tokens
         }
         result = self.worker.forward(batch.to_worker_batch(banned))
-        self._process_result(batch, result)
-        return batch.reqs
+        return done_early + self._process_result(batch, result)
 
-    def _max_output(self, req: Req) -> int:
-        return min(req.sampling_params.max_new_tokens, self.max_context_len - len(req.input_ids))
+    def _finish_empty_requests(self) -> list[Req]:
+        empty = [r for r in self.waiting if self.max_output(r) == 0 and not r.output_ids]
+        for req in empty:
+            self.waiting.remove(req)
+            self._finish(req, FinishReason("length", length=0))
+        return empty
 
     def _next_batch(self) -> ScheduleBatch | None:
-        admitted = self._admit()
-        if admitted:
-            return ScheduleBatch(ForwardMode.EXTEND, admitted)
-        if not self.running:
+        # After a prefill, decode once before the next prefill, so that long prompts
+        # prefilled in chunks interleave with the running requests' decoding.
+        if not (self.last_mode == ForwardMode.EXTEND and self.running):
+            batch = self._prefill_batch()
+            if batch is not None:
+                return batch
+        if self.running:
+            return self._decode_batch()
+        return self._prefill_batch()
+
+    def _prefill_batch(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked is None:
             return None
+        adder = PrefillAdder(
+            self.kv,
+            self.running,
+            self.max_output,
+            self.new_token_ratio,
+            self.max_prefill_tokens,
+            self.chunked_prefill_size,
+            self.max_running_requests,
+        )
+        if self.chunked is not None:
+            adder.add_chunked(self.chunked)
+        for req in order_waiting(self.waiting, self.schedule_policy, self.kv):
+            if adder.new_chunked is not None:
+                break
+            if adder.shares_uncached_prefix(req):
+                continue
+            if not adder.try_add(req):
+                break
+            self.waiting.remove(req)
+            self.stats.cached_tokens += req.extend_start
+        if not adder.admitted:
+            return None
+        self.chunked = adder.new_chunked
+        return ScheduleBatch(ForwardMode.EXTEND, adder.admitted)
+
+    def _decode_batch(self) -> ScheduleBatch | None:
+        """Every running request gets one slot for its newest token; when the pool runs
+        short, evict cached prefixes, then retract requests (most remaining work first)."""
+        kv = self.kv
+        while kv.available < len(self.running) and len(self.running) > 1:
+            self._retract_one()
         for req in self.running:
-            req.kv_slots.extend(self.allocator.alloc(1))
-            req.reserved_tokens -= 1
-            self.reserved_tokens -= 1
+            req.kv_slots.extend(kv.alloc_slots(1))
+        self.new_token_ratio = max(
+            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
+        self.stats.decode_steps += 1
         return ScheduleBatch(ForwardMode.DECODE, list(self.running))
 
-    def _admit(self) -> list[Req]:
-        """FCFS admission while a row, the prefill budget and the reserved KV allow.
+    def _retract_one(self) -> None:
+        victim = max(
+            self.running,
+            key=lambda r: (r.remaining_new_tokens(self.max_output(r)), -len(r.input_ids)),
+        )
+        self.running.remove(victim)
+        self.kv.release(victim)
+        victim.retraction_count += 1
+        self.waiting.appendleft(victim)
+        self.stats.retractions += 1
+        decoded = sum(len(r.output_ids) for r in self.running)
+        budget = sum(self.max_output(r) for r in self.running) or 1
+        ratio = (decoded + RETRACT_HEADROOM_STEPS * len(self.running)) / budget
+        self.new_token_ratio = min(1.0, max(self.new_token_ratio, ratio))
+        logger.info(
+            "KV cache full: retracted request %s (%d tokens) back to the queue",
+            victim.rid,
+            len(victim.all_ids),
+        )
 
-        Each admitted request reserves slots for its whole output, so decode never runs short.
-        """
-        admitted: list[Req] = []
-        prefill_tokens = 0
-        while self.waiting and self.free_rows:
-            req = self.waiting[0]
-            n = len(req.input_ids)
-            max_out = self._max_output(req)
-            if max_out == 0:
-                self.waiting.popleft()
-                self._finish(req, FinishReason("length", length=0))
-                continue
-            if admitted and prefill_tokens + n > self.max_prefill_tokens:
-                break
-            if n + max_out > self.allocator.free_count - self.reserved_tokens:
-                break
-            self.waiting.popleft()
-            req.req_pool_idx = self.free_rows.pop()
-            req.kv_slots = self.allocator.alloc(n)
-            req.reserved_tokens = max_out
-            self.reserved_tokens += max_out
-            prefill_tokens += n
-            admitted.append(req)
-            self.running.append(req)
-        return admitted
-
-    def _process_result(self, batch: ScheduleBatch, result: WorkerResult) -> None:
+    def _process_result(self, batch: ScheduleBatch, result: WorkerResult) -> list[Req]:
+        changed: list[Req] = []
         for i, req in enumerate(batch.reqs):
-            token = result.next_token_ids[i]
-            req.output_ids.append(token)
+            if batch.mode == ForwardMode.EXTEND:
+                self.stats.prefill_tokens += req.extend_len
+                if not batch.completes_prefill(req):
+                    continue  # a chunk: its sampled token is meaningless
+            req.output_ids.append(result.next_token_ids[i])
+            self.stats.generated_tokens += 1
             if req.return_logprob:
                 req.output_logprobs.append(result.logprobs[i])
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(result.top_logprobs[i])
+            changed.append(req)
             reason = self._check_finish(req)
             if reason is not None:
+                if req in self.running:
+                    self.running.remove(req)
                 self._finish(req, reason)
-        self.running = [r for r in self.running if not r.finished]
+            elif batch.mode == ForwardMode.EXTEND:
+                self.kv.cache_unfinished(req)
+                self.running.append(req)
+        return changed
 
     def _stop_ids(self, req: Req) -> list[int]:
         ids = list(req.sampling_params.stop_token_ids)
@@ -189,7 +282,7 @@ class Scheduler:
                 reason = self._match_stop_string(req)
                 if reason is not None:
                     return reason
-        if len(req.output_ids) >= self._max_output(req):
+        if len(req.output_ids) >= self.max_output(req):
             return FinishReason("length", length=len(req.output_ids))
         return None
 
@@ -208,14 +301,7 @@ class Scheduler:
         return None
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
-        """Mark finished and give back its KV slots, its row and its unused reservation."""
+        """Mark finished and release its KV (computed tokens go to the radix cache)."""
         req.finished_reason = reason
         req.finished_at = time.perf_counter()
-        if req.kv_slots:
-            self.allocator.free(req.kv_slots)
-            req.kv_slots = []
-        if req.req_pool_idx is not None:
-            self.free_rows.append(req.req_pool_idx)
-            req.req_pool_idx = None
-        self.reserved_tokens -= req.reserved_tokens
-        req.reserved_tokens = 0
+        self.kv.release(req)

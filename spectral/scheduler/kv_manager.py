@@ -1,0 +1,100 @@
+"""KVManager: the scheduler's bookkeeping of KV slots, request rows and the radix tree.
+
+It owns the allocator and the tree. Every slot is at any time in exactly one place: free in
+the allocator, in the tree (evictable or protected), or owned by one request
+(`req.kv_slots[req.protected_len:]`).
+"""
+
+from __future__ import annotations
+
+from spectral.mem.allocator import OutOfSlotsError, TokenSlotAllocator
+from spectral.mem.radix_cache import RadixCache
+from spectral.scheduler.req import Req
+
+
+class KVManager:
+    def __init__(
+        self, num_kv_slots: int, max_running_requests: int, disable_radix_cache: bool
+    ) -> None:
+        self.allocator = TokenSlotAllocator(num_kv_slots)
+        self.tree = RadixCache(self.allocator, disable=disable_radix_cache)
+        self.max_rows = max_running_requests
+        self.free_rows: list[int] = list(range(max_running_requests - 1, -1, -1))
+
+    @property
+    def available(self) -> int:
+        """Slots a new allocation can get: free ones plus what eviction can reclaim."""
+        return self.allocator.free_count + self.tree.evictable_size
+
+    def alloc_slots(self, n: int) -> list[int]:
+        """`n` slots for the caller, evicting from the tree first if needed."""
+        short = n - self.allocator.free_count
+        if short > 0:
+            self.tree.evict(short)
+        if n > self.allocator.free_count:
+            raise OutOfSlotsError(
+                f"asked for {n} KV slots; {self.allocator.free_count} free after eviction"
+            )
+        return self.allocator.alloc(n)
+
+    def admit(self, req: Req, tokens: list[int]) -> int:
+        """Give `req` a row and the cached prefix of `tokens` (at most all but the last token,
+        so that at least one is computed); lock that prefix. Returns the prefix length."""
+        slots, node = self.tree.match_prefix(tokens[: len(tokens) - 1])
+        self.tree.lock(node)
+        req.req_pool_idx = self.free_rows.pop()
+        req.kv_slots = list(slots)
+        req.protected_len = len(slots)
+        req.last_node = node
+        req.table_stale_from = 0
+        return len(slots)
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Put the request's computed tokens in the tree (so others can share them) and swap its
+        slots for the tree's where the tree already had them; the request keeps a lock."""
+        if self.tree.disable:
+            return
+        tokens = req.all_ids[: req.seq_len]
+        cached = self.tree.insert(tokens, req.kv_slots)
+        duplicates = req.kv_slots[req.protected_len : cached]
+        if duplicates:
+            self.allocator.free(duplicates)
+        slots, node = self.tree.match_prefix(tokens)
+        self.tree.lock(node)
+        if req.last_node is not None:
+            self.tree.unlock(req.last_node)
+        if duplicates:
+            stale = req.protected_len
+            req.table_stale_from = (
+                stale if req.table_stale_from is None else min(req.table_stale_from, stale)
+            )
+        req.kv_slots = slots
+        req.protected_len = len(slots)
+        req.last_node = node
+
+    def release(self, req: Req) -> None:
+        """The request gives up its KV: computed tokens go to the tree (or back to the
+        allocator without a tree), the lock and the row are released."""
+        if req.req_pool_idx is None:
+            return
+        tokens = req.all_ids[: req.seq_len]
+        cached = self.tree.insert(tokens, req.kv_slots)
+        mine = req.kv_slots[req.protected_len : cached]
+        if mine:
+            self.allocator.free(mine)
+        if req.last_node is not None:
+            self.tree.unlock(req.last_node)
+        self.free_rows.append(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.kv_slots = []
+        req.protected_len = 0
+        req.last_node = None
+        req.table_stale_from = None
+
+    def memory(self) -> dict[str, int]:
+        return {
+            "total_tokens": self.allocator.num_slots,
+            "free_tokens": self.allocator.free_count,
+            "evictable_tokens": self.tree.evictable_size,
+            "protected_tokens": self.tree.protected_size,
+        }

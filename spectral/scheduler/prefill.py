@@ -1,0 +1,113 @@
+"""Prefill admission: which waiting requests join the next prefill batch, and how much of each.
+
+Budgets (SGLang's): the KV the new tokens need plus their future output must fit in what is
+free or evictable after reserving, for every running request, `new_token_ratio` of its
+remaining output; a batch holds at most `max_prefill_tokens` new tokens; with chunked prefill
+one request at a time may be cut into chunks of `chunked_prefill_size`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from spectral.scheduler.kv_manager import KVManager
+from spectral.scheduler.req import Req
+
+# Future output counted per request is capped, as in SGLang.
+CLIP_MAX_NEW_TOKENS = 4096
+# A waiting request that shares at least this many uncached tokens with one admitted in the
+# same round waits a round, so that the first computes the shared part and the rest reuse it.
+IN_BATCH_SHARED_PREFIX = 32
+LPM_MAX_QUEUE = 128
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefillAdder:
+    def __init__(
+        self,
+        kv: KVManager,
+        running: list[Req],
+        max_output: Callable[[Req], int],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None,
+        max_running_requests: int,
+    ) -> None:
+        self.kv = kv
+        self.max_output = max_output
+        reserved = sum(
+            min(r.remaining_new_tokens(max_output(r)), CLIP_MAX_NEW_TOKENS) * new_token_ratio
+            for r in running
+        )
+        self.rem_total = kv.available - reserved
+        self.rem_input = max_prefill_tokens
+        self.rem_chunk = chunked_prefill_size if chunked_prefill_size else None
+        self.slots_left = max_running_requests - len(running)
+        self.admitted: list[Req] = []
+        self.new_chunked: Req | None = None
+
+    def add_chunked(self, req: Req) -> None:
+        """Continue the request being prefilled in chunks (it already holds its row and slots)."""
+        remaining = len(req.all_ids) - req.seq_len
+        self._take(req, req.seq_len, remaining)
+
+    def try_add(self, req: Req) -> bool:
+        """Admit `req` if the budgets allow; False means stop admitting this round."""
+        if self.slots_left <= 0 or not self.kv.free_rows:
+            return False
+        if self.rem_chunk is not None and self.rem_chunk <= 0:
+            return False
+        tokens = req.all_ids
+        cached, _ = self.kv.tree.match_prefix(tokens[: len(tokens) - 1])
+        extend = len(tokens) - len(cached)
+        future = min(req.remaining_new_tokens(self.max_output(req)), CLIP_MAX_NEW_TOKENS)
+        if extend + future > self.rem_total:
+            return False
+        if self.admitted and extend > self.rem_input:
+            return False
+        prefix = self.kv.admit(req, tokens)
+        if req.retraction_count == 0 and not req.output_ids:
+            req.cached_tokens = prefix
+        self.rem_total -= future
+        self._take(req, prefix, extend)
+        self.slots_left -= 1
+        return True
+
+    def _take(self, req: Req, start: int, extend: int) -> None:
+        if self.rem_chunk is not None and extend > self.rem_chunk:
+            extend = self.rem_chunk
+            self.new_chunked = req
+        new_slots = self.kv.alloc_slots(extend)
+        req.kv_slots.extend(new_slots)
+        req.extend_start, req.extend_len = start, extend
+        self.rem_total -= extend
+        self.rem_input -= extend
+        if self.rem_chunk is not None:
+            self.rem_chunk -= extend
+        self.admitted.append(req)
+
+    def shares_uncached_prefix(self, req: Req) -> bool:
+        """Whether `req` would recompute a long prefix that a request admitted this round is
+        computing right now (it should wait one round and reuse it from the tree)."""
+        tokens = req.all_ids
+        for other in self.admitted:
+            shared = common_prefix_len(tokens, other.all_ids)
+            if shared - other.extend_start >= IN_BATCH_SHARED_PREFIX:
+                return True
+        return False
+
+
+def order_waiting(waiting: deque[Req], policy: str, kv: KVManager) -> list[Req]:
+    """fcfs: arrival order. lpm: longest cached prefix first (fcfs for long queues)."""
+    if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE and not kv.tree.disable:
+        matched = {id(r): len(kv.tree.match_prefix(r.all_ids)[0]) for r in waiting}
+        return sorted(waiting, key=lambda r: -matched[id(r)])
+    return list(waiting)
