@@ -121,10 +121,17 @@ class Engine:
 
     def _notify(self, req: Req, error: BaseException | None) -> None:
         listener = self._listeners.get(req.rid)
-        if listener is not None:
-            if req.finished or error is not None:
-                self._listeners.pop(req.rid, None)
+        if listener is None:
+            return
+        if req.finished or error is not None:
+            self._listeners.pop(req.rid, None)
+        try:
             listener(req, error)
+        except Exception:  # a caller gone away (closed event loop) must not stop the loop
+            logger.exception("dropping the update of request %s", req.rid)
+            self._listeners.pop(req.rid, None)
+            if not req.finished:
+                self.scheduler.abort(req.rid)
 
     def _fail_all(self, err: BaseException) -> None:
         s = self.scheduler
@@ -215,7 +222,8 @@ class Engine:
         updates: asyncio.Queue[BaseException | None] = asyncio.Queue()
 
         def on_update(_: Req, error: BaseException | None) -> None:
-            loop.call_soon_threadsafe(updates.put_nowait, error)
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(updates.put_nowait, error)
 
         self._submit([req], on_update)
         try:

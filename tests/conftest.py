@@ -44,7 +44,7 @@ def engine_fp32(default_model_dir: str):
 def make_tiny_llama(path: Path, tokenizer_dir: str, seed: int = 0, **overrides) -> str:
     """A 2-layer random Llama with the default tokenizer, saved as a HF directory."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    settings = dict(
         vocab_size=49152,
         hidden_size=64,
         intermediate_size=128,
@@ -57,12 +57,67 @@ def make_tiny_llama(path: Path, tokenizer_dir: str, seed: int = 0, **overrides) 
         tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,
-        **overrides,
     )
+    settings.update(overrides)
+    config = LlamaConfig(**settings)
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def peaky_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """A tiny random Llama with large weights: its next-token distributions are sharp, so greedy
+    choices are far from ties and equal-output tests between scheduler settings are robust."""
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("peaky-llama"),
+        default_model_dir,
+        seed=1,
+        initializer_range=1.0,
+        max_position_embeddings=2048,
+    )
+
+
+def make_scheduler(model_dir: str, num_kv_slots: int = 4096, **options):
+    """A Scheduler over a float32 worker, stepped by the test itself (no engine thread)."""
+    from transformers import AutoTokenizer
+
+    from spectral.models.config import ModelConfig
+    from spectral.scheduler.scheduler import Scheduler
+
+    config = ModelConfig.from_pretrained(model_dir)
+    max_running = options.pop("max_running_requests", 64)
+    worker = make_worker(model_dir, num_kv_slots, config.max_context_len, max_running=max_running)
+    return Scheduler(
+        worker,
+        AutoTokenizer.from_pretrained(model_dir),
+        num_kv_slots=num_kv_slots,
+        max_running_requests=max_running,
+        max_context_len=config.max_context_len,
+        max_prefill_tokens=options.pop("max_prefill_tokens", 8192),
+        eos_token_ids=(2,),
+        vocab_size=config.vocab_size,
+        **options,
+    )
+
+
+def scheduler_leaks(s) -> list[str]:
+    """What a drained scheduler failed to give back (empty when nothing leaked)."""
+    kv = s.kv
+    problems = []
+    if s.running or s.waiting or s.chunked is not None:
+        problems.append("requests still queued")
+    if kv.tree.protected_size:
+        problems.append(f"{kv.tree.protected_size} tokens still locked")
+    if kv.allocator.free_count + kv.tree.evictable_size != kv.allocator.num_slots:
+        problems.append(
+            f"free {kv.allocator.free_count} + evictable {kv.tree.evictable_size} "
+            f"!= total {kv.allocator.num_slots}"
+        )
+    if len(kv.free_rows) != kv.max_rows:
+        problems.append("request rows not returned")
+    return problems
 
 
 @pytest.fixture(scope="session")
@@ -71,9 +126,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 
 
 def make_worker(
-    model_dir: str, max_total_tokens: int, max_context_len: int, use_cpu_kernels: bool = True
+    model_dir: str,
+    max_total_tokens: int,
+    max_context_len: int,
+    use_cpu_kernels: bool = True,
+    max_running: int = 4,
 ):
-    """A float32 CPU worker with four request rows."""
+    """A float32 CPU worker."""
     from spectral.worker.model_worker import ModelWorker
 
     return ModelWorker(
@@ -81,7 +140,7 @@ def make_worker(
         dtype=torch.float32,
         device="cpu",
         max_total_tokens=max_total_tokens,
-        max_running_requests=4,
+        max_running_requests=max_running,
         max_context_len=max_context_len,
         use_cpu_kernels=use_cpu_kernels,
     )

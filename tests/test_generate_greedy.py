@@ -67,3 +67,16 @@ def test_greedy_without_cpu_kernels_matches_too(default_model_dir, expected):
     out = engine.generate(PROMPTS[0], GREEDY)
     assert out["output_ids"] == expected[0]
     assert_no_leaks(engine)
+
+
+def test_greedy_with_chunked_prefill_and_no_radix_cache_matches(default_model_dir, expected):
+    from spectral import Engine
+
+    for options in ({"chunked_prefill_size": 16}, {"disable_radix_cache": True}):
+        engine = Engine(
+            model_path=default_model_dir, dtype="float32", max_total_tokens=4096, **options
+        )
+        outs = engine.generate(PROMPTS[:3], GREEDY)
+        assert [o["output_ids"] for o in outs] == expected[:3]
+        assert_no_leaks(engine)
+        engine.shutdown()
