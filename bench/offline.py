@@ -1,9 +1,10 @@
 """Offline decode speed: spectral vs transformers `generate`, same model, dtype and prompts.
 
-Prints batch-1 greedy tokens/s of both and their ratio, and spectral's aggregate tokens/s at a
-larger batch. Results also go to bench/out/offline.json.
+Prints batch-1 greedy tokens/s of both and their ratio, then aggregate tokens/s at larger
+batches: spectral (continuous batching) against transformers static batching (left-padded
+`generate` over the same prompts). Results also go to bench/out/offline.json.
 
-    python bench/offline.py --dtype bfloat16 --num-prompts 8 --max-new-tokens 128 --batch 16
+    python bench/offline.py --dtype bfloat16 --num-prompts 8 --max-new-tokens 128 --batches 16,64
 """
 
 from __future__ import annotations
@@ -35,12 +36,31 @@ def spectral_batch1(
     return tokens / (time.perf_counter() - start), outputs
 
 
-def spectral_batched(engine: Engine, prompts: list[str], batch: int, new_tokens: int) -> float:
+def spectral_batched(engine: Engine, prompts: list[str], new_tokens: int) -> float:
     params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    chosen = (prompts * (batch // len(prompts) + 1))[:batch]
+    engine.flush_cache()
     start = time.perf_counter()
-    outs = engine.generate(chosen, params)
+    outs = engine.generate(prompts, params)
     return sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - start)
+
+
+def transformers_batched(model_dir: str, dtype: torch.dtype, prompts: list[str], new_tokens: int):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    kwargs = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=tok.eos_token_id,
+    )
+    with torch.inference_mode():
+        start = time.perf_counter()
+        gen = model.generate(**batch, **kwargs)
+        elapsed = time.perf_counter() - start
+    return (gen.shape[1] - batch["input_ids"].shape[1]) * len(prompts) / elapsed
 
 
 def transformers_batch1(model_dir: str, dtype: torch.dtype, prompts: list[str], new_tokens: int):
@@ -73,7 +93,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batches", default="16,64", help="comma-separated batch sizes")
     ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
@@ -104,9 +124,20 @@ def main() -> None:
             f"ratio spectral/transformers at batch 1: {s1 / t1:.2f}x "
             f"({same}/{len(prompts)} outputs identical)"
         )
-    sb = spectral_batched(engine, prompts, args.batch, args.max_new_tokens)
-    results[f"spectral_batch{args.batch}_tok_s"] = round(sb, 2)
-    print(f"spectral      batch {args.batch}: {sb:7.2f} tok/s aggregate ({sb / s1:.2f}x batch 1)")
+    questions = mtbench_first_turns()
+    for size in [int(b) for b in args.batches.split(",") if b]:
+        batch_prompts = [chat(engine.tokenizer, q) for q in (questions * 2)[:size]]
+        sb = spectral_batched(engine, batch_prompts, args.max_new_tokens)
+        results[f"spectral_batch{size}_tok_s"] = round(sb, 2)
+        print(f"spectral      batch {size:3d}: {sb:7.2f} tok/s aggregate")
+        if not args.skip_transformers:
+            tb = transformers_batched(
+                engine.model_dir, getattr(torch, args.dtype), batch_prompts, args.max_new_tokens
+            )
+            results[f"transformers_batch{size}_tok_s"] = round(tb, 2)
+            results[f"ratio_batch{size}"] = round(sb / tb, 2)
+            print(f"transformers  batch {size:3d}: {tb:7.2f} tok/s aggregate (static batching)")
+            print(f"ratio spectral/transformers at batch {size}: {sb / tb:.2f}x")
     out_dir = Path(__file__).resolve().parent / "out"
     out_dir.mkdir(exist_ok=True)
     (out_dir / "offline.json").write_text(json.dumps(results, indent=2))

@@ -26,7 +26,7 @@ SMALL_M_MAX_ROWS = 16
 @functools.cache
 def load_cpu_kernels() -> ModuleType | None:
     digest = hashlib.sha256()
-    for src in SOURCES:
+    for src in [*SOURCES, Path(__file__).parent / "cpu" / "vec.h"]:
         digest.update(src.read_bytes())
     digest.update(torch.__version__.encode())
     build_dir = DEFAULT_CACHE_DIR / "kernels" / digest.hexdigest()[:16]

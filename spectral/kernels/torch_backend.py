@@ -1,7 +1,9 @@
-"""Attention in plain PyTorch: gather K/V by slot index, then SDPA under an explicit mask.
+"""Attention in plain PyTorch: per request, gather its K/V by slot index and run SDPA under an
+explicit mask.
 
-This backend runs on any device and is the oracle the other backends are tested against. All
-requests of a batch are padded to the longest one; the mask hides the padding.
+This backend runs on any device and is the oracle the other backends are tested against.
+Requests are attended one at a time, so no work is spent on padding. With spectral's CPU
+kernels, decode batches go through the fused decode-attention kernel instead.
 """
 
 from __future__ import annotations
@@ -16,71 +18,66 @@ from spectral.kernels.base import AttentionBackend
 
 
 @dataclass
+class RequestAttention:
+    token_start: int  # first row of this request's new tokens in the batch
+    num_new: int
+    slots: torch.Tensor  # [seq_len] KV slots of every token the request attends to
+    mask: torch.Tensor | None  # [num_new, seq_len] bool (True = attend); None = see all keys
+    causal: bool  # no prefix and a plain causal mask: SDPA's own causal path
+
+
+@dataclass
 class TorchAttnMetadata:
-    kv_indices: torch.Tensor  # [B, max_seq_len] slots, padding → dummy slot 0
-    seq_lens: torch.Tensor  # [B] int64
-    mask: torch.Tensor | None  # [B, 1, max_extend, max_seq_len] bool, True = attend
-    # Row of each real token in the padded [B * max_extend] query layout; None if no padding.
-    query_rows: torch.Tensor | None
-    max_extend: int
+    requests: list[RequestAttention]
+    # For the decode kernel: [B, max_seq_len] slots (padding → dummy slot 0) and lengths.
+    kv_indices: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
 
 
-def build_attention_mask(batch: ForwardBatch, device: torch.device) -> torch.Tensor:
-    """[B, 1, max_extend, max_seq_len] bool: query q of request b may attend to key j.
-
-    Keys j < prefix_len are always visible. Among the new tokens, causal modes see those at or
-    before themselves; custom-mask modes see what their row of `custom_mask` allows. Padded query
-    rows see every key (their outputs are dropped; this keeps them finite).
-    """
-    prefix_lens, extend_lens = batch.prefix_lens, batch.extend_lens
-    max_extend = max(extend_lens)
-    max_seq = max(batch.seq_lens)
-    bsz = batch.batch_size
-    mask = torch.zeros((bsz, max_extend, max_seq), dtype=torch.bool, device=device)
-    custom = batch.custom_mask
-    offset = 0
-    for b, (prefix, ext) in enumerate(zip(prefix_lens, extend_lens)):
-        mask[b, :ext, :prefix] = True
-        if custom is None:
-            mask[b, :ext, prefix : prefix + ext] = torch.ones(
-                (ext, ext), dtype=torch.bool, device=device
-            ).tril()
-        else:
-            mask[b, :ext, prefix : prefix + ext] = custom[offset : offset + ext * ext].view(
-                ext, ext
-            )
-            offset += ext * ext
-        mask[b, ext:, :] = True
-    return mask.unsqueeze(1)
+def request_mask(
+    prefix: int, num_new: int, custom: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """[num_new, prefix + num_new] bool: every prefix key is visible; among the new tokens,
+    causal when `custom` is None, else what `custom` ([num_new, num_new]) allows."""
+    mask = torch.ones((num_new, prefix + num_new), dtype=torch.bool, device=device)
+    if custom is None:
+        mask[:, prefix:] = torch.ones((num_new, num_new), dtype=torch.bool, device=device).tril()
+    else:
+        mask[:, prefix:] = custom
+    return mask
 
 
 class TorchAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = self.req_to_token.table.device
-        seq_lens = batch.seq_lens
-        max_seq = max(seq_lens)
-        max_extend = max(batch.extend_lens)
-        kv_indices = self.req_to_token.table[batch.req_pool_indices, :max_seq]
-        lens = torch.tensor(seq_lens, device=device)
-        if min(seq_lens) != max_seq:
-            pad = torch.arange(max_seq, device=device)[None, :] >= lens[:, None]
-            kv_indices = kv_indices.masked_fill(pad, 0)
-
+        rows = batch.req_pool_indices.tolist()
         if self._use_decode_kernel(batch):
-            batch.attn_metadata = TorchAttnMetadata(kv_indices, lens, None, None, 1)
+            seq_lens = batch.seq_lens
+            max_seq = max(seq_lens)
+            kv_indices = self.req_to_token.table[batch.req_pool_indices, :max_seq]
+            lens = torch.tensor(seq_lens, device=device)
+            if min(seq_lens) != max_seq:
+                pad = torch.arange(max_seq, device=device)[None, :] >= lens[:, None]
+                kv_indices = kv_indices.masked_fill(pad, 0)
+            batch.attn_metadata = TorchAttnMetadata([], kv_indices, lens)
             return
-        single_decode = batch.batch_size == 1 and max_extend == 1
-        mask = None if single_decode else build_attention_mask(batch, device)
-
-        query_rows = None
-        if min(batch.extend_lens) != max_extend:
-            query_rows = torch.cat(
-                [
-                    torch.arange(ext, device=device) + b * max_extend
-                    for b, ext in enumerate(batch.extend_lens)
-                ]
-            )
-        batch.attn_metadata = TorchAttnMetadata(kv_indices, lens, mask, query_rows, max_extend)
+        requests = []
+        token_start = mask_offset = 0
+        for row, prefix, num_new in zip(rows, batch.prefix_lens, batch.extend_lens):
+            custom = None
+            if batch.custom_mask is not None:
+                flat = batch.custom_mask[mask_offset : mask_offset + num_new * num_new]
+                custom = flat.view(num_new, num_new)
+                mask_offset += num_new * num_new
+            causal = custom is None and prefix == 0 and num_new > 1
+            if causal or (num_new == 1 and custom is None):
+                mask = None
+            else:
+                mask = request_mask(prefix, num_new, custom, device)
+            slots = self.req_to_token.table[row, : prefix + num_new]
+            requests.append(RequestAttention(token_start, num_new, slots, mask, causal))
+            token_start += num_new
+        batch.attn_metadata = TorchAttnMetadata(requests)
 
     def _use_decode_kernel(self, batch: ForwardBatch) -> bool:
         return (
@@ -95,9 +92,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta: TorchAttnMetadata = batch.attn_metadata
         self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
-
-        bsz, num_heads, head_dim = batch.batch_size, q.shape[1], q.shape[2]
-        if meta.mask is None and self._use_decode_kernel(batch):
+        num_tokens, num_heads, head_dim = q.shape
+        if meta.kv_indices is not None:
             out = self.kernels.decode_attention(
                 q.to(self.kv_pool.dtype),
                 self.kv_pool.k[layer_id],
@@ -106,25 +102,24 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.seq_lens,
                 self.scaling,
             )
-            return out.view(bsz, num_heads * head_dim).to(q.dtype)
-        if meta.query_rows is None:
-            q_pad = q.view(bsz, meta.max_extend, num_heads, head_dim)
-        else:
-            q_pad = q.new_zeros((bsz * meta.max_extend, num_heads, head_dim))
-            q_pad[meta.query_rows] = q
-            q_pad = q_pad.view(bsz, meta.max_extend, num_heads, head_dim)
+            return out.view(num_tokens, num_heads * head_dim).to(q.dtype)
 
-        keys = self.kv_pool.k[layer_id][meta.kv_indices].transpose(1, 2)
-        values = self.kv_pool.v[layer_id][meta.kv_indices].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2).to(keys.dtype),
-            keys,
-            values,
-            attn_mask=meta.mask,
-            scale=self.scaling,
-            enable_gqa=True,
-        )
-        out = out.transpose(1, 2).reshape(bsz * meta.max_extend, num_heads * head_dim)
-        if meta.query_rows is not None:
-            out = out[meta.query_rows]
-        return out.to(q.dtype)
+        k_buf, v_buf = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+        out = q.new_empty((num_tokens, num_heads * head_dim))
+        for r in meta.requests:
+            q_r = q[r.token_start : r.token_start + r.num_new].transpose(0, 1).to(k_buf.dtype)
+            keys = k_buf[r.slots].transpose(0, 1)
+            values = v_buf[r.slots].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                q_r[None],
+                keys[None],
+                values[None],
+                attn_mask=r.mask,
+                is_causal=r.causal,
+                scale=self.scaling,
+                enable_gqa=True,
+            )
+            out[r.token_start : r.token_start + r.num_new] = (
+                o[0].transpose(0, 1).reshape(r.num_new, num_heads * head_dim).to(q.dtype)
+            )
+        return out

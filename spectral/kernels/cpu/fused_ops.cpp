@@ -12,6 +12,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -71,6 +73,36 @@ void rotary_impl(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t row_s
   });
 }
 
+// dot(q, k) and acc += p * v over one head of `dim` values (float32 q and acc).
+template <typename T>
+inline float dot_head(const float* q, const T* k, int64_t dim) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), spectral_cpu::load16(k + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t d = 0; d < dim; ++d) s += q[d] * load(k, d);
+  return s;
+}
+
+template <typename T>
+inline void axpy_head(float p, const T* v, float* acc, int64_t dim) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    __m512 pv = _mm512_set1_ps(p);
+    for (int64_t d = 0; d < dim; d += 16)
+      _mm512_storeu_ps(acc + d,
+                       _mm512_fmadd_ps(pv, spectral_cpu::load16(v + d), _mm512_loadu_ps(acc + d)));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < dim; ++d) acc[d] += p * load(v, d);
+}
+
 template <typename T>
 void decode_attention_impl(const T* q, const T* kbuf, const T* vbuf, const int64_t* kv_indices,
                            const int64_t* seq_lens, T* out, int64_t batch, int64_t heads,
@@ -90,13 +122,7 @@ void decode_attention_impl(const T* q, const T* kbuf, const T* vbuf, const int64
       scores.assign(group * len, 0.f);
       for (int64_t l = 0; l < len; ++l) {
         const T* krow = kbuf + (idx[l] * kv_heads + kh) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          float s = 0.f;
-          const float* qg = qf.data() + g * dim;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < dim; ++d) s += qg[d] * load(krow, d);
-          scores[g * len + l] = s;
-        }
+        for (int64_t g = 0; g < group; ++g) scores[g * len + l] = dot_head(qf.data() + g * dim, krow, dim);
       }
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * len;
@@ -112,12 +138,7 @@ void decode_attention_impl(const T* q, const T* kbuf, const T* vbuf, const int64
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t l = 0; l < len; ++l) {
         const T* vrow = vbuf + (idx[l] * kv_heads + kh) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + l];
-          float* ag = acc.data() + g * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ag[d] += p * load(vrow, d);
-        }
+        for (int64_t g = 0; g < group; ++g) axpy_head(scores[g * len + l], vrow, acc.data() + g * dim, dim);
       }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < dim; ++d)

@@ -10,20 +10,13 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
 constexpr int64_t kMaxRows = 16;
 
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+using spectral_cpu::bf16_to_float;
 
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) { return bf16_to_float(v); }
