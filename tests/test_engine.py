@@ -151,19 +151,19 @@ def test_prompt_longer_than_the_context_is_refused(engine_fp32):
 
 
 def test_request_that_cannot_fit_the_pool_is_refused(tiny_model_dir):
-    engine = Engine(model_path=tiny_model_dir, dtype="float32", max_total_tokens=64)
-    with pytest.raises(InvalidRequestError, match="the pool holds 64"):
-        engine.generate(input_ids=[5] * 40, sampling_params={"max_new_tokens": 30})
+    with Engine(model_path=tiny_model_dir, dtype="float32", max_total_tokens=64) as engine:
+        with pytest.raises(InvalidRequestError, match="the pool holds 64"):
+            engine.generate(input_ids=[5] * 40, sampling_params={"max_new_tokens": 30})
 
 
 def test_generation_stops_at_the_context_length(tiny_model_dir):
-    engine = Engine(model_path=tiny_model_dir, dtype="float32", max_total_tokens=1024)
-    out = engine.generate(
-        input_ids=[5] * 500, sampling_params={"max_new_tokens": 100, "ignore_eos": True}
-    )
-    assert len(out["output_ids"]) == 12  # tiny model context: 512
-    assert out["meta_info"]["finish_reason"]["type"] == "length"
-    assert_no_leaks(engine)
+    with Engine(model_path=tiny_model_dir, dtype="float32", max_total_tokens=1024) as engine:
+        out = engine.generate(
+            input_ids=[5] * 500, sampling_params={"max_new_tokens": 100, "ignore_eos": True}
+        )
+        assert len(out["output_ids"]) == 12  # tiny model context: 512
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        assert_no_leaks(engine)
 
 
 def test_unknown_model_path_says_what_to_give():
