@@ -1,0 +1,1 @@
+"""The server: launch, HTTP app, tokenizer manager, detokenizer, IPC transport and messages."""
