@@ -294,6 +294,9 @@ class Engine:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
         if req.stop_text_cut is not None:
             text = text[: req.stop_text_cut]
+        if not req.finished:
+            # a streamed chunk may end inside a multi-byte character: show it when complete
+            text = text.rstrip("\ufffd")
         meta: dict[str, Any] = {
             "id": req.rid,
             "prompt_tokens": len(req.input_ids),

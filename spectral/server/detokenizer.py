@@ -1,0 +1,100 @@
+"""Incremental detokenization: text deltas that never split a UTF-8 character, and stop
+strings found even when they span several tokens.
+
+`IncrementalDetokenizer` keeps one request's state. Each `push(new_ids)` returns the text that
+is safe to show now: it waits while the decoded tail is an incomplete character (the tokenizer
+shows U+FFFD), and holds back a tail that could still become a stop string. When a stop string
+appears, the text is cut before it (unless `no_stop_trim`) and `stopped` is set.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+# Tokens decoded before the new ones, so that tokenizers which drop a leading space when
+# decoding a lone token (sentencepiece) still produce the right delta.
+CONTEXT_TOKENS = 5
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+        no_stop_trim: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.skip_special_tokens = skip_special_tokens
+        self.no_stop_trim = no_stop_trim
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the context tokens
+        self.read_offset = 0  # tokens before this are in `text`
+        self.text = ""  # everything decoded so far (cut at a stop string once found)
+        self.sent = 0  # characters of `text` already handed out
+        self.stopped: str | None = None  # the stop string that ended the text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, new_ids: list[int]) -> str:
+        """Append tokens; return the text newly safe to emit (possibly empty)."""
+        if self.stopped is not None:
+            return ""
+        self.ids.extend(new_ids)
+        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset :])
+        if len(after) > len(before) and not after.endswith(REPLACEMENT_CHAR):
+            self.text += after[len(before) :]
+            self.prefix_offset = max(self.read_offset, len(self.ids) - CONTEXT_TOKENS)
+            self.read_offset = len(self.ids)
+            self._find_stop(len(self.text) - (len(after) - len(before)))
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The request ended: return everything not yet emitted (complete or not)."""
+        if self.stopped is None and self.read_offset < len(self.ids):
+            before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            after = self._decode(self.ids[self.prefix_offset :])
+            self.text += after[len(before) :]
+            self.read_offset = len(self.ids)
+            self._find_stop(0)
+        return self._release(final=True)
+
+    def _find_stop(self, new_from: int) -> None:
+        if not self.stop:
+            return
+        longest = max(len(s) for s in self.stop)
+        start = max(0, new_from - longest + 1)
+        hits = [(self.text.find(s, start), s) for s in self.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            index, stop = min(hits)
+            self.stopped = stop
+            self.text = self.text[: index + (len(stop) if self.no_stop_trim else 0)]
+
+    def _holdback(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(self.text)), best, -1):
+                if self.text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text)
+        if not final and self.stopped is None:
+            end -= self._holdback()
+        if end <= self.sent:
+            return ""
+        out = self.text[self.sent : end]
+        self.sent = end
+        return out
