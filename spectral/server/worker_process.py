@@ -1,0 +1,166 @@
+"""The model worker in its own process, and the scheduler-side proxy that talks to it.
+
+The worker process owns the weights and KV tensors. It receives one `WorkerBatch` per step on
+a PULL socket and answers with one `WorkerResult` on a PUSH socket, both over ipc:// in a
+private directory. It starts as `python -m spectral.server.worker_process` (no pickled
+bootstrap), announces itself with a `WorkerReady` message, and exits when its parent dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from spectral.args import ServerArgs
+from spectral.server import messages  # noqa: F401  (registers the message types)
+from spectral.server.ipc import message, recv_message, send_message
+from spectral.worker.io import WorkerBatch, WorkerResult
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600
+
+
+@message
+@dataclass
+class WorkerReady:
+    num_kv_slots: int
+    vocab_size: int
+    max_context_len: int
+    eos_token_ids: list[int]
+
+
+@message
+@dataclass
+class WorkerFailed:
+    error: str
+
+
+class WorkerDiedError(RuntimeError):
+    """The worker process is gone; the message says how it ended."""
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent exits (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def worker_main(args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
+    from spectral.models.resolve import resolve_model_path
+    from spectral.worker.model_worker import ModelWorker
+
+    die_with_parent()
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(f"ipc://{ipc_dir}/worker_in")
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(f"ipc://{ipc_dir}/worker_out")
+    try:
+        worker = ModelWorker(
+            resolve_model_path(args.model_path, args.model_cache_dir),
+            dtype=args.resolved_dtype(),
+            device=args.resolved_device(),
+            max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static,
+            max_running_requests=args.max_running_requests,
+            max_context_len=max_context_len,
+            attention_backend=args.attention_backend,
+            use_cpu_kernels=not args.disable_cpu_kernels,
+        )
+    except Exception as err:
+        send_message(outbox, WorkerFailed(f"{type(err).__name__}: {err}"))
+        raise
+    cfg = worker.config
+    send_message(
+        outbox,
+        WorkerReady(worker.num_kv_slots, cfg.vocab_size, max_context_len, list(cfg.eos_token_ids)),
+    )
+    while True:
+        batch = recv_message(inbox)
+        send_message(outbox, worker.forward(batch))
+
+
+class RemoteWorker:
+    """`forward(WorkerBatch) -> WorkerResult` against a worker process it starts and owns."""
+
+    def __init__(self, args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
+        self.ctx = zmq.Context()
+        self.results = self.ctx.socket(zmq.PULL)
+        self.results.bind(f"ipc://{ipc_dir}/worker_out")
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "spectral.server.worker_process",
+                "--ipc-dir",
+                ipc_dir,
+                "--max-context-len",
+                str(max_context_len),
+                "--args-json",
+                json.dumps(dataclasses.asdict(args)),
+            ]
+        )
+        self.batches = self.ctx.socket(zmq.PUSH)
+        self.batches.connect(f"ipc://{ipc_dir}/worker_in")
+        ready = self._receive(READY_TIMEOUT_S)
+        if isinstance(ready, WorkerFailed):
+            self.close()
+            raise RuntimeError(f"the model worker failed to start: {ready.error}")
+        self.ready: WorkerReady = ready
+        self.num_kv_slots = ready.num_kv_slots
+
+    def _receive(self, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while not self.results.poll(100):
+            code = self.process.poll()
+            if code is not None:
+                raise WorkerDiedError(f"the model worker process exited with code {code}")
+            if time.monotonic() > deadline:
+                raise WorkerDiedError(f"no answer from the model worker in {timeout_s:.0f} s")
+        return recv_message(self.results)
+
+    def forward(self, batch: WorkerBatch) -> WorkerResult:
+        send_message(self.batches, batch)
+        return self._receive(READY_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Stop the worker process (SIGTERM, then SIGKILL) and close the sockets."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.batches.close(0)
+        self.results.close(0)
+        self.ctx.term()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="spectral model worker process (started by spectral)")
+    ap.add_argument("--ipc-dir", required=True)
+    ap.add_argument("--max-context-len", type=int, required=True)
+    ap.add_argument("--args-json", required=True)
+    ns = ap.parse_args()
+    args = ServerArgs(**json.loads(ns.args_json))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker: %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    worker_main(args, ns.ipc_dir, ns.max_context_len)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The model worker in its own process: same outputs as in-process, a clear error when it dies,
+no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+
+from spectral.args import ServerArgs
+from spectral.models.config import ModelConfig
+from spectral.scheduler.scheduler import Scheduler
+from spectral.server.worker_process import RemoteWorker, WorkerDiedError
+from tests.conftest import make_scheduler, scheduler_leaks
+from tests.test_scheduler import fresh, mixed_prompts, run_all
+
+
+@pytest.fixture()
+def remote(peaky_model_dir):
+    config = ModelConfig.from_pretrained(peaky_model_dir)
+    args = ServerArgs(
+        model_path=peaky_model_dir,
+        dtype="float32",
+        max_total_tokens=4096,
+        max_running_requests=16,
+        log_level="warning",
+    )
+    with tempfile.TemporaryDirectory() as ipc_dir:
+        worker = RemoteWorker(args, ipc_dir, config.max_context_len)
+        yield worker, config
+        worker.close()
+
+
+def remote_scheduler(worker: RemoteWorker, config: ModelConfig) -> Scheduler:
+    from transformers import AutoTokenizer
+
+    return Scheduler(
+        worker,
+        AutoTokenizer.from_pretrained(config.hf_config._name_or_path),
+        num_kv_slots=worker.num_kv_slots,
+        max_running_requests=16,
+        max_context_len=config.max_context_len,
+        max_prefill_tokens=8192,
+        eos_token_ids=(2,),
+        vocab_size=config.vocab_size,
+    )
+
+
+def test_outputs_through_the_worker_process_equal_in_process(peaky_model_dir, remote):
+    worker, config = remote
+    assert worker.num_kv_slots == 4096
+    expected = run_all(make_scheduler(peaky_model_dir), fresh(mixed_prompts(12)))
+    scheduler = remote_scheduler(worker, config)
+    assert run_all(scheduler, fresh(mixed_prompts(12))) == expected
+    assert scheduler_leaks(scheduler) == []
+
+
+def test_a_killed_worker_is_reported_within_seconds(remote):
+    worker, config = remote
+    scheduler = remote_scheduler(worker, config)
+    os.kill(worker.process.pid, signal.SIGKILL)
+    scheduler.add_request(fresh([[5, 6, 7]])[0])
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="exited with code -9"):
+        scheduler.step()
+    assert time.monotonic() - start < 5
+
+
+def test_close_leaves_no_process(remote):
+    worker, _ = remote
+    worker.close()
+    assert worker.process.poll() is not None
