@@ -36,6 +36,8 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     log_level: str = "info"
+    api_key: str | None = None
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -104,6 +106,8 @@ class ServerArgs:
             "host": "address to bind (default loopback only)",
             "port": "HTTP port",
             "log_level": "debug, info, warning, error",
+            "api_key": "require 'Authorization: Bearer <key>' on every endpoint but /health",
+            "served_model_name": "the model name the OpenAI API reports (default: model path)",
         }
         for f in fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")

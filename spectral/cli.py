@@ -1,5 +1,4 @@
-"""The `spectral` command. `serve` runs the main job on a model; until the HTTP server lands it
-runs an offline generation demo through the same Engine."""
+"""The `spectral` command: `serve` runs the HTTP server, `demo` an offline generation demo."""
 
 from __future__ import annotations
 
@@ -49,18 +48,22 @@ def run_demo(args: ServerArgs, max_new_tokens: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="spectral")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser(
-        "serve", help="run spectral on a model (offline demo until the server lands)"
-    )
+    serve = sub.add_parser("serve", help="run the HTTP server (native and OpenAI-compatible API)")
     ServerArgs.add_cli_args(serve)
-    serve.add_argument("--demo-max-new-tokens", type=int, default=96)
+    demo = sub.add_parser("demo", help="generate for a few prompts offline and print the speed")
+    ServerArgs.add_cli_args(demo)
+    demo.add_argument("--demo-max-new-tokens", type=int, default=96)
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     try:
         args = ServerArgs.from_cli_args(ns)
     except ValueError as err:
         parser.error(str(err))
     if ns.command == "serve":
+        from spectral.server.launch import launch_server
+
+        launch_server(args)
+    else:
+        logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
         run_demo(args, ns.demo_max_new_tokens)
 
 

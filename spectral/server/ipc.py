@@ -151,3 +151,12 @@ def send_message(sock: Any, msg: Any, flags: int = 0) -> None:
 
 def recv_message(sock: Any, flags: int = 0) -> Any:
     return decode(sock.recv_multipart(flags=flags, copy=False))
+
+
+async def asend_message(sock: Any, msg: Any) -> None:
+    """`send_message` for a zmq.asyncio socket."""
+    await sock.send_multipart(encode(msg), copy=False)
+
+
+async def arecv_message(sock: Any) -> Any:
+    return decode(await sock.recv_multipart(copy=False))

@@ -6,6 +6,9 @@ nothing outside `spectral.server` needs to import it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from spectral.forward import ForwardMode
 from spectral.sampling_params import SamplingParams
 from spectral.server.ipc import message, register_enum
@@ -14,3 +17,80 @@ from spectral.worker.io import RequestSampling, WorkerBatch, WorkerResult
 register_enum(ForwardMode)
 for cls in (SamplingParams, RequestSampling, WorkerBatch, WorkerResult):
     message(cls)
+
+
+@message
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+
+@message
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@message
+@dataclass
+class ControlReq:
+    """A request for the scheduler itself: `flush_cache` or `server_info`."""
+
+    call_id: str
+    name: str
+
+
+@message
+@dataclass
+class ControlOut:
+    call_id: str
+    result: dict[str, Any]
+
+
+@message
+@dataclass
+class RequestRejected:
+    """The scheduler refused a request (the message says why); no output follows."""
+
+    rid: str
+    error: str
+
+
+@message
+@dataclass
+class BatchTokenIDOut:
+    """Per request with news this step: its new output ids, and when finished the reason and
+    final counts. Sent by the scheduler to the detokenizer."""
+
+    rids: list[str]
+    new_ids: list[list[int]]
+    new_logprobs: list[list[Any]]
+    finished_reasons: list[dict[str, Any] | None]
+    meta: list[dict[str, Any]]
+    stop: list[list[str]]
+    skip_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+
+
+@message
+@dataclass
+class BatchStrOut:
+    """The same, with text deltas. Sent by the detokenizer to the tokenizer manager."""
+
+    rids: list[str]
+    text_deltas: list[str]
+    new_ids: list[list[int]]
+    new_logprobs: list[list[Any]]
+    finished_reasons: list[dict[str, Any] | None]
+    meta: list[dict[str, Any]]
+
+
+@message
+@dataclass
+class ProcessReady:
+    role: str
+    info: dict[str, Any]

@@ -8,15 +8,10 @@ bootstrap), announces itself with a `WorkerReady` message, and exits when its pa
 
 from __future__ import annotations
 
-import argparse
-import ctypes
-import dataclasses
-import json
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
@@ -24,6 +19,7 @@ import zmq
 
 from spectral.args import ServerArgs
 from spectral.server import messages  # noqa: F401  (registers the message types)
+from spectral.server.child import parse_child_args, spawn_child
 from spectral.server.ipc import message, recv_message, send_message
 from spectral.worker.io import WorkerBatch, WorkerResult
 
@@ -51,18 +47,10 @@ class WorkerDiedError(RuntimeError):
     """The worker process is gone; the message says how it ended."""
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent exits (no-op elsewhere)."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def worker_main(args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
     from spectral.models.resolve import resolve_model_path
     from spectral.worker.model_worker import ModelWorker
 
-    die_with_parent()
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(f"ipc://{ipc_dir}/worker_in")
@@ -100,18 +88,12 @@ class RemoteWorker:
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.PULL)
         self.results.bind(f"ipc://{ipc_dir}/worker_out")
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "spectral.server.worker_process",
-                "--ipc-dir",
-                ipc_dir,
-                "--max-context-len",
-                str(max_context_len),
-                "--args-json",
-                json.dumps(dataclasses.asdict(args)),
-            ]
+        self.process = spawn_child(
+            "spectral.server.worker_process",
+            args,
+            ipc_dir,
+            "--max-context-len",
+            str(max_context_len),
         )
         self.batches = self.ctx.socket(zmq.PUSH)
         self.batches.connect(f"ipc://{ipc_dir}/worker_in")
@@ -125,12 +107,16 @@ class RemoteWorker:
     def _receive(self, timeout_s: float):
         deadline = time.monotonic() + timeout_s
         while not self.results.poll(100):
-            code = self.process.poll()
-            if code is not None:
-                raise WorkerDiedError(f"the model worker process exited with code {code}")
+            self.check_alive()
             if time.monotonic() > deadline:
                 raise WorkerDiedError(f"no answer from the model worker in {timeout_s:.0f} s")
         return recv_message(self.results)
+
+    def check_alive(self) -> None:
+        """Raise WorkerDiedError if the worker process has exited."""
+        code = self.process.poll()
+        if code is not None:
+            raise WorkerDiedError(f"the model worker process exited with code {code}")
 
     def forward(self, batch: WorkerBatch) -> WorkerResult:
         send_message(self.batches, batch)
@@ -151,13 +137,7 @@ class RemoteWorker:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="spectral model worker process (started by spectral)")
-    ap.add_argument("--ipc-dir", required=True)
-    ap.add_argument("--max-context-len", type=int, required=True)
-    ap.add_argument("--args-json", required=True)
-    ns = ap.parse_args()
-    args = ServerArgs(**json.loads(ns.args_json))
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker: %(message)s")
+    args, ns = parse_child_args("worker", "--max-context-len")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     worker_main(args, ns.ipc_dir, ns.max_context_len)
 

@@ -1,0 +1,52 @@
+"""What every child process of the server shares: how it is started (a plain
+`python -m module` with the server args as JSON, so nothing is pickled), how it reads its
+arguments, and that it dies with its parent."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import json
+import logging
+import signal
+import subprocess
+import sys
+
+from spectral.args import ServerArgs
+
+
+def spawn_child(module: str, args: ServerArgs, ipc_dir: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            module,
+            "--ipc-dir",
+            ipc_dir,
+            "--args-json",
+            json.dumps(dataclasses.asdict(args)),
+            *extra,
+        ]
+    )
+
+
+def parse_child_args(role: str, *extra_int_flags: str) -> tuple[ServerArgs, argparse.Namespace]:
+    """Parse a child's command line, set up its logging, and tie its life to its parent's."""
+    ap = argparse.ArgumentParser(description=f"spectral {role} process (started by spectral)")
+    ap.add_argument("--ipc-dir", required=True)
+    ap.add_argument("--args-json", required=True)
+    for flag in extra_int_flags:
+        ap.add_argument(flag, type=int, required=True)
+    ns = ap.parse_args()
+    args = ServerArgs(**json.loads(ns.args_json))
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role}: %(message)s")
+    die_with_parent()
+    return args, ns
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent exits (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

@@ -1,0 +1,151 @@
+"""launch_server: start the detokenizer and scheduler processes (the scheduler starts the model
+worker), wait until each reports ready, then serve HTTP. A child that dies takes the server
+down with a clear message and a non-zero exit; SIGINT/SIGTERM stop every child."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import uvicorn
+import zmq
+
+from spectral.args import ServerArgs
+from spectral.models.resolve import resolve_model_path
+from spectral.server.child import spawn_child
+from spectral.server.ipc import recv_message
+from spectral.server.messages import ProcessReady
+
+logger = logging.getLogger("spectral.server")
+
+READY_TIMEOUT_S = 900
+
+
+def _wait_ready(sock: zmq.Socket, children: dict[str, subprocess.Popen]) -> dict[str, dict]:
+    ready: dict[str, dict] = {}
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while len(ready) < len(children):
+        for name, proc in children.items():
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"the {name} process exited with code {proc.returncode} while starting"
+                )
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"processes not ready after {READY_TIMEOUT_S} s: {set(children) - set(ready)}"
+            )
+        if sock.poll(200):
+            msg = recv_message(sock)
+            if isinstance(msg, ProcessReady):
+                ready[msg.role] = msg.info
+    return ready
+
+
+def _stop(children: dict[str, subprocess.Popen]) -> None:
+    for proc in children.values():
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in children.values():
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def launch_server(args: ServerArgs) -> None:
+    from transformers import AutoTokenizer
+
+    from spectral.server.http_server import create_app
+    from spectral.server.tokenizer_manager import TokenizerManager
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
+    ipc_dir = tempfile.mkdtemp(prefix="spectral-")  # mode 0700
+    ctx = zmq.Context()
+    ready_sock = ctx.socket(zmq.PULL)
+    ready_sock.bind(f"ipc://{ipc_dir}/ready")
+    children = {
+        "detokenizer": spawn_child("spectral.server.detokenizer_process", args, ipc_dir),
+        "scheduler": spawn_child("spectral.server.scheduler_process", args, ipc_dir),
+    }
+    exit_code = 0
+    try:
+        info = _wait_ready(ready_sock, children)["scheduler"]
+        ready_sock.close(0)
+        served = args.served_model_name or args.model_path
+        state: dict[str, TokenizerManager] = {}
+
+        async def watch_children(server: uvicorn.Server) -> None:
+            nonlocal exit_code
+            while not server.should_exit:
+                for name, proc in children.items():
+                    if proc.poll() is not None:
+                        logger.error(
+                            "the %s process exited with code %s; shutting down",
+                            name,
+                            proc.returncode,
+                        )
+                        exit_code = 1
+                        server.should_exit = True
+                        return
+                await asyncio.sleep(0.2)
+
+        manager = TokenizerManager(tokenizer, ipc_dir, info["context_length"], info["vocab_size"])
+        state["manager"] = manager
+        app = create_app(manager, served, {"context_length": info["context_length"]}, args.api_key)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            loop="uvloop",
+            log_level=args.log_level,
+            timeout_keep_alive=5,
+        )
+        server = uvicorn.Server(config)
+
+        async def serve() -> None:
+            manager.start()
+            watcher = asyncio.create_task(watch_children(server))
+            await server.serve()
+            watcher.cancel()
+
+        logger.info("serving %s on http://%s:%d", served, args.host, args.port)
+        asyncio.run(serve())
+    except RuntimeError as err:
+        logger.error("%s", err)
+        exit_code = 1
+    except KeyboardInterrupt:
+        logger.info("shutting down")
+    finally:
+        _stop(children)
+        ctx.term()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+    if exit_code:
+        sys.exit(exit_code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="spectral.launch_server")
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    try:
+        args = ServerArgs.from_cli_args(ns)
+    except ValueError as err:
+        parser.error(str(err))
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    launch_server(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The scheduler process: receives tokenized requests and aborts, runs the Scheduler (whose
+model worker is a child process of its own), and streams new tokens to the detokenizer."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import zmq
+
+from spectral.args import ServerArgs
+from spectral.models.config import ModelConfig
+from spectral.models.resolve import resolve_model_path
+from spectral.sampling_params import InvalidRequestError
+from spectral.scheduler.req import Req
+from spectral.scheduler.scheduler import Scheduler
+from spectral.server.child import parse_child_args
+from spectral.server.ipc import recv_message, send_message
+from spectral.server.messages import (
+    AbortReq,
+    BatchTokenIDOut,
+    ControlOut,
+    ControlReq,
+    ProcessReady,
+    RequestRejected,
+    TokenizedGenerateReq,
+)
+from spectral.server.worker_process import RemoteWorker, WorkerDiedError
+
+logger = logging.getLogger("spectral.scheduler")
+
+
+class SchedulerProcess:
+    def __init__(self, args: ServerArgs, ipc_dir: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.args = args
+        model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
+        config = ModelConfig.from_pretrained(model_dir)
+        self.context_len = args.context_length or config.max_context_len
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
+        eos = set(config.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(f"ipc://{ipc_dir}/scheduler_in")
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.connect(f"ipc://{ipc_dir}/detokenizer_in")
+        self.worker = RemoteWorker(args, ipc_dir, self.context_len)
+        self.scheduler = Scheduler(
+            self.worker,
+            tokenizer,
+            num_kv_slots=self.worker.num_kv_slots,
+            max_running_requests=args.max_running_requests,
+            max_context_len=self.context_len,
+            max_prefill_tokens=args.max_prefill_tokens,
+            eos_token_ids=tuple(sorted(eos)),
+            vocab_size=config.vocab_size,
+            chunked_prefill_size=args.chunked_prefill_size,
+            schedule_policy=args.schedule_policy,
+            disable_radix_cache=args.disable_radix_cache,
+        )
+        self.sent: dict[str, int] = {}  # output ids already sent, per request in flight
+        ready = self.ctx.socket(zmq.PUSH)
+        ready.connect(f"ipc://{ipc_dir}/ready")
+        info = {
+            "num_kv_slots": self.worker.num_kv_slots,
+            "context_length": self.context_len,
+            "vocab_size": config.vocab_size,
+        }
+        send_message(ready, ProcessReady("scheduler", info))
+        ready.close(linger=1000)
+
+    def run(self) -> None:
+        while True:
+            self.worker.check_alive()
+            self._receive(block=not self.scheduler.has_work)
+            if self.scheduler.has_work:
+                self._emit(self.scheduler.step())
+
+    def _receive(self, block: bool) -> None:
+        timeout = 100 if block else 0
+        while self.inbox.poll(timeout):
+            timeout = 0
+            msg = recv_message(self.inbox)
+            if isinstance(msg, TokenizedGenerateReq):
+                self._add(msg)
+            elif isinstance(msg, AbortReq):
+                req = self.scheduler.abort(msg.rid)
+                if req is not None:
+                    self._emit([req])
+            elif isinstance(msg, ControlReq):
+                send_message(self.outbox, ControlOut(msg.call_id, self._control(msg.name)))
+
+    def _add(self, msg: TokenizedGenerateReq) -> None:
+        req = Req(
+            rid=msg.rid,
+            input_ids=msg.input_ids,
+            sampling_params=msg.sampling_params,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+        )
+        try:
+            self.scheduler.add_request(req)
+        except InvalidRequestError as err:
+            send_message(self.outbox, RequestRejected(msg.rid, str(err)))
+            return
+        self.sent[req.rid] = 0
+
+    def _control(self, name: str) -> dict:
+        s = self.scheduler
+        if name == "flush_cache":
+            return {"success": s.flush_cache()}
+        if name == "server_info":
+            return {
+                "memory": s.kv.memory(),
+                "requests": {
+                    "running": len(s.running) + (1 if s.chunked else 0),
+                    "waiting": len(s.waiting),
+                },
+                "stats": dict(vars(s.stats)),
+            }
+        return {"error": f"unknown control call {name!r}"}
+
+    def _emit(self, reqs: list[Req]) -> None:
+        if not reqs:
+            return
+        out = BatchTokenIDOut([], [], [], [], [], [], [], [])
+        for req in reqs:
+            start = self.sent.get(req.rid, 0)
+            new = req.output_ids[start:]
+            self.sent[req.rid] = len(req.output_ids)
+            p = req.sampling_params
+            logprobs = []
+            if req.return_logprob:
+                tops = (
+                    req.output_top_logprobs[start:] if req.top_logprobs_num else [None] * len(new)
+                )
+                logprobs = [
+                    [lp, tok, top] for lp, tok, top in zip(req.output_logprobs[start:], new, tops)
+                ]
+            meta = {
+                "prompt_tokens": len(req.input_ids),
+                "completion_tokens": len(req.output_ids),
+                "cached_tokens": req.cached_tokens,
+            }
+            if req.finished:
+                meta["e2e_latency"] = (req.finished_at or time.perf_counter()) - req.created_at
+                self.sent.pop(req.rid, None)
+            out.rids.append(req.rid)
+            out.new_ids.append(new)
+            out.new_logprobs.append(logprobs)
+            out.finished_reasons.append(req.finished_reason.to_dict() if req.finished else None)
+            out.meta.append(meta)
+            out.stop.append(p.stop)
+            out.skip_special_tokens.append(p.skip_special_tokens)
+            out.no_stop_trim.append(p.no_stop_trim)
+        send_message(self.outbox, out)
+
+
+def main() -> None:
+    args, ns = parse_child_args("scheduler")
+    process = SchedulerProcess(args, ns.ipc_dir)
+    try:
+        process.run()
+    except WorkerDiedError as err:
+        logger.error("%s; shutting down", err)
+        sys.exit(1)
+    finally:
+        process.worker.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""TokenizerManager: the HTTP process's side of the pipeline. It tokenizes, sends requests to
+the scheduler, and hands each request's outputs (from the detokenizer) to whoever awaits them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from spectral.sampling_params import InvalidRequestError, SamplingParams
+from spectral.server.ipc import arecv_message, asend_message
+from spectral.server.messages import (
+    AbortReq,
+    BatchStrOut,
+    ControlOut,
+    ControlReq,
+    RequestRejected,
+    TokenizedGenerateReq,
+)
+
+
+@dataclass
+class ReqState:
+    """What one request has produced so far (cumulative)."""
+
+    rid: str
+    prompt_tokens: int
+    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def output(self) -> dict[str, Any]:
+        meta = {"id": self.rid, **self.meta, "finish_reason": self.finish_reason}
+        if self.logprobs:
+            meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok, _ in self.logprobs]
+            if any(top is not None for _, _, top in self.logprobs):
+                meta["output_top_logprobs"] = [
+                    [(v, t, None) for v, t in (top or [])] for _, _, top in self.logprobs
+                ]
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+class TokenizerManager:
+    def __init__(self, tokenizer: Any, ipc_dir: str, context_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.ctx = zmq.asyncio.Context()
+        self.to_scheduler = self.ctx.socket(zmq.PUSH)
+        self.to_scheduler.connect(f"ipc://{ipc_dir}/scheduler_in")
+        self.from_detokenizer = self.ctx.socket(zmq.PULL)
+        self.from_detokenizer.bind(f"ipc://{ipc_dir}/tokenizer_in")
+        self.states: dict[str, ReqState] = {}
+        self.calls: dict[str, asyncio.Future] = {}
+        self._counter = itertools.count()
+        self._loop_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._dispatch_loop())
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            msg = await arecv_message(self.from_detokenizer)
+            if isinstance(msg, BatchStrOut):
+                for i, rid in enumerate(msg.rids):
+                    state = self.states.get(rid)
+                    if state is None:
+                        continue
+                    state.text += msg.text_deltas[i]
+                    state.output_ids.extend(msg.new_ids[i])
+                    state.logprobs.extend(msg.new_logprobs[i])
+                    state.meta.update(msg.meta[i])
+                    if state.first_token_at is None and msg.new_ids[i]:
+                        state.first_token_at = time.perf_counter()
+                    if msg.finished_reasons[i] is not None:
+                        state.finish_reason = msg.finished_reasons[i]
+                    state.updates.put_nowait(None)
+            elif isinstance(msg, RequestRejected):
+                state = self.states.get(msg.rid)
+                if state is not None:
+                    state.updates.put_nowait(InvalidRequestError(msg.error))
+            elif isinstance(msg, ControlOut):
+                future = self.calls.pop(msg.call_id, None)
+                if future is not None and not future.done():
+                    future.set_result(msg.result)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def new_rid(self) -> str:
+        return f"{uuid.uuid4().hex[:12]}-{next(self._counter)}"
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> AsyncIterator[ReqState]:
+        """Yields the request's state after every update; the last one is finished. Leaving the
+        iteration early (a client that went away) aborts the request."""
+        if not input_ids:
+            raise InvalidRequestError("the prompt is empty: give a non-empty text or input_ids")
+        if len(input_ids) >= self.context_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(input_ids)} tokens; the context length is "
+                f"{self.context_len}, so prompts may have at most {self.context_len - 1}"
+            )
+        rid = rid or self.new_rid()
+        if rid in self.states:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        state = ReqState(rid, len(input_ids))
+        self.states[rid] = state
+        try:
+            await asend_message(
+                self.to_scheduler,
+                TokenizedGenerateReq(
+                    rid, list(input_ids), sampling_params, return_logprob, top_logprobs_num
+                ),
+            )
+            while True:
+                update = await state.updates.get()
+                if isinstance(update, Exception):
+                    raise update
+                yield state
+                if state.finished:
+                    return
+        finally:
+            self.states.pop(rid, None)
+            if not state.finished:
+                await asend_message(self.to_scheduler, AbortReq(rid))
+
+    async def abort(self, rid: str) -> None:
+        await asend_message(self.to_scheduler, AbortReq(rid))
+
+    async def control(self, name: str, timeout: float = 30.0) -> dict[str, Any]:
+        call_id = self.new_rid()
+        future = asyncio.get_running_loop().create_future()
+        self.calls[call_id] = future
+        await asend_message(self.to_scheduler, ControlReq(call_id, name))
+        return await asyncio.wait_for(future, timeout)
+
+
+def sampling_params_from(params: dict[str, Any] | None) -> SamplingParams:
+    return SamplingParams.from_dict(dict(params or {}))
+
+
+def copy_params(params: SamplingParams, **changes: Any) -> SamplingParams:
+    return dataclasses.replace(params, **changes)

@@ -1,0 +1,230 @@
+"""A real server on loopback: the official openai client, the native API, concurrency with
+disconnects, bad input, and process lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_utils import alive, cmdline, descendants, start_server
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    proc, url = start_server(
+        "--model-path",
+        default_model_dir,
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "16384",
+        "--api-key",
+        API_KEY,
+        "--served-model-name",
+        "smollm2",
+    )
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY)
+
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def engine_greedy(engine, ids: list[int], n: int) -> dict:
+    return engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": n})
+
+
+def test_models_list(client):
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+
+
+def test_chat_equals_the_offline_engine(client, engine_fp32, tokenizer):
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    expected = engine_greedy(engine_fp32, list(ids), 20)
+    res = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=20, temperature=0
+    )
+    assert res.choices[0].message.content == expected["text"]
+    assert res.usage.prompt_tokens == len(ids)
+    assert res.usage.completion_tokens == expected["meta_info"]["completion_tokens"]
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected["text"]
+    assert chunks[-1].usage.completion_tokens == expected["meta_info"]["completion_tokens"]
+
+
+def test_completions_plain_stream_echo_logprobs(client, engine_fp32, tokenizer):
+    prompt = "The three primary colors are"
+    expected = engine_greedy(engine_fp32, tokenizer(prompt)["input_ids"], 12)
+    res = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0)
+    assert res.choices[0].text == expected["text"]
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+    )
+    assert streamed == expected["text"]
+    echo = client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=12, temperature=0, echo=True
+    )
+    assert echo.choices[0].text == prompt + expected["text"]
+    lp = client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=5, temperature=0, logprobs=2
+    )
+    logprobs = lp.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == 5 and all(v <= 0 for v in logprobs.token_logprobs)
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+
+
+def test_native_generate_matches_and_streams(server, engine_fp32, tokenizer):
+    ids = tokenizer("Once upon a time")["input_ids"]
+    expected = engine_greedy(engine_fp32, ids, 10)
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}
+    res = httpx.post(server + "/generate", json=body, headers=HEADERS, timeout=60).json()
+    assert res["output_ids"] == expected["output_ids"] and res["text"] == expected["text"]
+    with httpx.stream(
+        "POST", server + "/generate", json={**body, "stream": True}, headers=HEADERS, timeout=60
+    ) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert len(lines) == 11
+
+
+def wait_for_no_leaks(server: str, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = httpx.get(server + "/get_server_info", headers=HEADERS, timeout=10).json()
+        mem = info["memory"]
+        idle = info["requests"] == {"running": 0, "waiting": 0}
+        if (
+            idle
+            and mem["protected_tokens"] == 0
+            and mem["free_tokens"] + mem["evictable_tokens"] == mem["total_tokens"]
+        ):
+            return info
+        assert time.monotonic() < deadline, f"server did not return to idle: {info}"
+        time.sleep(0.2)
+
+
+def test_32_streaming_clients_with_a_quarter_disconnecting(server):
+    async def one(i: int, http: httpx.AsyncClient) -> int:
+        body = {
+            "text": f"Story number {i}:",
+            "stream": True,
+            "sampling_params": {
+                "temperature": 0.8,
+                "max_new_tokens": 24,
+                "seed": i,
+                "ignore_eos": True,
+            },
+        }
+        chunks = 0
+        async with http.stream("POST", server + "/generate", json=body, headers=HEADERS) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    chunks += 1
+                    if i % 4 == 0 and chunks == 3:
+                        return -1  # disconnect mid-stream
+        return chunks
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(one(i, http) for i in range(32)))
+
+    results = asyncio.run(run())
+    assert results.count(-1) == 8
+    assert all(r == 25 for r in results if r != -1)  # 24 tokens + [DONE]
+    wait_for_no_leaks(server)
+    assert httpx.get(server + "/health", timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        ("/v1/chat/completions", b"{not json", "invalid request"),
+        ("/v1/chat/completions", {"model": "m", "messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"model": "m", "messages": []}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "wizard", "content": "x"}]},
+            "role",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+            "max_tokens",
+        ),
+        ("/v1/completions", {"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"model": "m", "prompt": "x " * 9000}, "context length is 8192"),
+        ("/generate", {"text": "x", "sampling_params": {"top_p": 0}}, "top_p must be in"),
+    ],
+)
+def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server, path, body, message):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    res = httpx.post(
+        server + path, headers={**HEADERS, "content-type": "application/json"}, timeout=60, **kwargs
+    )
+    assert 400 <= res.status_code < 500
+    assert message in res.json()["error"]["message"]
+    ok = httpx.post(
+        server + "/generate",
+        json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}},
+        headers=HEADERS,
+        timeout=60,
+    )
+    assert ok.status_code == 200
+
+
+def test_wrong_api_key_is_refused_but_health_is_open(server):
+    res = httpx.get(server + "/v1/models", headers={"Authorization": "Bearer nope"}, timeout=10)
+    assert res.status_code == 401 and "API key" in res.json()["error"]["message"]
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
+
+
+def test_killing_the_worker_stops_the_server_with_an_error(tiny_model_dir):
+    proc, _ = start_server(
+        "--model-path", tiny_model_dir, "--dtype", "float32", "--max-total-tokens", "2048"
+    )
+    workers = [p for p in descendants(proc.pid) if "spectral.server.worker_process" in cmdline(p)]
+    assert len(workers) == 1
+    os.kill(workers[0], signal.SIGKILL)
+    assert proc.wait(timeout=10) != 0
+
+
+def test_sigterm_leaves_no_child_process(tiny_model_dir):
+    proc, _ = start_server(
+        "--model-path", tiny_model_dir, "--dtype", "float32", "--max-total-tokens", "2048"
+    )
+    children = descendants(proc.pid)
+    assert len(children) >= 3  # detokenizer, scheduler, worker
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in children)
