@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +31,8 @@ def start_server(*flags: str, timeout: float = 120.0) -> tuple[subprocess.Popen,
             "--log-level",
             "warning",
             *flags,
-        ]
+        ],
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -45,6 +47,17 @@ def start_server(*flags: str, timeout: float = 120.0) -> tuple[subprocess.Popen,
         time.sleep(0.3)
     proc.kill()
     raise RuntimeError("server did not come up")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, and if the server is not gone in 30 s, kill its whole process group."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
 
 
 def descendants(pid: int) -> list[int]:

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import alive, cmdline, descendants, start_server
+from tests.server_utils import alive, cmdline, descendants, start_server, stop_server
 
 API_KEY = "test-key"
 
@@ -32,8 +32,7 @@ def server(default_model_dir):
         "smollm2",
     )
     yield url
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -210,10 +209,16 @@ def test_killing_the_worker_stops_the_server_with_an_error(tiny_model_dir):
     proc, _ = start_server(
         "--model-path", tiny_model_dir, "--dtype", "float32", "--max-total-tokens", "2048"
     )
-    workers = [p for p in descendants(proc.pid) if "spectral.server.worker_process" in cmdline(p)]
-    assert len(workers) == 1
-    os.kill(workers[0], signal.SIGKILL)
-    assert proc.wait(timeout=10) != 0
+    try:
+        workers = [
+            p for p in descendants(proc.pid) if "spectral.server.worker_process" in cmdline(p)
+        ]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        assert proc.wait(timeout=10) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_sigterm_leaves_no_child_process(tiny_model_dir):
@@ -222,9 +227,42 @@ def test_sigterm_leaves_no_child_process(tiny_model_dir):
     )
     children = descendants(proc.pid)
     assert len(children) >= 3  # detokenizer, scheduler, worker
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+    stop_server(proc)
     deadline = time.monotonic() + 10
     while any(alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in children)
+
+
+def test_a_non_streaming_client_that_gives_up_frees_its_request(server):
+    body = {
+        "text": "Tell me everything.",
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/generate", json=body, headers=HEADERS, timeout=1.0)
+    info = wait_for_no_leaks(server)
+    assert info["stats"]["generated_tokens"] < 1000
+
+
+def test_metrics_expose_counters_histograms_and_gauges(server):
+    httpx.post(
+        server + "/generate",
+        json={"text": "Hi", "sampling_params": {"max_new_tokens": 3}},
+        headers=HEADERS,
+        timeout=60,
+    )
+    text = httpx.get(server + "/metrics", headers=HEADERS, timeout=10).text
+    for name in (
+        "spectral:num_requests_total",
+        "spectral:prompt_tokens_total",
+        "spectral:generation_tokens_total",
+        "spectral:time_to_first_token_seconds_bucket",
+        "spectral:inter_token_latency_seconds_bucket",
+        "spectral:num_running_reqs",
+        "spectral:num_queue_reqs",
+        "spectral:cache_hit_rate",
+    ):
+        assert name in text
+    requests = [ln for ln in text.splitlines() if ln.startswith("spectral:num_requests_total")]
+    assert float(requests[0].split()[-1]) >= 1

@@ -48,6 +48,33 @@ class ORJSONResponse(Response):
         return orjson.dumps(content)
 
 
+class ApiKeyMiddleware:
+    """Plain ASGI middleware (unlike BaseHTTPMiddleware it leaves disconnect detection intact):
+    every path but /health needs `Authorization: Bearer <api_key>`."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization") != self.expected:
+                body = orjson.dumps(
+                    error_body("missing or wrong API key: send 'Authorization: Bearer <key>'", 401)
+                )
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [(b"content-type", b"application/json")],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
 def sse(data: Any) -> bytes:
     return b"data: " + (data if isinstance(data, bytes) else orjson.dumps(data)) + b"\n\n"
 
@@ -72,12 +99,8 @@ def create_app(
     async def invalid_request(_: Request, exc: InvalidRequestError) -> ORJSONResponse:
         return error(str(exc))
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error("missing or wrong API key: send 'Authorization: Bearer <key>'", 401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     # ---- native API ----------------------------------------------------------------------------
 
@@ -99,6 +122,11 @@ def create_app(
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
         return {**info, **(await manager.control("server_info"))}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = manager.metrics.render(await manager.control("server_info"))
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.post("/flush_cache")
     async def flush_cache() -> ORJSONResponse:
@@ -145,7 +173,9 @@ def create_app(
                 yield sse(b"[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        outs = await asyncio.gather(*(_final(g) for g in gens))
+        outs = await _unless_disconnected(request, asyncio.gather(*(_final(g) for g in gens)))
+        if isinstance(outs, Response):
+            return outs
         return outs[0].output() if single else [o.output() for o in outs]
 
     # ---- OpenAI API ----------------------------------------------------------------------------
@@ -156,7 +186,7 @@ def create_app(
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         prompts = _completion_prompts(manager, body.prompt)
         params = SamplingParams.from_dict(body.sampling_dict(body.max_tokens))
         top = body.logprobs or 0
@@ -215,9 +245,14 @@ def create_app(
                 yield sse(b"[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        states = await asyncio.gather(
-            *(_final(manager.generate(ids, p, None, want_logprobs, top)) for _, ids, p in jobs)
+        states = await _unless_disconnected(
+            request,
+            asyncio.gather(
+                *(_final(manager.generate(ids, p, None, want_logprobs, top)) for _, ids, p in jobs)
+            ),
         )
+        if isinstance(states, Response):
+            return states
         choices = [choice(index, ids, s, s.text) for (index, ids, _), s in zip(jobs, states)]
         return {
             "id": cid,
@@ -231,7 +266,7 @@ def create_app(
         }
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [
             {"role": m.role if m.role != "developer" else "system", "content": m.text()}
             for m in body.messages
@@ -287,12 +322,19 @@ def create_app(
                 yield sse(b"[DONE]")
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        states = await asyncio.gather(
-            *(
-                _final(manager.generate(list(ids), _seeded(params, k), None, body.logprobs, top))
-                for k in range(body.n)
-            )
+        states = await _unless_disconnected(
+            request,
+            asyncio.gather(
+                *(
+                    _final(
+                        manager.generate(list(ids), _seeded(params, k), None, body.logprobs, top)
+                    )
+                    for k in range(body.n)
+                )
+            ),
         )
+        if isinstance(states, Response):
+            return states
         choices = [
             {
                 "index": k,
@@ -312,6 +354,18 @@ def create_app(
         }
 
     return app
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """Await `work`; if the client goes away first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)
 
 
 async def _final(gen: AsyncIterator[ReqState]) -> ReqState:

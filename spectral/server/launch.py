@@ -104,6 +104,7 @@ def launch_server(args: ServerArgs) -> None:
         app = create_app(manager, served, {"context_length": info["context_length"]}, args.api_key)
         config = uvicorn.Config(
             app,
+            timeout_graceful_shutdown=5,
             host=args.host,
             port=args.port,
             loop="uvloop",

@@ -26,6 +26,7 @@ from spectral.server.messages import (
     RequestRejected,
     TokenizedGenerateReq,
 )
+from spectral.server.metrics import Metrics
 
 
 @dataclass
@@ -41,6 +42,7 @@ class ReqState:
     finish_reason: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.perf_counter)
+    last_update: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 
     @property
@@ -69,6 +71,7 @@ class TokenizerManager:
         self.from_detokenizer = self.ctx.socket(zmq.PULL)
         self.from_detokenizer.bind(f"ipc://{ipc_dir}/tokenizer_in")
         self.states: dict[str, ReqState] = {}
+        self.metrics = Metrics()
         self.calls: dict[str, asyncio.Future] = {}
         self._counter = itertools.count()
         self._loop_task: asyncio.Task | None = None
@@ -88,10 +91,19 @@ class TokenizerManager:
                     state.output_ids.extend(msg.new_ids[i])
                     state.logprobs.extend(msg.new_logprobs[i])
                     state.meta.update(msg.meta[i])
-                    if state.first_token_at is None and msg.new_ids[i]:
-                        state.first_token_at = time.perf_counter()
+                    t = time.perf_counter()
+                    if msg.new_ids[i]:
+                        first = state.first_token_at is None
+                        self.metrics.observe_tokens(
+                            len(msg.new_ids[i]), t - state.last_update, first
+                        )
+                        state.first_token_at = state.first_token_at or t
+                        state.last_update = t
                     if msg.finished_reasons[i] is not None:
                         state.finish_reason = msg.finished_reasons[i]
+                        self.metrics.observe_finished(
+                            state.prompt_tokens, len(state.output_ids), t - state.created
+                        )
                     state.updates.put_nowait(None)
             elif isinstance(msg, RequestRejected):
                 state = self.states.get(msg.rid)
