@@ -195,11 +195,12 @@ class Engine:
         input_ids: InputIds = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (a dict back) or a list of prompts run as one batch (a list).
         Requests from other threads join the same running batch."""
         reqs, single = self._make_reqs(
-            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num
+            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len
         )
         done = threading.Event()
         remaining = [len(reqs)]
@@ -274,6 +275,7 @@ class Engine:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
         return_logprob: bool,
         top_logprobs_num: int,
+        logprob_start_len: int = -1,
     ) -> tuple[list[Req], bool]:
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("give exactly one of prompt (text) or input_ids")
@@ -312,6 +314,7 @@ class Engine:
                 sampling_params=p,
                 return_logprob=return_logprob,
                 top_logprobs_num=top_logprobs_num,
+                logprob_start_len=logprob_start_len,
             )
             for ids, p in zip(token_lists, params)
         ]
@@ -337,6 +340,8 @@ class Engine:
             meta["output_token_logprobs"] = [
                 (lp, tok, None) for lp, tok in zip(req.output_logprobs, req.output_ids)
             ]
+        if req.return_logprob and req.logprob_start_len >= 0:
+            meta["input_token_logprobs"] = req.input_token_logprobs()
         if req.top_logprobs_num:
             meta["output_top_logprobs"] = [
                 [(lp, tok, None) for lp, tok in step] for step in req.output_top_logprobs

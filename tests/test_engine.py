@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from spectral import Engine
 from spectral.models.resolve import ModelNotFoundError
@@ -198,3 +199,28 @@ def test_a_gguf_path_resolves_to_its_cached_conversion():
     first = resolve.resolve_model_path(str(gguf))
     assert first == resolve.resolve_model_path("default")
     assert resolve.resolve_model_path(str(gguf)) == first
+
+
+@pytest.mark.parametrize("start", [0, 6])
+def test_input_token_logprobs_match_transformers_with_chunked_prefill(
+    default_model_dir, hf_model, tokenizer, start
+):
+    ids = tokenizer("The quick brown fox jumps over the lazy dog because it was bored")["input_ids"]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], -1)
+    expected = [logprobs[p - 1, ids[p]].item() for p in range(start + 1, len(ids))]
+    with Engine(
+        model_path=default_model_dir, dtype="float32", max_total_tokens=2048, chunked_prefill_size=5
+    ) as engine:
+        engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})  # cache the prompt
+        out = engine.generate(
+            input_ids=ids,
+            sampling_params={"max_new_tokens": 2, "temperature": 0},
+            return_logprob=True,
+            logprob_start_len=start,
+        )
+        got = out["meta_info"]["input_token_logprobs"]
+        assert [t for _, t, _ in got] == ids[start:]
+        assert got[0][0] is None
+        assert max(abs(g[0] - e) for g, e in zip(got[1:], expected)) < 1e-4
+        assert_no_leaks(engine)

@@ -266,3 +266,17 @@ def test_metrics_expose_counters_histograms_and_gauges(server):
         assert name in text
     requests = [ln for ln in text.splitlines() if ln.startswith("spectral:num_requests_total")]
     assert float(requests[0].split()[-1]) >= 1
+
+
+def test_generate_returns_input_token_logprobs(server, tokenizer):
+    ids = tokenizer("Roses are red, violets are blue")["input_ids"]
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "logprob_start_len": 2,
+        "sampling_params": {"max_new_tokens": 1},
+    }
+    res = httpx.post(server + "/generate", json=body, headers=HEADERS, timeout=60).json()
+    got = res["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in got] == ids[2:]
+    assert got[0][0] is None and all(lp <= 0 for lp, _, _ in got[1:])

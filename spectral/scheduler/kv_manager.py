@@ -38,9 +38,9 @@ class KVManager:
         return self.allocator.alloc(n)
 
     def admit(self, req: Req, tokens: list[int]) -> int:
-        """Give `req` a row and the cached prefix of `tokens` (at most all but the last token,
-        so that at least one is computed); lock that prefix. Returns the prefix length."""
-        slots, node = self.tree.match_prefix(tokens[: len(tokens) - 1])
+        """Give `req` a row and the cached prefix of `tokens` (see `Req.cacheable_prefix`);
+        lock that prefix. Returns the prefix length."""
+        slots, node = self.tree.match_prefix(req.cacheable_prefix(tokens))
         self.tree.lock(node)
         req.req_pool_idx = self.free_rows.pop()
         req.kv_slots = list(slots)

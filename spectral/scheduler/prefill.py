@@ -66,7 +66,7 @@ class PrefillAdder:
         if self.rem_chunk is not None and self.rem_chunk <= 0:
             return False
         tokens = req.all_ids
-        cached, _ = self.kv.tree.match_prefix(tokens[: len(tokens) - 1])
+        cached, _ = self.kv.tree.match_prefix(req.cacheable_prefix(tokens))
         extend = len(tokens) - len(cached)
         future = min(req.remaining_new_tokens(self.max_output(req)), CLIP_MAX_NEW_TOKENS)
         if extend + future > self.rem_total:

@@ -35,6 +35,8 @@ class Req:
     sampling_params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # With return_logprob: logprobs of the prompt tokens from this position on (-1: none).
+    logprob_start_len: int = -1
     output_ids: list[int] = field(default_factory=list)
 
     # KV state, owned from admission until the scheduler releases the request:
@@ -53,6 +55,7 @@ class Req:
     finished_reason: FinishReason | None = None
     cached_tokens: int = 0
     retraction_count: int = 0
+    input_logprobs: list[float | None] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     # Where a matched stop string starts in the decoded output text.
@@ -79,6 +82,24 @@ class Req:
         return self.req_pool_idx is not None and self.seq_len < len(self.input_ids) + len(
             self.output_ids
         )
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and not self.output_ids
+
+    def cacheable_prefix(self, tokens: list[int]) -> list[int]:
+        """The part of `tokens` that may come from the radix cache: all but the last token,
+        and nothing from `logprob_start_len` on while input logprobs are wanted."""
+        end = len(tokens) - 1
+        if self.wants_input_logprobs:
+            end = min(end, self.logprob_start_len)
+        return tokens[:end]
+
+    def input_token_logprobs(self) -> list[tuple[float | None, int, None]]:
+        """(logprob, token, None) for the prompt from `logprob_start_len` on; the first has no
+        logprob (SGLang's shape)."""
+        start = min(self.logprob_start_len, len(self.input_ids) - 1)
+        return [(lp, tok, None) for lp, tok in zip(self.input_logprobs, self.input_ids[start:])]
 
     def remaining_new_tokens(self, max_output: int) -> int:
         return max(max_output - len(self.output_ids), 0)

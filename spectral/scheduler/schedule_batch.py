@@ -34,6 +34,8 @@ class ScheduleBatch:
         extend_lens: list[int] = []
         table_writes: list[tuple[int, int, list[int]]] = []
         sampling: list[RequestSampling] = []
+        logprob_starts: list[int] = []
+        logprob_next: list[int] = []
         for req in self.reqs:
             start, end = self.new_token_range(req)
             ids = req.all_ids
@@ -42,6 +44,12 @@ class ScheduleBatch:
             out_loc.extend(req.kv_slots[start:end])
             prefix_lens.append(start)
             extend_lens.append(end - start)
+            n = len(req.input_ids)
+            wanted = self.mode == ForwardMode.EXTEND and req.wants_input_logprobs
+            first = max(min(req.logprob_start_len, n - 1), start)
+            last_row = min(end, n - 1) - 1  # rows score the token after them, inside the prompt
+            logprob_starts.append(first if wanted and first <= last_row else -1)
+            logprob_next.append(ids[end] if wanted and end < n else -1)
             stale = req.table_stale_from
             if stale is not None and stale < start:
                 table_writes.append((req.req_pool_idx, stale, req.kv_slots[stale:start]))
@@ -67,4 +75,6 @@ class ScheduleBatch:
             extend_lens=extend_lens,
             sampling=sampling,
             table_writes=table_writes,
+            input_logprob_starts=logprob_starts if any(s >= 0 for s in logprob_starts) else [],
+            input_logprob_next=logprob_next if any(s >= 0 for s in logprob_starts) else [],
         )

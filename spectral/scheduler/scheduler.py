@@ -247,6 +247,11 @@ class Scheduler:
         for i, req in enumerate(batch.reqs):
             if batch.mode == ForwardMode.EXTEND:
                 self.stats.prefill_tokens += req.extend_len
+                if req.wants_input_logprobs:
+                    if not req.input_logprobs:
+                        req.input_logprobs.append(None)  # the first scored token has no context
+                    if result.input_logprobs:
+                        req.input_logprobs.extend(result.input_logprobs[i])
                 if not batch.completes_prefill(req):
                     continue  # a chunk: its sampled token is meaningless
             req.output_ids.append(result.next_token_ids[i])

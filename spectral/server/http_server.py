@@ -38,6 +38,7 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1
     rid: str | list[str] | None = None
 
 
@@ -152,7 +153,12 @@ def create_app(
         rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
         gens = [
             manager.generate(
-                ids, SamplingParams.from_dict(p), rid, body.return_logprob, body.top_logprobs_num
+                ids,
+                SamplingParams.from_dict(p),
+                rid,
+                body.return_logprob,
+                body.top_logprobs_num,
+                body.logprob_start_len,
             )
             for ids, p, rid in zip(prompts, param_list, rids)
         ]

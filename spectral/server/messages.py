@@ -27,6 +27,7 @@ class TokenizedGenerateReq:
     sampling_params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1
 
 
 @message

@@ -101,6 +101,7 @@ class SchedulerProcess:
             sampling_params=msg.sampling_params,
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
         )
         try:
             self.scheduler.add_request(req)
@@ -146,6 +147,8 @@ class SchedulerProcess:
                 "completion_tokens": len(req.output_ids),
                 "cached_tokens": req.cached_tokens,
             }
+            if start == 0 and new and req.return_logprob and req.logprob_start_len >= 0:
+                meta["input_token_logprobs"] = req.input_token_logprobs()
             if req.finished:
                 meta["e2e_latency"] = (req.finished_at or time.perf_counter()) - req.created_at
                 self.sent.pop(req.rid, None)

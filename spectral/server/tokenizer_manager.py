@@ -127,6 +127,7 @@ class TokenizerManager:
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> AsyncIterator[ReqState]:
         """Yields the request's state after every update; the last one is finished. Leaving the
         iteration early (a client that went away) aborts the request."""
@@ -146,7 +147,12 @@ class TokenizerManager:
             await asend_message(
                 self.to_scheduler,
                 TokenizedGenerateReq(
-                    rid, list(input_ids), sampling_params, return_logprob, top_logprobs_num
+                    rid,
+                    list(input_ids),
+                    sampling_params,
+                    return_logprob,
+                    top_logprobs_num,
+                    logprob_start_len,
                 ),
             )
             while True:

@@ -40,6 +40,11 @@ class WorkerBatch:
     sampling: list[RequestSampling]
     table_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)
     custom_mask: list[bool] | None = None
+    # Per request (EXTEND only): first position whose next-token logprob is wanted, or -1.
+    input_logprob_starts: list[int] = field(default_factory=list)
+    # The input token after the batch's last position of each request (-1: none), so that the
+    # last row of a prefill chunk scores it.
+    input_logprob_next: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -48,3 +53,5 @@ class WorkerResult:
     # Per request, when asked for: logprob of the chosen token, and the top-k (logprob, id) pairs.
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[float, int]] | None]
+    # Per request, with input_logprob_starts: logprob of each following input token.
+    input_logprobs: list[list[float]] = field(default_factory=list)

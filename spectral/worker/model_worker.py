@@ -115,7 +115,29 @@ class ModelWorker:
 
     @torch.inference_mode()
     def forward(self, wb: WorkerBatch) -> WorkerResult:
-        """Run one EXTEND or DECODE step and sample one token per request."""
-        logits = self.forward_logits(self.to_forward_batch(wb))
-        out = sample(logits.cpu(), wb.sampling)
-        return WorkerResult(out.next_token_ids.tolist(), out.logprobs, out.top_logprobs)
+        """Run one EXTEND or DECODE step and sample one token per request (and, where asked,
+        score the input tokens of an EXTEND)."""
+        batch = self.to_forward_batch(wb)
+        if not wb.input_logprob_starts:
+            out = sample(self.forward_logits(batch).cpu(), wb.sampling)
+            return WorkerResult(out.next_token_ids.tolist(), out.logprobs, out.top_logprobs)
+        hidden, _ = self.forward_hidden(batch)
+        ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
+        out = sample(self.model.compute_logits(hidden[ends]).cpu(), wb.sampling)
+        input_logprobs: list[list[float]] = []
+        offset = 0
+        for i, (start, ext) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
+            first = wb.input_logprob_starts[i]
+            scores: list[float] = []
+            if first >= 0:
+                targets = wb.input_ids[offset + first - start + 1 : offset + ext]
+                if wb.input_logprob_next[i] >= 0:
+                    targets = targets + [wb.input_logprob_next[i]]
+                rows = hidden[offset + first - start : offset + first - start + len(targets)]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+                scores = logprobs.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist()
+            input_logprobs.append(scores)
+            offset += ext
+        return WorkerResult(
+            out.next_token_ids.tolist(), out.logprobs, out.top_logprobs, input_logprobs
+        )
