@@ -243,6 +243,7 @@ def test_a_non_streaming_client_that_gives_up_frees_its_request(server):
         httpx.post(server + "/generate", json=body, headers=HEADERS, timeout=1.0)
     info = wait_for_no_leaks(server)
     assert info["stats"]["generated_tokens"] < 1000
+    assert info["server_args"]["max_total_tokens"] == 16384 and "api_key" not in info["server_args"]
 
 
 def test_metrics_expose_counters_histograms_and_gauges(server):

@@ -3,6 +3,8 @@ passes everything else (control replies, rejections) through to the tokenizer ma
 
 from __future__ import annotations
 
+import os
+
 import zmq
 
 from spectral.args import ServerArgs
@@ -30,7 +32,12 @@ def detokenizer_main(args: ServerArgs, ipc_dir: str) -> None:
     ready.close(linger=1000)
 
     states: dict[str, IncrementalDetokenizer] = {}
+    parent = os.getppid()
     while True:
+        if not inbox.poll(500):
+            if os.getppid() != parent:
+                return  # the server is gone (a backstop for the parent-death signal)
+            continue
         msg = recv_message(inbox)
         if not isinstance(msg, BatchTokenIDOut):
             send_message(outbox, msg)

@@ -118,7 +118,11 @@ def create_app(
 
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
-        return {"model_path": served_model, "is_generation": True, **info}
+        return {
+            "model_path": served_model,
+            "is_generation": True,
+            "context_length": info.get("context_length"),
+        }
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:

@@ -5,6 +5,7 @@ down with a clear message and a non-zero exit; SIGINT/SIGTERM stop every child."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -101,7 +102,13 @@ def launch_server(args: ServerArgs) -> None:
 
         manager = TokenizerManager(tokenizer, ipc_dir, info["context_length"], info["vocab_size"])
         state["manager"] = manager
-        app = create_app(manager, served, {"context_length": info["context_length"]}, args.api_key)
+        public_args = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
+        app = create_app(
+            manager,
+            served,
+            {"context_length": info["context_length"], "server_args": public_args},
+            args.api_key,
+        )
         config = uvicorn.Config(
             app,
             timeout_graceful_shutdown=5,

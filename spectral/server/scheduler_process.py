@@ -4,6 +4,7 @@ model worker is a child process of its own), and streams new tokens to the detok
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 
@@ -165,6 +166,8 @@ class SchedulerProcess:
 
 def main() -> None:
     args, ns = parse_child_args("scheduler")
+    # exit through `finally` so that the worker process is stopped with us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     process = SchedulerProcess(args, ns.ipc_dir)
     try:
         process.run()

@@ -76,9 +76,13 @@ def worker_main(args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
         outbox,
         WorkerReady(worker.num_kv_slots, cfg.vocab_size, max_context_len, list(cfg.eos_token_ids)),
     )
+    parent = os.getppid()
     while True:
-        batch = recv_message(inbox)
-        send_message(outbox, worker.forward(batch))
+        if not inbox.poll(500):
+            if os.getppid() != parent:
+                return  # the scheduler is gone (a backstop for the parent-death signal)
+            continue
+        send_message(outbox, worker.forward(recv_message(inbox)))
 
 
 class RemoteWorker:
