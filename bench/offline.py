@@ -44,18 +44,34 @@ def spectral_batched(engine: Engine, prompts: list[str], new_tokens: int) -> flo
     return sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - start)
 
 
-def transformers_batched(model_dir: str, dtype: torch.dtype, prompts: list[str], new_tokens: int):
+def load_transformers(model_dir: str, dtype: torch.dtype):
+    """The transformers model (loaded once per run) and a greedy, fixed-length generate config."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    batch = tok(prompts, return_tensors="pt", padding=True)
-    kwargs = dict(
+    key = (model_dir, dtype)
+    if key not in _TRANSFORMERS:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        _TRANSFORMERS[key] = (AutoTokenizer.from_pretrained(model_dir), model)
+    return _TRANSFORMERS[key]
+
+
+_TRANSFORMERS: dict = {}
+
+
+def greedy_kwargs(tok, new_tokens: int) -> dict:
+    return dict(
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
         pad_token_id=tok.eos_token_id,
     )
+
+
+def transformers_batched(model_dir: str, dtype: torch.dtype, prompts: list[str], new_tokens: int):
+    tok, model = load_transformers(model_dir, dtype)
+    tok.padding_side = "left"
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    kwargs = greedy_kwargs(tok, new_tokens)
     with torch.inference_mode():
         start = time.perf_counter()
         gen = model.generate(**batch, **kwargs)
@@ -64,17 +80,9 @@ def transformers_batched(model_dir: str, dtype: torch.dtype, prompts: list[str],
 
 
 def transformers_batch1(model_dir: str, dtype: torch.dtype, prompts: list[str], new_tokens: int):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    tok, model = load_transformers(model_dir, dtype)
     encoded = [tok(p, return_tensors="pt")["input_ids"] for p in prompts]
-    kwargs = dict(
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=tok.eos_token_id,
-    )
+    kwargs = greedy_kwargs(tok, new_tokens)
     with torch.inference_mode():
         model.generate(encoded[0], **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})
         outputs, tokens, start = [], 0, time.perf_counter()

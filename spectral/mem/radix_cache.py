@@ -32,7 +32,7 @@ class TreeNode:
         return self.last_access < other.last_access
 
 
-def _common_len(a: list[int], b: list[int]) -> int:
+def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -74,7 +74,7 @@ class RadixCache:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = _common_len(child.key, tokens[pos:])
+            n = common_prefix_len(child.key, tokens[pos:])
             if n < len(child.key):
                 child = self._split(child, n)
             child.touch()
@@ -102,7 +102,7 @@ class RadixCache:
                 node.children[tokens[pos]] = leaf
                 self.evictable_size += len(leaf.key)
                 return pos
-            n = _common_len(child.key, tokens[pos:])
+            n = common_prefix_len(child.key, tokens[pos:])
             if n < len(child.key):
                 child = self._split(child, n)
             child.touch()

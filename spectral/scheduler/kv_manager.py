@@ -55,15 +55,12 @@ class KVManager:
         if self.tree.disable:
             return
         tokens = req.all_ids[: req.seq_len]
-        cached = self.tree.insert(tokens, req.kv_slots)
-        duplicates = req.kv_slots[req.protected_len : cached]
-        if duplicates:
-            self.allocator.free(duplicates)
+        freed_duplicates = self._insert(req, tokens)
         slots, node = self.tree.match_prefix(tokens)
         self.tree.lock(node)
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
-        if duplicates:
+        if freed_duplicates:
             stale = req.protected_len
             req.table_stale_from = (
                 stale if req.table_stale_from is None else min(req.table_stale_from, stale)
@@ -72,16 +69,21 @@ class KVManager:
         req.protected_len = len(slots)
         req.last_node = node
 
+    def _insert(self, req: Req, tokens: list[int]) -> bool:
+        """Hand the request's computed tokens to the tree and free its own slots for tokens the
+        tree already held (all of them without a tree). Returns whether any were freed."""
+        cached = self.tree.insert(tokens, req.kv_slots)
+        duplicates = req.kv_slots[req.protected_len : cached]
+        if duplicates:
+            self.allocator.free(duplicates)
+        return bool(duplicates)
+
     def release(self, req: Req) -> None:
         """The request gives up its KV: computed tokens go to the tree (or back to the
         allocator without a tree), the lock and the row are released."""
         if req.req_pool_idx is None:
             return
-        tokens = req.all_ids[: req.seq_len]
-        cached = self.tree.insert(tokens, req.kv_slots)
-        mine = req.kv_slots[req.protected_len : cached]
-        if mine:
-            self.allocator.free(mine)
+        self._insert(req, req.all_ids[: req.seq_len])
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
         self.free_rows.append(req.req_pool_idx)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from spectral.mem.radix_cache import common_prefix_len
 from spectral.scheduler.kv_manager import KVManager
 from spectral.scheduler.req import Req
 
@@ -20,14 +21,6 @@ CLIP_MAX_NEW_TOKENS = 4096
 # same round waits a round, so that the first computes the shared part and the rest reuse it.
 IN_BATCH_SHARED_PREFIX = 32
 LPM_MAX_QUEUE = 128
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class PrefillAdder:

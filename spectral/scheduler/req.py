@@ -72,6 +72,15 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building all_ids (the decode step asks for one token)."""
+        n = len(self.input_ids)
+        if end <= n:
+            return self.input_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.input_ids[start:] + self.output_ids[: end - n]
+
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None

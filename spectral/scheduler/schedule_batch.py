@@ -38,8 +38,7 @@ class ScheduleBatch:
         logprob_next: list[int] = []
         for req in self.reqs:
             start, end = self.new_token_range(req)
-            ids = req.all_ids
-            input_ids.extend(ids[start:end])
+            input_ids.extend(req.token_slice(start, end))
             positions.extend(range(start, end))
             out_loc.extend(req.kv_slots[start:end])
             prefix_lens.append(start)
@@ -49,7 +48,7 @@ class ScheduleBatch:
             first = max(min(req.logprob_start_len, n - 1), start)
             last_row = min(end, n - 1) - 1  # rows score the token after them, inside the prompt
             logprob_starts.append(first if wanted and first <= last_row else -1)
-            logprob_next.append(ids[end] if wanted and end < n else -1)
+            logprob_next.append(req.input_ids[end] if wanted and end < n else -1)
             stale = req.table_stale_from
             if stale is not None and stale < start:
                 table_writes.append((req.req_pool_idx, stale, req.kv_slots[stale:start]))

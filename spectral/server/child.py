@@ -9,9 +9,11 @@ import ctypes
 import dataclasses
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 from spectral.args import ServerArgs
 
@@ -43,6 +45,15 @@ def parse_child_args(role: str, *extra_int_flags: str) -> tuple[ServerArgs, argp
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role}: %(message)s")
     die_with_parent()
     return args, ns
+
+
+def wait_for_work(sock: Any, parent: int) -> bool:
+    """Block until `sock` has a message (True) or this process's parent `parent` is gone
+    (False), a backstop for the parent-death signal."""
+    while not sock.poll(500):
+        if os.getppid() != parent:
+            return False
+    return True
 
 
 def die_with_parent() -> None:

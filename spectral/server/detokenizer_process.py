@@ -9,7 +9,7 @@ import zmq
 
 from spectral.args import ServerArgs
 from spectral.models.resolve import resolve_model_path
-from spectral.server.child import parse_child_args
+from spectral.server.child import parse_child_args, wait_for_work
 from spectral.server.detokenizer import IncrementalDetokenizer
 from spectral.server.ipc import recv_message, send_message
 from spectral.server.messages import BatchStrOut, BatchTokenIDOut, ProcessReady
@@ -33,11 +33,7 @@ def detokenizer_main(args: ServerArgs, ipc_dir: str) -> None:
 
     states: dict[str, IncrementalDetokenizer] = {}
     parent = os.getppid()
-    while True:
-        if not inbox.poll(500):
-            if os.getppid() != parent:
-                return  # the server is gone (a backstop for the parent-death signal)
-            continue
+    while wait_for_work(inbox, parent):
         msg = recv_message(inbox)
         if not isinstance(msg, BatchTokenIDOut):
             send_message(outbox, msg)

@@ -19,7 +19,7 @@ import zmq
 
 from spectral.args import ServerArgs
 from spectral.server import messages  # noqa: F401  (registers the message types)
-from spectral.server.child import parse_child_args, spawn_child
+from spectral.server.child import parse_child_args, spawn_child, wait_for_work
 from spectral.server.ipc import message, recv_message, send_message
 from spectral.worker.io import WorkerBatch, WorkerResult
 
@@ -77,11 +77,7 @@ def worker_main(args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
         WorkerReady(worker.num_kv_slots, cfg.vocab_size, max_context_len, list(cfg.eos_token_ids)),
     )
     parent = os.getppid()
-    while True:
-        if not inbox.poll(500):
-            if os.getppid() != parent:
-                return  # the scheduler is gone (a backstop for the parent-death signal)
-            continue
+    while wait_for_work(inbox, parent):
         send_message(outbox, worker.forward(recv_message(inbox)))
 
 
