@@ -32,6 +32,13 @@ class ServerArgs:
     attention_backend: str = "auto"
     disable_cpu_kernels: bool = False
     random_seed: int | None = None
+    # Speculative decoding
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_max_batch_size: int | None = None
     # Server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -61,6 +68,16 @@ class ServerArgs:
             raise ValueError(f"schedule_policy must be fcfs or lpm (got {self.schedule_policy!r})")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {self.max_prefill_tokens})")
+        if self.speculative_algorithm is not None:
+            from spectral.speculative.settings import SpecSettings
+
+            SpecSettings.from_args(self)  # raises on a bad combination
+
+    def spec_settings(self):
+        """The speculative-decoding settings with defaults filled in, or None when off."""
+        from spectral.speculative.settings import SpecSettings
+
+        return SpecSettings.from_args(self) if self.speculative_algorithm else None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
@@ -103,6 +120,14 @@ class ServerArgs:
             "attention_backend": "auto, torch",
             "disable_cpu_kernels": "use plain PyTorch matmuls instead of spectral's C++ kernels",
             "random_seed": "seed for unseeded sampling",
+            "speculative_algorithm": "EAGLE, EAGLE3 (draft head) or NGRAM (no model)",
+            "speculative_draft_model_path": "draft head directory (EAGLE/EAGLE3); 'default' for "
+            "the head shipped for the default model",
+            "speculative_num_steps": "draft tree depth (draft forwards per round)",
+            "speculative_eagle_topk": "children kept per expanded node",
+            "speculative_num_draft_tokens": "tree nodes verified per round, the root included",
+            "speculative_max_batch_size": "decode plainly when more requests than this run "
+            "(default: tuned for the device)",
             "host": "address to bind (default loopback only)",
             "port": "HTTP port",
             "log_level": "debug, info, warning, error",

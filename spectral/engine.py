@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import queue
@@ -22,7 +21,7 @@ from spectral.models.resolve import resolve_model_path
 from spectral.sampling_params import InvalidRequestError, SamplingParams
 from spectral.scheduler.req import Req
 from spectral.scheduler.scheduler import Scheduler
-from spectral.worker.model_worker import ModelWorker
+from spectral.worker.factory import create_worker
 
 logger = logging.getLogger(__name__)
 
@@ -42,17 +41,7 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or self.model_dir)
         config = ModelConfig.from_pretrained(self.model_dir)
         self.context_len = args.context_length or config.max_context_len
-        self.worker = ModelWorker(
-            self.model_dir,
-            dtype=args.resolved_dtype(),
-            device=args.resolved_device(),
-            max_total_tokens=args.max_total_tokens,
-            mem_fraction_static=args.mem_fraction_static,
-            max_running_requests=args.max_running_requests,
-            max_context_len=self.context_len,
-            attention_backend=args.attention_backend,
-            use_cpu_kernels=not args.disable_cpu_kernels,
-        )
+        self.worker = create_worker(args, self.context_len)
         self.model_config = self.worker.config
         self.scheduler = Scheduler(
             self.worker,
@@ -66,6 +55,7 @@ class Engine:
             chunked_prefill_size=args.chunked_prefill_size,
             schedule_policy=args.schedule_policy,
             disable_radix_cache=args.disable_radix_cache,
+            spec=args.spec_settings(),
         )
         self._rid_counter = itertools.count()
         self._start_loop()
@@ -335,6 +325,7 @@ class Engine:
             "cached_tokens": req.cached_tokens,
             "finish_reason": req.finished_reason.to_dict() if req.finished_reason else None,
             "e2e_latency": (req.finished_at or time.perf_counter()) - req.created_at,
+            **req.spec_meta(),
         }
         if req.return_logprob:
             meta["output_token_logprobs"] = [
@@ -358,7 +349,7 @@ class Engine:
                 "running": len(s.running) + (1 if s.chunked else 0),
                 "waiting": len(s.waiting),
             },
-            "stats": dataclasses.asdict(s.stats),
+            "stats": s.stats.to_dict(),
         }
 
     def flush_cache(self) -> bool:

@@ -8,14 +8,22 @@ the allocator, in the tree (evictable or protected), or owned by one request
 from __future__ import annotations
 
 from spectral.mem.allocator import OutOfSlotsError, TokenSlotAllocator
-from spectral.mem.radix_cache import RadixCache
+from spectral.mem.radix_cache import RadixCache, TreeNode
 from spectral.scheduler.req import Req
 
 
 class KVManager:
     def __init__(
-        self, num_kv_slots: int, max_running_requests: int, disable_radix_cache: bool
+        self,
+        num_kv_slots: int,
+        max_running_requests: int,
+        disable_radix_cache: bool,
+        draft_kv_shift: bool = False,
     ) -> None:
+        """With `draft_kv_shift` (an EAGLE head shares the slots), the last position of a
+        matched prefix is never reused: the head's KV there paired it with a next token that
+        the new request may not share."""
+        self.draft_kv_shift = draft_kv_shift
         self.allocator = TokenSlotAllocator(num_kv_slots)
         self.tree = RadixCache(self.allocator, disable=disable_radix_cache)
         self.max_rows = max_running_requests
@@ -37,10 +45,19 @@ class KVManager:
             )
         return self.allocator.alloc(n)
 
+    def match(self, req: Req, tokens: list[int]) -> tuple[list[int], TreeNode]:
+        """The cached prefix of `tokens` that `req` may reuse (slots and tree node); locks
+        nothing."""
+        prefix = req.cacheable_prefix(tokens)
+        slots, node = self.tree.match_prefix(prefix)
+        if self.draft_kv_shift and slots:
+            slots, node = self.tree.match_prefix(prefix[: len(slots) - 1])
+        return slots, node
+
     def admit(self, req: Req, tokens: list[int]) -> int:
         """Give `req` a row and the cached prefix of `tokens` (see `Req.cacheable_prefix`);
         lock that prefix. Returns the prefix length."""
-        slots, node = self.tree.match_prefix(req.cacheable_prefix(tokens))
+        slots, node = self.match(req, tokens)
         self.tree.lock(node)
         req.req_pool_idx = self.free_rows.pop()
         req.kv_slots = list(slots)

@@ -59,7 +59,7 @@ class PrefillAdder:
         if self.rem_chunk is not None and self.rem_chunk <= 0:
             return False
         tokens = req.all_ids
-        cached, _ = self.kv.tree.match_prefix(req.cacheable_prefix(tokens))
+        cached, _ = self.kv.match(req, tokens)
         extend = len(tokens) - len(cached)
         future = min(req.remaining_new_tokens(self.max_output(req)), CLIP_MAX_NEW_TOKENS)
         if extend + future > self.rem_total:
@@ -67,6 +67,11 @@ class PrefillAdder:
         if self.admitted and extend > self.rem_input:
             return False
         prefix = self.kv.admit(req, tokens)
+        needed = extend if self.rem_chunk is None else min(extend, self.rem_chunk)
+        if self.kv.available < needed:
+            # Locking the matched prefix took it out of what eviction can reclaim.
+            self.kv.release(req)
+            return False
         if req.retraction_count == 0 and not req.output_ids:
             req.cached_tokens = prefix
         self.rem_total -= future

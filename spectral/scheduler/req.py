@@ -58,6 +58,15 @@ class Req:
     input_logprobs: list[float | None] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # Speculative decoding: this round's tree slots (node 0 = the root); the tree when the
+    # scheduler drafts it (n-gram; None: the worker's head drafts), the n-gram drafter's
+    # per-request state, and counts for meta_info.
+    spec_slots: list[int] = field(default_factory=list)
+    draft_tokens: list[int] | None = None
+    draft_parents: list[int] | None = None
+    ngram_state: Any = None
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
     # Where a matched stop string starts in the decoded output text.
     stop_text_cut: int | None = None
     created_at: float = field(default_factory=time.perf_counter)
@@ -109,6 +118,18 @@ class Req:
         logprob (SGLang's shape)."""
         start = min(self.logprob_start_len, len(self.input_ids) - 1)
         return [(lp, tok, None) for lp, tok in zip(self.input_logprobs, self.input_ids[start:])]
+
+    def spec_meta(self) -> dict[str, Any]:
+        """meta_info entries of speculative decoding (none for a request that never ran a
+        round): rounds, accepted draft tokens, and tokens per round."""
+        if not self.spec_verify_ct:
+            return {}
+        return {
+            "spec_verify_ct": self.spec_verify_ct,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_accept_length": (self.spec_verify_ct + self.spec_accepted_tokens)
+            / self.spec_verify_ct,
+        }
 
     def remaining_new_tokens(self, max_output: int) -> int:
         return max(max_output - len(self.output_ids), 0)

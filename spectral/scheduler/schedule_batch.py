@@ -24,9 +24,14 @@ class ScheduleBatch:
         """Whether this forward reaches the request's last token (its logits are wanted)."""
         return self.new_token_range(req)[1] == len(req.input_ids) + len(req.output_ids)
 
-    def to_worker_batch(self, banned_for: dict[str, list[int]]) -> WorkerBatch:
+    def to_worker_batch(
+        self, banned_for: dict[str, list[int]], draft_next: bool = False
+    ) -> WorkerBatch:
         """The new tokens of every request (their slots already in `req.kv_slots`), plus the
-        table rows the worker has not seen yet."""
+        table rows the worker has not seen yet. With `draft_next` (a draft head runs after an
+        EXTEND), the token after each request's last new position where it is known."""
+        if self.mode == ForwardMode.TARGET_VERIFY:
+            return self._verify_batch(banned_for)
         input_ids: list[int] = []
         positions: list[int] = []
         out_loc: list[int] = []
@@ -53,17 +58,7 @@ class ScheduleBatch:
             if stale is not None and stale < start:
                 table_writes.append((req.req_pool_idx, stale, req.kv_slots[stale:start]))
             req.table_stale_from = None
-            p = req.sampling_params
-            sampling.append(
-                RequestSampling(
-                    params=p,
-                    output_ids=req.output_ids,
-                    penalty_prompt_ids=req.input_ids if p.repetition_penalty != 1.0 else [],
-                    return_logprob=req.return_logprob,
-                    top_logprobs_num=req.top_logprobs_num,
-                    banned_token_ids=banned_for.get(req.rid, []),
-                )
-            )
+            sampling.append(self._sampling(req, banned_for))
         return WorkerBatch(
             mode=self.mode,
             input_ids=input_ids,
@@ -76,4 +71,48 @@ class ScheduleBatch:
             table_writes=table_writes,
             input_logprob_starts=logprob_starts if any(s >= 0 for s in logprob_starts) else [],
             input_logprob_next=logprob_next if any(s >= 0 for s in logprob_starts) else [],
+            draft_next_ids=self._draft_next_ids() if draft_next else [],
+        )
+
+    def _draft_next_ids(self) -> list[int]:
+        out = []
+        for req in self.reqs:
+            end = self.new_token_range(req)[1]
+            out.append(req.token_slice(end, end + 1)[0] if end < len(req.all_ids) else -1)
+        return out
+
+    def _verify_batch(self, banned_for: dict[str, list[int]]) -> WorkerBatch:
+        """One speculative round: each request's root (its last token) at position seq_len
+        and one slot per tree node in `req.spec_slots`; n-gram trees travel along."""
+        table_writes = []
+        for req in self.reqs:
+            stale = req.table_stale_from
+            if stale is not None and stale < req.seq_len:
+                table_writes.append((req.req_pool_idx, stale, req.kv_slots[stale:]))
+            req.table_stale_from = None
+        given = all(req.draft_tokens is not None for req in self.reqs)
+        return WorkerBatch(
+            mode=self.mode,
+            input_ids=[req.output_ids[-1] for req in self.reqs],
+            positions=[req.seq_len for req in self.reqs],
+            out_cache_loc=[s for req in self.reqs for s in req.spec_slots],
+            req_pool_indices=[req.req_pool_idx for req in self.reqs],
+            prefix_lens=[req.seq_len for req in self.reqs],
+            extend_lens=[len(req.spec_slots) for req in self.reqs],
+            sampling=[self._sampling(req, banned_for) for req in self.reqs],
+            table_writes=table_writes,
+            draft_tokens=[req.draft_tokens for req in self.reqs] if given else None,
+            draft_parents=[req.draft_parents for req in self.reqs] if given else None,
+        )
+
+    @staticmethod
+    def _sampling(req: Req, banned_for: dict[str, list[int]]) -> RequestSampling:
+        p = req.sampling_params
+        return RequestSampling(
+            params=p,
+            output_ids=req.output_ids,
+            penalty_prompt_ids=req.input_ids if p.repetition_penalty != 1.0 else [],
+            return_logprob=req.return_logprob,
+            top_logprobs_num=req.top_logprobs_num,
+            banned_token_ids=banned_for.get(req.rid, []),
         )

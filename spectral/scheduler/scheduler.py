@@ -7,6 +7,7 @@ the worker only runs the batches it is given.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -19,6 +20,8 @@ from spectral.scheduler.kv_manager import KVManager
 from spectral.scheduler.prefill import PrefillAdder, order_waiting
 from spectral.scheduler.req import FinishReason, Req
 from spectral.scheduler.schedule_batch import ScheduleBatch
+from spectral.speculative.ngram import NgramDrafter, NgramState
+from spectral.speculative.settings import SpecSettings
 from spectral.worker.io import WorkerBatch, WorkerResult
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,16 @@ class SchedulerStats:
     generated_tokens: int = 0
     decode_steps: int = 0
     retractions: int = 0
+    spec_verify_ct: int = 0  # speculative rounds, summed over requests
+    spec_emitted_tokens: int = 0  # tokens those rounds produced (accepted drafts + 1 each)
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Average tokens per speculative round and request (SGLang's accept length)."""
+        return self.spec_emitted_tokens / self.spec_verify_ct if self.spec_verify_ct else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "spec_accept_length": self.spec_accept_length}
 
 
 class Scheduler:
@@ -62,12 +75,24 @@ class Scheduler:
         chunked_prefill_size: int | None = None,
         schedule_policy: str = "fcfs",
         disable_radix_cache: bool = False,
+        spec: SpecSettings | None = None,
     ) -> None:
         if schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm (got {schedule_policy!r})")
         self.worker = worker
         self.tokenizer = tokenizer
-        self.kv = KVManager(num_kv_slots, max_running_requests, disable_radix_cache)
+        self.spec = spec
+        self.kv = KVManager(
+            num_kv_slots,
+            max_running_requests,
+            disable_radix_cache,
+            draft_kv_shift=spec is not None and spec.uses_draft_head,
+        )
+        self.ngram: NgramDrafter | None = None
+        if spec is not None and spec.algorithm == "NGRAM":
+            self.ngram = NgramDrafter(
+                max_nodes=spec.num_draft_tokens - 1, max_depth=spec.max_tree_depth
+            )
         self.max_running_requests = max_running_requests
         self.max_context_len = max_context_len
         self.max_prefill_tokens = max_prefill_tokens
@@ -159,7 +184,8 @@ class Scheduler:
             for req in batch.reqs
             if len(req.output_ids) < req.sampling_params.min_new_tokens
         }
-        result = self.worker.forward(batch.to_worker_batch(banned))
+        draft_next = self.spec is not None and self.spec.uses_draft_head
+        result = self.worker.forward(batch.to_worker_batch(banned, draft_next))
         return done_early + self._process_result(batch, result)
 
     def _finish_empty_requests(self) -> list[Req]:
@@ -211,6 +237,8 @@ class Scheduler:
     def _decode_batch(self) -> ScheduleBatch | None:
         """Every running request gets one slot for its newest token; when the pool runs
         short, evict cached prefixes, then retract requests (most remaining work first)."""
+        if self.spec is not None and len(self.running) <= self.spec.max_batch_size:
+            return self._verify_batch()
         kv = self.kv
         while kv.available < len(self.running) and len(self.running) > 1:
             self._retract_one()
@@ -221,6 +249,37 @@ class Scheduler:
         )
         self.stats.decode_steps += 1
         return ScheduleBatch(ForwardMode.DECODE, list(self.running))
+
+    def _verify_batch(self) -> ScheduleBatch:
+        """A speculative round: each running request gets one slot per tree node (the root
+        is its newest token). A request's tree ends before its context does; when the pool
+        cannot hold every tree, requests are retracted as for decode, and a last request
+        verifies its root alone."""
+        spec = self.spec
+        kv = self.kv
+        sizes = {}
+        for req in self.running:
+            room = self.max_context_len - req.seq_len
+            if self.ngram is not None:
+                if req.ngram_state is None:
+                    req.ngram_state = NgramState()
+                tokens, parents = self.ngram.propose(req.all_ids, req.ngram_state)
+                room = min(room, 1 + len(tokens))
+                req.draft_tokens, req.draft_parents = tokens[: room - 1], parents[: room - 1]
+            sizes[req.rid] = min(spec.num_draft_tokens, room)
+        while kv.available < sum(sizes[r.rid] for r in self.running) and len(self.running) > 1:
+            self._retract_one()
+        if kv.available < sum(sizes[r.rid] for r in self.running):
+            for req in self.running:
+                sizes[req.rid] = 1
+                req.draft_tokens, req.draft_parents = [], []
+        for req in self.running:
+            req.spec_slots = kv.alloc_slots(sizes[req.rid])
+        self.stats.decode_steps += 1
+        self.new_token_ratio = max(
+            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
+        return ScheduleBatch(ForwardMode.TARGET_VERIFY, list(self.running))
 
     def _retract_one(self) -> None:
         victim = max(
@@ -243,6 +302,8 @@ class Scheduler:
         )
 
     def _process_result(self, batch: ScheduleBatch, result: WorkerResult) -> list[Req]:
+        if batch.mode == ForwardMode.TARGET_VERIFY:
+            return self._process_verify(batch, result)
         changed: list[Req] = []
         for i, req in enumerate(batch.reqs):
             if batch.mode == ForwardMode.EXTEND:
@@ -270,6 +331,39 @@ class Scheduler:
                 self.kv.cache_unfinished(req)
                 self.running.append(req)
         return changed
+
+    def _process_verify(self, batch: ScheduleBatch, result: WorkerResult) -> list[Req]:
+        """Append each request's emitted tokens up to the first that finishes it; keep the
+        slots of the root and of the appended tokens but the last, free the rest."""
+        for i, req in enumerate(batch.reqs):
+            slots, req.spec_slots = req.spec_slots, []
+            req.draft_tokens = req.draft_parents = None
+            emitted = result.emitted_ids[i]
+            reason = None
+            appended = 0
+            for j, token in enumerate(emitted):
+                req.output_ids.append(token)
+                appended += 1
+                if req.return_logprob:
+                    req.output_logprobs.append(result.emitted_logprobs[i][j])
+                if req.top_logprobs_num:
+                    req.output_top_logprobs.append(result.emitted_top_logprobs[i][j])
+                reason = self._check_finish(req)
+                if reason is not None:
+                    break
+            kept = [slots[node] for node in result.accepted_nodes[i][:appended]]
+            req.kv_slots.extend(kept)
+            kept_set = set(kept)
+            self.kv.allocator.free([s for s in slots if s not in kept_set])
+            req.spec_verify_ct += 1
+            req.spec_accepted_tokens += appended - 1
+            self.stats.spec_verify_ct += 1
+            self.stats.spec_emitted_tokens += appended
+            self.stats.generated_tokens += appended
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+        return list(batch.reqs)
 
     def _stop_ids(self, req: Req) -> list[int]:
         ids = list(req.sampling_params.stop_token_ids)
@@ -310,3 +404,5 @@ class Scheduler:
         req.finished_reason = reason
         req.finished_at = time.perf_counter()
         self.kv.release(req)
+        if self.ngram is not None and reason.type != "abort":
+            self.ngram.add_sequence(req.all_ids)

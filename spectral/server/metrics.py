@@ -49,6 +49,11 @@ class Metrics:
             "Prompt tokens served by the radix cache / prompt tokens",
             registry=r,
         )
+        self.spec_accept_length = Gauge(
+            "spectral:spec_accept_length",
+            "Tokens per speculative round and request, averaged since start (0 without one)",
+            registry=r,
+        )
 
     def observe_tokens(self, new_tokens: int, since_last: float, first: bool) -> None:
         if first:
@@ -76,4 +81,5 @@ class Metrics:
         self.token_usage.set(in_use / max(memory["total_tokens"], 1))
         looked_up = stats["cached_tokens"] + stats["prefill_tokens"]
         self.cache_hit_rate.set(stats["cached_tokens"] / looked_up if looked_up else 0.0)
+        self.spec_accept_length.set(stats.get("spec_accept_length", 0.0))
         return generate_latest(self.registry)

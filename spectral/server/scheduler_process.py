@@ -62,6 +62,7 @@ class SchedulerProcess:
             chunked_prefill_size=args.chunked_prefill_size,
             schedule_policy=args.schedule_policy,
             disable_radix_cache=args.disable_radix_cache,
+            spec=args.spec_settings(),
         )
         self.sent: dict[str, int] = {}  # output ids already sent, per request in flight
         ready = self.ctx.socket(zmq.PUSH)
@@ -122,7 +123,7 @@ class SchedulerProcess:
                     "running": len(s.running) + (1 if s.chunked else 0),
                     "waiting": len(s.waiting),
                 },
-                "stats": dict(vars(s.stats)),
+                "stats": s.stats.to_dict(),
             }
         return {"error": f"unknown control call {name!r}"}
 
@@ -147,6 +148,7 @@ class SchedulerProcess:
                 "prompt_tokens": len(req.input_ids),
                 "completion_tokens": len(req.output_ids),
                 "cached_tokens": req.cached_tokens,
+                **req.spec_meta(),
             }
             if start == 0 and new and req.return_logprob and req.logprob_start_len >= 0:
                 meta["input_token_logprobs"] = req.input_token_logprobs()

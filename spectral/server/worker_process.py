@@ -48,8 +48,7 @@ class WorkerDiedError(RuntimeError):
 
 
 def worker_main(args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
-    from spectral.models.resolve import resolve_model_path
-    from spectral.worker.model_worker import ModelWorker
+    from spectral.worker.factory import create_worker
 
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -57,17 +56,7 @@ def worker_main(args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(f"ipc://{ipc_dir}/worker_out")
     try:
-        worker = ModelWorker(
-            resolve_model_path(args.model_path, args.model_cache_dir),
-            dtype=args.resolved_dtype(),
-            device=args.resolved_device(),
-            max_total_tokens=args.max_total_tokens,
-            mem_fraction_static=args.mem_fraction_static,
-            max_running_requests=args.max_running_requests,
-            max_context_len=max_context_len,
-            attention_backend=args.attention_backend,
-            use_cpu_kernels=not args.disable_cpu_kernels,
-        )
+        worker = create_worker(args, max_context_len)
     except Exception as err:
         send_message(outbox, WorkerFailed(f"{type(err).__name__}: {err}"))
         raise

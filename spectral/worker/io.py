@@ -45,6 +45,14 @@ class WorkerBatch:
     # The input token after the batch's last position of each request (-1: none), so that the
     # last row of a prefill chunk scores it.
     input_logprob_next: list[int] = field(default_factory=list)
+    # Speculative decoding. EXTEND with a draft head: per request, the token after the batch's
+    # last position when it is known (a prompt chunk), else -1 (the sampled token follows).
+    draft_next_ids: list[int] = field(default_factory=list)
+    # TARGET_VERIFY: `input_ids` holds each request's root (its last token) and `extend_lens`
+    # the tree sizes; trees come from the worker's draft head, or are given here (n-gram):
+    # non-root node tokens and parents (0 = root, i + 1 = node i).
+    draft_tokens: list[list[int]] | None = None
+    draft_parents: list[list[int]] | None = None
 
 
 @dataclass
@@ -55,3 +63,10 @@ class WorkerResult:
     top_logprobs: list[list[tuple[float, int]] | None]
     # Per request, with input_logprob_starts: logprob of each following input token.
     input_logprobs: list[list[float]] = field(default_factory=list)
+    # TARGET_VERIFY: per request, the accepted tree nodes (root first; their slots keep the
+    # KV) and the tokens to append (one per accepted node: the accepted drafts, then the
+    # target's own next token), with their logprobs when asked for.
+    accepted_nodes: list[list[int]] = field(default_factory=list)
+    emitted_ids: list[list[int]] = field(default_factory=list)
+    emitted_logprobs: list[list[float] | None] = field(default_factory=list)
+    emitted_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)

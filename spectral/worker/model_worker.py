@@ -117,13 +117,29 @@ class ModelWorker:
     def forward(self, wb: WorkerBatch) -> WorkerResult:
         """Run one EXTEND or DECODE step and sample one token per request (and, where asked,
         score the input tokens of an EXTEND)."""
+        return self.run(wb)[0]
+
+    @torch.inference_mode()
+    def run(
+        self, wb: WorkerBatch, capture_layers: tuple[int, ...] = ()
+    ) -> tuple[WorkerResult, ForwardBatch, torch.Tensor, list[torch.Tensor]]:
+        """`forward`, also returning the batch, the final hidden states of every new token and
+        the inputs of `capture_layers` (what a draft head is trained on)."""
         batch = self.to_forward_batch(wb)
-        if not wb.input_logprob_starts:
-            out = sample(self.forward_logits(batch).cpu(), wb.sampling)
-            return WorkerResult(out.next_token_ids.tolist(), out.logprobs, out.top_logprobs)
-        hidden, _ = self.forward_hidden(batch)
+        batch.capture_layers = capture_layers
+        hidden, captured = self.forward_hidden(batch)
         ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
-        out = sample(self.model.compute_logits(hidden[ends]).cpu(), wb.sampling)
+        last = hidden if batch.num_tokens == batch.batch_size else hidden[ends]
+        out = sample(self.model.compute_logits(last).cpu(), wb.sampling)
+        input_logprobs = self._input_logprobs(wb, batch, hidden) if wb.input_logprob_starts else []
+        result = WorkerResult(
+            out.next_token_ids.tolist(), out.logprobs, out.top_logprobs, input_logprobs
+        )
+        return result, batch, hidden, captured
+
+    def _input_logprobs(
+        self, wb: WorkerBatch, batch: ForwardBatch, hidden: torch.Tensor
+    ) -> list[list[float]]:
         input_logprobs: list[list[float]] = []
         offset = 0
         for i, (start, ext) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
@@ -138,6 +154,4 @@ class ModelWorker:
                 scores = logprobs.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist()
             input_logprobs.append(scores)
             offset += ext
-        return WorkerResult(
-            out.next_token_ids.tolist(), out.logprobs, out.top_logprobs, input_logprobs
-        )
+        return input_logprobs

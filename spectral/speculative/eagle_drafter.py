@@ -1,0 +1,205 @@
+"""The EAGLE drafter on the worker side: the head's KV cache, the draft extend over verified
+tokens, and the EAGLE-2 expansion of a draft tree.
+
+Memory: the head has its own one-layer KV pool indexed by the same slot ids as the target's,
+through the same req-to-token rows, so a request's draft KV lives and dies with its target KV.
+The draft KV of position p pairs the target feature at p with token p + 1; the scheduler keeps
+that valid across the radix cache by never reusing the last position of a matched prefix.
+Tree nodes' draft KV is scratch, held in tensors for the length of one `draft` call.
+
+Per request row the drafter keeps what the last extend left: the top-k next tokens after the
+last verified token (their log-probs and target ids) and the head's output there, which is the
+feature of the first tree step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from spectral.forward import ForwardBatch, ForwardMode
+from spectral.kernels.torch_backend import TorchAttentionBackend
+from spectral.mem.kv_pool import KVPool
+from spectral.mem.req_to_token import ReqToTokenPool
+from spectral.speculative.eagle_head import DraftHead
+
+
+class EagleDrafter:
+    def __init__(
+        self,
+        head: DraftHead,
+        num_slots: int,
+        req_to_token: ReqToTokenPool,
+        topk: int,
+        num_steps: int,
+        dtype: torch.dtype,
+        device: str,
+    ) -> None:
+        cfg = head.cfg
+        self.head = head
+        self.topk = topk
+        self.num_steps = num_steps
+        self.req_to_token = req_to_token
+        self.kv_pool = KVPool(num_slots, 1, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.scaling = cfg.head_dim**-0.5
+        self.backend = TorchAttentionBackend(self.kv_pool, req_to_token, self.scaling)
+        rows = req_to_token.max_requests
+        self.topk_logprobs = torch.zeros((rows, topk), dtype=torch.float32, device=device)
+        self.topk_ids = torch.zeros((rows, topk), dtype=torch.int64, device=device)
+        self.last_hidden = torch.zeros((rows, cfg.hidden_size), dtype=dtype, device=device)
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Target layers whose inputs the head needs (EAGLE-3); EAGLE-1 uses the final state."""
+        return self.head.cfg.aux_layers if self.head.cfg.kind == "eagle3" else ()
+
+    @torch.inference_mode()
+    def extend(self, batch: ForwardBatch, features: torch.Tensor) -> None:
+        """Write the head's KV for the batch's new positions and keep, per request row, the
+        top-k after its last position. `batch.input_ids` are the tokens one ahead of the
+        positions (the token after each position); `features` [T, F] the target's."""
+        self.backend.init_forward_metadata(batch)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.backend.forward(q, k, v, 0, batch)
+
+        hidden = self.head(batch.input_ids, features, batch.positions, attend)
+        ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
+        last = hidden[ends.to(hidden.device)]
+        logprobs = torch.log_softmax(self.head.logits(last), dim=-1)
+        values, ids = logprobs.topk(self.topk, dim=-1)
+        rows = batch.req_pool_indices
+        self.topk_logprobs[rows] = values
+        self.topk_ids[rows] = self.head.to_target_ids(ids)
+        self.last_hidden[rows] = last
+
+    @torch.inference_mode()
+    def draft(
+        self, rows: torch.Tensor, seq_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expand a tree below each request's last verified token (at position seq_len) for
+        `num_steps` levels, keeping the best `topk` nodes per level (EAGLE-2).
+
+        Returns candidates as (cumulative log-prob [B, C], target token [B, C], parent candidate
+        index or -1 for children of the root [B, C]) with C = k + (num_steps - 1) k², laid out
+        level by level, so parents have lower indices than their children.
+        """
+        k = self.topk
+        B = rows.shape[0]
+        device = rows.device
+        scores = [self.topk_logprobs[rows]]
+        tokens = [self.topk_ids[rows]]
+        parents = [torch.full((B, k), -1, dtype=torch.int64, device=device)]
+        if self.num_steps == 1:
+            return scores[0], tokens[0], parents[0]
+
+        frontier_tokens = tokens[0]
+        frontier_scores = scores[0]
+        frontier_hidden = self.last_hidden[rows][:, None, :].expand(B, k, -1)
+        frontier_ids = torch.arange(k, device=device).expand(B, k)
+        prefix_k, prefix_v, prefix_visible = self._gather_prefix(rows, seq_lens)
+        tree_k: list[torch.Tensor] = []
+        tree_v: list[torch.Tensor] = []
+        ancestors = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
+        base = k
+        for step in range(1, self.num_steps):
+            positions = (seq_lens + step - 1)[:, None].expand(B, k).reshape(-1)
+            mask = torch.cat((prefix_visible[:, None, :].expand(B, k, -1), ancestors), dim=-1)
+
+            attend = functools.partial(
+                self._tree_attention, mask=mask, prefix=(prefix_k, prefix_v), tree=(tree_k, tree_v)
+            )
+            hidden = self.head(
+                frontier_tokens.reshape(-1),
+                frontier_hidden.reshape(B * k, -1),
+                positions,
+                attend,
+            )
+            logprobs = torch.log_softmax(self.head.logits(hidden), dim=-1)
+            child_lp, child_ids = logprobs.topk(k, dim=-1)
+            child_ids = self.head.to_target_ids(child_ids).view(B, k * k)
+            cumulative = (child_lp.view(B, k, k) + frontier_scores[:, :, None]).view(B, k * k)
+            scores.append(cumulative)
+            tokens.append(child_ids)
+            parents.append(frontier_ids[:, :, None].expand(B, k, k).reshape(B, k * k))
+            if step == self.num_steps - 1:
+                break
+            chosen = cumulative.topk(k, dim=-1).indices  # next frontier, [B, k]
+            parent_slot = chosen // k
+            frontier_tokens = child_ids.gather(1, chosen)
+            frontier_scores = cumulative.gather(1, chosen)
+            hidden = hidden.view(B, k, -1)
+            frontier_hidden = hidden.gather(
+                1, parent_slot[:, :, None].expand(B, k, hidden.shape[-1])
+            )
+            frontier_ids = base + chosen
+            base += k * k
+            inherited = ancestors.gather(
+                1, parent_slot[:, :, None].expand(B, k, ancestors.shape[-1])
+            )
+            own = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
+            ancestors = torch.cat((inherited, own), dim=-1)
+        return torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
+
+    def _tree_attention(
+        self,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor,
+        prefix: tuple[torch.Tensor, torch.Tensor],
+        tree: tuple[list[torch.Tensor], list[torch.Tensor]],
+    ) -> torch.Tensor:
+        """Attention of one tree level's B x k nodes over their request's verified prefix and
+        the tree entries `mask` [B, k, L + entries] allows; appends this level's keys and values
+        to `tree` (they are its newest entries, which the mask's last k columns address)."""
+        B, k = mask.shape[0], mask.shape[1]
+        tree[0].append(key.view(B, k, *key.shape[1:]))
+        tree[1].append(value.view(B, k, *value.shape[1:]))
+        keys = torch.cat((prefix[0], *tree[0]), dim=1).transpose(1, 2)
+        values = torch.cat((prefix[1], *tree[1]), dim=1).transpose(1, 2)
+        queries = q.view(B, k, *q.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            queries.to(keys.dtype),
+            keys,
+            values,
+            attn_mask=mask[:, None],
+            scale=self.scaling,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2).reshape(B * k, -1).to(q.dtype)
+
+    def _gather_prefix(
+        self, rows: torch.Tensor, seq_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head's K and V of every verified position of each request, padded to the
+        longest ([B, L, KVH, D]), and which entries are real ([B, L])."""
+        longest = int(seq_lens.max())
+        slots = self.req_to_token.table[rows, :longest]
+        visible = torch.arange(longest, device=rows.device)[None, :] < seq_lens[:, None]
+        slots = slots.masked_fill(~visible, 0)
+        return self.kv_pool.k[0][slots], self.kv_pool.v[0][slots], visible
+
+
+def shifted_draft_batch(
+    batch: ForwardBatch, next_tokens: list[int], mode: ForwardMode = ForwardMode.DRAFT_EXTEND
+) -> ForwardBatch:
+    """The head's batch for the positions `batch` computed: each request's tokens shifted left
+    by one, its `next_tokens[i]` appended (position t pairs with token t + 1)."""
+    ids = batch.input_ids.clone()
+    offset = 0
+    for ext, nxt in zip(batch.extend_lens, next_tokens):
+        ids[offset : offset + ext - 1] = batch.input_ids[offset + 1 : offset + ext]
+        ids[offset + ext - 1] = nxt
+        offset += ext
+    return ForwardBatch(
+        mode=mode,
+        input_ids=ids,
+        positions=batch.positions,
+        out_cache_loc=batch.out_cache_loc,
+        req_pool_indices=batch.req_pool_indices,
+        prefix_lens=batch.prefix_lens,
+        extend_lens=batch.extend_lens,
+    )

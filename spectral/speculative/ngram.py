@@ -1,0 +1,228 @@
+"""NgramDrafter: model-free draft trees for speculative decoding, by n-gram lookup.
+
+For a request whose verified tokens are `context` (the last one is the tree root), the drafter
+matches the context's suffix, longest first (`max_ngram` down to `min_ngram` tokens), against
+
+1. the context itself: the most recent earlier occurrences of the suffix, found by a C-speed
+   byte search (`rfind`) over the context packed as int32. An `NgramState` kept on the request
+   holds the packing, so a step packs only the tokens appended since the last one;
+2. a shared corpus of other sequences (`add_sequence`, e.g. finished requests' prompt + output),
+   indexed once, when added, in a dict from each n-gram to its `MAX_MATCHES` most recent
+   continuation positions. The corpus holds at most `max_indexed_tokens` tokens and evicts the
+   oldest sequences first.
+
+Every occurrence adds its continuation (up to `max_depth` tokens) to a trie with the weight
+`WEIGHT_BASE ** n`, n the longest suffix it matched. One n yields at most 2 * MAX_MATCHES
+occurrences (self and corpus), so the weights rank siblings by longest matched suffix first, then
+by frequency; ties go to the most recent occurrence (the request's own tokens count as newer than
+the corpus). Collection stops after the first n that brings the total to MAX_MATCHES. The tree
+grows best-first by path probability, the product of weight(child) / weight(parent) along the
+path, until it has `max_nodes` nodes; parents always come before their children.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import struct
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+MAX_MATCHES = 8
+WEIGHT_BASE = 2 * MAX_MATCHES + 1
+_RECENCY_STRIDE = 1 << 40  # recency = source * stride + position: later sources rank newer
+_INT32 = struct.Struct("=i")  # tokens are packed as native-order int32
+_TOKEN_BYTES = _INT32.size
+
+
+@dataclass
+class NgramState:
+    """One request's drafting state: its tokens packed as int32 for the byte search.
+
+    Contract: pass it with the same request's context at every call; the context only grows
+    (verified tokens are never taken back). A context shorter than the packing, or whose token at
+    the packing's end differs, resets the state."""
+
+    packed: bytearray = field(default_factory=bytearray)
+
+    def sync(self, context: list[int]) -> bytearray:
+        """Pack the tokens appended since the last call; return the whole packing."""
+        packed = self.packed
+        done = len(packed) // _TOKEN_BYTES
+        if done > len(context) or (
+            done and packed[-_TOKEN_BYTES:] != _INT32.pack(context[done - 1])
+        ):
+            packed.clear()
+            done = 0
+        new = context[done:]
+        packed += struct.pack(f"={len(new)}i", *new)
+        return packed
+
+
+class _TrieNode:
+    __slots__ = ("weight", "recency", "children")
+
+    def __init__(self, recency: int) -> None:
+        self.weight = 0
+        self.recency = recency
+        self.children: dict[int, _TrieNode] = {}
+
+    def add_path(self, tokens: list[int], weight: int, recency: int) -> None:
+        """Count `tokens` as one continuation below this node, with `weight`."""
+        node = self
+        node.weight += weight
+        for token in tokens:
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = _TrieNode(recency)
+            child.weight += weight
+            if recency > child.recency:
+                child.recency = recency
+            node = child
+
+
+class NgramDrafter:
+    """Drafts n-gram trees for the scheduler's requests from their own tokens and a shared
+    corpus; not thread-safe (one scheduler owns it)."""
+
+    def __init__(
+        self,
+        max_nodes: int,
+        max_depth: int,
+        min_ngram: int = 1,
+        max_ngram: int = 4,
+        max_indexed_tokens: int = 1_000_000,
+    ) -> None:
+        if max_nodes < 0:
+            raise ValueError(f"max_nodes must be >= 0 (got {max_nodes})")
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1 (got {max_depth})")
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(
+                f"need 1 <= min_ngram <= max_ngram (got min_ngram={min_ngram}, "
+                f"max_ngram={max_ngram})"
+            )
+        if max_indexed_tokens < 0:
+            raise ValueError(f"max_indexed_tokens must be >= 0 (got {max_indexed_tokens})")
+        self.max_nodes = max_nodes
+        self.max_depth = max_depth
+        self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+        self.max_indexed_tokens = max_indexed_tokens
+        self.num_indexed_tokens = 0
+        self._seqs: OrderedDict[int, list[int]] = OrderedDict()
+        self._index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        self._next_seq_id = 0
+
+    def add_sequence(self, tokens: list[int]) -> None:
+        """Index a sequence (e.g. a finished request's prompt + output) for other requests to
+        match. Only its last `max_indexed_tokens` tokens are kept; the oldest sequences are
+        evicted to make room. Costs O(len(tokens) * (max_ngram - min_ngram + 1))."""
+        tokens = list(tokens[max(0, len(tokens) - self.max_indexed_tokens) :])
+        if len(tokens) <= self.min_ngram:
+            return
+        while self.num_indexed_tokens + len(tokens) > self.max_indexed_tokens:
+            self._evict_oldest()
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        self._seqs[seq_id] = tokens
+        self.num_indexed_tokens += len(tokens)
+        index = self._index
+        for key, start in self._ngrams(tokens):
+            bucket = index.get(key)
+            if bucket is None:
+                index[key] = [(seq_id, start)]
+                continue
+            if len(bucket) == MAX_MATCHES:
+                del bucket[0]
+            bucket.append((seq_id, start))
+
+    def propose(
+        self, context: list[int], state: NgramState | None = None
+    ) -> tuple[list[int], list[int]]:
+        """(node_tokens, node_parents) for the non-root nodes of a draft tree below
+        `context[-1]`, parents before children: node_parents[i] indexes the full node list,
+        where 0 is the root and i + 1 is non-root node i (so node_parents[i] <= i). At most
+        `max_nodes` nodes, depth at most `max_depth`, siblings with distinct tokens; ([], [])
+        when nothing matches. `state` (see NgramState) makes the self-match incremental;
+        without it the whole context is packed (O(len(context)), fast but not free)."""
+        if not context or self.max_nodes == 0:
+            return [], []
+        data = (state if state is not None else NgramState()).sync(context)
+        root = _TrieNode(0)
+        seen: set[tuple[int, int]] = set()
+        own = self._next_seq_id
+        for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
+            weight = WEIGHT_BASE**n
+            for start in _self_matches(data, n):
+                if (own, start) not in seen:
+                    seen.add((own, start))
+                    cont = context[start : start + self.max_depth]
+                    root.add_path(cont, weight, own * _RECENCY_STRIDE + start)
+            for seq_id, start in self._index.get(tuple(context[-n:]), ()):
+                if (seq_id, start) not in seen:
+                    seen.add((seq_id, start))
+                    cont = self._seqs[seq_id][start : start + self.max_depth]
+                    root.add_path(cont, weight, seq_id * _RECENCY_STRIDE + start)
+            if len(seen) >= MAX_MATCHES:
+                break
+        return self._best_first(root)
+
+    def _best_first(self, root: _TrieNode) -> tuple[list[int], list[int]]:
+        """The `max_nodes` most probable trie nodes, each emitted after its parent."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        tiebreak = itertools.count()
+        heap: list[tuple[float, int, int, int, _TrieNode, int]] = []
+        node, prob, index = root, 1.0, 0
+        while True:
+            for token, child in node.children.items():
+                entry = (-prob * child.weight / node.weight, -child.recency, next(tiebreak))
+                heapq.heappush(heap, (*entry, token, child, index))
+            if not heap or len(tokens) == self.max_nodes:
+                return tokens, parents
+            neg_prob, _, _, token, node, parent = heapq.heappop(heap)
+            prob = -neg_prob
+            tokens.append(token)
+            parents.append(parent)
+            index = len(tokens)
+
+    def _ngrams(self, tokens: list[int]) -> Iterator[tuple[tuple[int, ...], int]]:
+        """Each indexed n-gram of `tokens` that has a continuation, with the continuation's
+        start."""
+        for n in range(self.min_ngram, self.max_ngram + 1):
+            ngrams = zip(*(tokens[i : len(tokens) - n + i] for i in range(n)))
+            yield from zip(ngrams, range(n, len(tokens)))
+
+    def _evict_oldest(self) -> None:
+        seq_id, tokens = self._seqs.popitem(last=False)
+        self.num_indexed_tokens -= len(tokens)
+        index = self._index
+        for key, _ in self._ngrams(tokens):
+            bucket = index.get(key)
+            if bucket is None:
+                continue
+            # Buckets are in insertion order and this is the oldest sequence: its occurrences
+            # are at the front.
+            while bucket and bucket[0][0] == seq_id:
+                del bucket[0]
+            if not bucket:
+                del index[key]
+
+
+def _self_matches(data: bytearray, n: int) -> Iterator[int]:
+    """Continuation starts (token positions) of the MAX_MATCHES most recent occurrences of the
+    last `n` tokens of `data` (int32 tokens) that end before its last token, newest first."""
+    size = _TOKEN_BYTES
+    pattern = data[-n * size :]
+    end = len(data) - size
+    found = 0
+    while found < MAX_MATCHES:
+        pos = data.rfind(pattern, 0, end)
+        if pos < 0:
+            return
+        end = pos + len(pattern) - 1
+        if pos % size == 0:
+            found += 1
+            yield pos // size + n

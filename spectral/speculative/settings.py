@@ -1,0 +1,77 @@
+"""SpecSettings: the speculative-decoding flags of `ServerArgs`, checked, with defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM")
+
+# Defaults for the embedded model on a CPU: (num_steps, topk, num_draft_tokens).
+DEFAULTS = {"EAGLE": (5, 4, 8), "EAGLE3": (5, 4, 8), "NGRAM": (5, 1, 8)}
+# Above this many running requests the target is compute-bound on a CPU and a round costs more
+# than it gains; decode plainly there (the head still extends, so speculation can resume).
+DEFAULT_MAX_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    algorithm: str
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    draft_model_path: str | None
+    max_batch_size: int
+
+    @property
+    def uses_draft_head(self) -> bool:
+        return self.algorithm in ("EAGLE", "EAGLE3")
+
+    @property
+    def max_tree_depth(self) -> int:
+        return self.num_steps
+
+    @classmethod
+    def from_args(cls, args: Any) -> SpecSettings:
+        algo = (args.speculative_algorithm or "").upper()
+        if algo not in ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm must be one of {', '.join(ALGORITHMS)} "
+                f"(got {args.speculative_algorithm!r})"
+            )
+        steps, topk, tokens = DEFAULTS[algo]
+        steps = args.speculative_num_steps or steps
+        topk = args.speculative_eagle_topk or topk
+        tokens = args.speculative_num_draft_tokens or tokens
+        path = args.speculative_draft_model_path
+        if algo in ("EAGLE", "EAGLE3") and not path:
+            raise ValueError(
+                f"--speculative-algorithm {algo} needs --speculative-draft-model-path "
+                "(a head directory, or 'default' for the head shipped for the default model)"
+            )
+        if algo == "NGRAM" and path:
+            raise ValueError("NGRAM drafts without a model; drop --speculative-draft-model-path")
+        for name, value in (
+            ("num_steps", steps),
+            ("eagle_topk", topk),
+            ("num_draft_tokens", tokens),
+        ):
+            if value < 1:
+                raise ValueError(f"speculative_{name} must be >= 1 (got {value})")
+        if tokens < 2:
+            raise ValueError(
+                f"speculative_num_draft_tokens counts the root too and must be >= 2 (got {tokens})"
+            )
+        if algo != "NGRAM":
+            most = 1 + topk + (steps - 1) * topk * topk
+            if tokens > most:
+                raise ValueError(
+                    f"speculative_num_draft_tokens {tokens} exceeds what {steps} steps of "
+                    f"top-{topk} can draft ({most} with the root)"
+                )
+        max_batch = args.speculative_max_batch_size
+        if max_batch is None:
+            max_batch = DEFAULT_MAX_BATCH_SIZE
+        if max_batch < 0:
+            raise ValueError(f"speculative_max_batch_size must be >= 0 (got {max_batch})")
+        return cls(algo, steps, topk, tokens, path, max_batch)

@@ -1,0 +1,195 @@
+"""EAGLE-2 draft trees: a batch of token trees laid out for one target forward (tree verify).
+
+Every tree has `n` node slots (`num_draft_tokens`, root included). Node 0 is the root, the
+request's last verified token; every other real node comes after its parent, so any prefix of
+the node list is itself a tree. Nodes at or after `num_nodes[b]` are padding: token 0, parent
+-1, depth 0, a mask row holding only the diagonal, and nobody's child or sibling.
+
+All tensors live on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTrees:
+    """A batch of B token trees of n nodes each (n = num_draft_tokens, root included)."""
+
+    tokens: torch.Tensor  # [B, n] int64; tokens[:, 0] are the root tokens
+    parents: torch.Tensor  # [B, n] int64; parent node, -1 for the root and padding; < own index
+    depths: torch.Tensor  # [B, n] int64; number of ancestors (0 for the root and padding)
+    mask: torch.Tensor  # [B, n, n] bool; mask[b, i, j]: j is i or an ancestor of i
+    next_token: torch.Tensor  # [B, n] int64; first (lowest-index) child, or -1
+    next_sibling: torch.Tensor  # [B, n] int64; next higher-index node with the same parent, or -1
+    num_nodes: list[int]  # real nodes per tree (root included, <= n)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+
+def _assemble(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: list[int]) -> DraftTrees:
+    """Derive depths, mask and the child/sibling links from `parents` [B, n], which must
+    already satisfy the layout (parents[b, j] < j for real nodes, -1 for root and padding)."""
+    B, n = parents.shape
+    batch = torch.arange(B)
+    mask = torch.zeros((B, n, n), dtype=torch.bool)
+    mask[:, torch.arange(n), torch.arange(n)] = True
+    for j in range(1, n):
+        parent = parents[:, j]
+        has_parent = parent >= 0
+        mask[:, j] |= mask[batch, parent.clamp(min=0)] & has_parent[:, None]
+    depths = mask.sum(dim=-1) - 1
+
+    index = torch.arange(n)
+    no_node = torch.full((), n, dtype=torch.int64)
+    # is_child[b, i, j]: j is a child of i.
+    is_child = parents[:, None, :] == index[None, :, None]
+    first_child = torch.where(is_child, index, no_node).min(dim=-1).values
+    # later_sibling[b, i, j]: j > i shares i's (real) parent.
+    later_sibling = (
+        (parents[:, :, None] == parents[:, None, :])
+        & (parents[:, :, None] >= 0)
+        & (index[None, :] > index[:, None])
+    )
+    sibling = torch.where(later_sibling, index, no_node).min(dim=-1).values
+    return DraftTrees(
+        tokens=tokens,
+        parents=parents,
+        depths=depths,
+        mask=mask,
+        next_token=torch.where(first_child == n, -1, first_child),
+        next_sibling=torch.where(sibling == n, -1, sibling),
+        num_nodes=num_nodes,
+    )
+
+
+def trees_from_parents(
+    root_tokens: list[int],
+    node_tokens: list[list[int]],
+    node_parents: list[list[int]],
+    n: int,
+) -> DraftTrees:
+    """Trees given node by node (the n-gram drafter's form).
+
+    `node_tokens[b]` are request b's non-root nodes in order; `node_parents[b][i]` is the
+    parent of non-root node i as an index into the full node list (0 is the root, i + 1 is
+    non-root node i), so it must be in 0..i. Trees with fewer than n - 1 non-root nodes are
+    padded. Raises ValueError on a parent that does not come before its child, or on a tree
+    with more than n - 1 non-root nodes.
+    """
+    if n < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1 (got {n})")
+    B = len(root_tokens)
+    if len(node_tokens) != B or len(node_parents) != B:
+        raise ValueError(
+            f"root_tokens, node_tokens and node_parents must have one entry per request "
+            f"(got {B}, {len(node_tokens)} and {len(node_parents)})"
+        )
+    tokens = torch.zeros((B, n), dtype=torch.int64)
+    parents = torch.full((B, n), -1, dtype=torch.int64)
+    num_nodes: list[int] = []
+    for b, (root, toks, pars) in enumerate(zip(root_tokens, node_tokens, node_parents)):
+        if len(toks) != len(pars):
+            raise ValueError(f"request {b}: {len(toks)} node tokens but {len(pars)} node parents")
+        if len(toks) > n - 1:
+            raise ValueError(
+                f"request {b}: a tree of {len(toks)} non-root nodes does not fit in "
+                f"num_draft_tokens={n} (at most {n - 1} besides the root)"
+            )
+        for i, parent in enumerate(pars):
+            if not 0 <= parent <= i:
+                raise ValueError(
+                    f"request {b}: the parent of node {i + 1} must be an earlier node in "
+                    f"0..{i} (got {parent})"
+                )
+        m = len(toks) + 1
+        tokens[b, 0] = int(root)
+        tokens[b, 1:m] = torch.tensor(toks, dtype=torch.int64)
+        parents[b, 1:m] = torch.tensor(pars, dtype=torch.int64)
+        num_nodes.append(m)
+    return _assemble(tokens, parents, num_nodes)
+
+
+def select_eagle_trees(
+    root_tokens: torch.Tensor,
+    scores: torch.Tensor,
+    tokens: torch.Tensor,
+    parent_candidates: torch.Tensor,
+    n: int,
+) -> DraftTrees:
+    """EAGLE-2 rerank: keep each request's n - 1 best draft candidates as a tree.
+
+    `scores`, `tokens`, `parent_candidates` are [B, C]: a candidate's cumulative log-prob, its
+    token, and the index of its parent candidate (-1 for children of the root), always lower
+    than its own index. The n - 1 highest scores win; NaN counts as -inf and ties go to the
+    lower candidate index, so a parent scoring the same as its child is picked first. Picked
+    candidates keep their candidate order (parents before children). A picked candidate whose
+    parent was not picked (possible only when scores grow along a path, or with -inf/NaN) is
+    dropped with its descendants, and its slot becomes padding. Inputs may live on any device;
+    the trees are on the CPU.
+    """
+    if n < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1 (got {n})")
+    scores = scores.detach().float().cpu()
+    tokens = tokens.cpu().to(torch.int64)
+    parent_candidates = parent_candidates.cpu().to(torch.int64)
+    root_tokens = root_tokens.cpu().to(torch.int64)
+    B, C = scores.shape
+    if tokens.shape != (B, C) or parent_candidates.shape != (B, C):
+        raise ValueError(
+            f"scores, tokens and parent_candidates must share one shape [B, C] (got "
+            f"{tuple(scores.shape)}, {tuple(tokens.shape)}, {tuple(parent_candidates.shape)})"
+        )
+    own = torch.arange(C)
+    if ((parent_candidates < -1) | (parent_candidates >= own)).any():
+        raise ValueError("every parent candidate must be -1 or an index below the candidate's")
+
+    m = min(n - 1, C)
+    scores = torch.where(scores.isnan(), float("-inf"), scores)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    picked = order[:, :m].sort(dim=1).values  # [B, m] candidate indices, ascending
+    row_of = torch.full((B, C), -1, dtype=torch.int64)  # tree row of each picked candidate
+    row_of.scatter_(1, picked, torch.arange(1, m + 1).expand(B, m).contiguous())
+    parent_cand = parent_candidates.gather(1, picked)
+    parent_row = torch.where(
+        parent_cand < 0, 0, row_of.gather(1, parent_cand.clamp(min=0))
+    )  # -1 where the parent was not picked
+
+    # A picked candidate survives when its parent is the root or a surviving candidate;
+    # parents precede children, so one pass in order settles every candidate.
+    batch = torch.arange(B)
+    alive = torch.zeros((B, m + 1), dtype=torch.bool)
+    alive[:, 0] = True
+    for i in range(m):
+        parent = parent_row[:, i]
+        alive[:, i + 1] = (parent >= 0) & alive[batch, parent.clamp(min=0)]
+    survivors = alive[:, 1:]
+    # Compact the survivors to the front: new row of old row r is 1 + survivors before it.
+    new_row = torch.zeros((B, m + 1), dtype=torch.int64)
+    new_row[:, 1:] = survivors.cumsum(dim=1)
+    new_parent = new_row.gather(1, parent_row.clamp(min=0))
+
+    out_tokens = torch.zeros((B, n), dtype=torch.int64)
+    out_parents = torch.full((B, n), -1, dtype=torch.int64)
+    out_tokens[:, 0] = root_tokens
+    rows_b = batch[:, None].expand(B, m)[survivors]
+    rows_j = new_row[:, 1:][survivors]
+    out_tokens[rows_b, rows_j] = tokens.gather(1, picked)[survivors]
+    out_parents[rows_b, rows_j] = new_parent[survivors]
+    num_nodes = (1 + survivors.sum(dim=1)).tolist()
+    return _assemble(out_tokens, out_parents, num_nodes)
+
+
+def tree_positions(trees: DraftTrees, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Position of every node [B, n]: the root sits at seq_lens[b], a node at depth d below it
+    at seq_lens[b] + d (padding at seq_lens[b])."""
+    return seq_lens.cpu().to(torch.int64)[:, None] + trees.depths

@@ -1,0 +1,153 @@
+"""Verification of draft trees against the target's outputs at every node.
+
+The target ran once over the n nodes of each tree under the tree mask; its row j is the
+next-token distribution after node j given the root-to-j path. Verification walks each tree
+from the root, accepting at most one child per level, and ends with one token of the target's
+own: the correction (or bonus, when the walk ends at a leaf). A request therefore always
+emits len(accepted) tokens, at least one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spectral.speculative.tree import DraftTrees
+
+
+@dataclass
+class VerifyResult:
+    """Per request: the accepted node indices, root first (always starts with 0), and the
+    tokens to append: those of accepted[1:], then the bonus/correction token."""
+
+    accepted: list[list[int]]
+    emitted: list[list[int]]
+
+
+def verify_greedy(trees: DraftTrees, target_ids: torch.Tensor) -> VerifyResult:
+    """Accept the path the target's argmax follows. `target_ids` [B, n]: the target's argmax
+    after each node (padding entries are ignored). At each node the child whose token equals
+    the target's choice there is accepted (the first such child in sibling order); the walk
+    stops when there is none and emits the target's choice at the last accepted node."""
+    if target_ids.shape != trees.tokens.shape:
+        raise ValueError(
+            f"target_ids must be [B, n] = {tuple(trees.tokens.shape)} "
+            f"(got {tuple(target_ids.shape)})"
+        )
+    all_tokens = trees.tokens.tolist()
+    all_first = trees.next_token.tolist()
+    all_sibling = trees.next_sibling.tolist()
+    all_ids = target_ids.cpu().tolist()
+    accepted: list[list[int]] = []
+    emitted: list[list[int]] = []
+    for tokens, first, sibling, ids in zip(all_tokens, all_first, all_sibling, all_ids):
+        path, out, cur = [0], [], 0
+        while True:
+            child = first[cur]
+            while child != -1 and tokens[child] != ids[cur]:
+                child = sibling[child]
+            if child == -1:
+                break
+            path.append(child)
+            out.append(tokens[child])
+            cur = child
+        out.append(ids[cur])
+        accepted.append(path)
+        emitted.append(out)
+    return VerifyResult(accepted, emitted)
+
+
+def verify_sampling(
+    trees: DraftTrees,
+    probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+    generators: list[torch.Generator | None] | None = None,
+) -> VerifyResult:
+    """Accept a path by the lossless rule for deterministic (top-k) drafts: the emitted tokens
+    follow the target's distributions exactly, as if sampled one at a time.
+
+    `probs` [B, n, V] (CPU): the target's distribution at every node after temperature, top-k
+    and top-p; rows of nodes the walk can reach must have positive mass (they need not be
+    normalised). At the current node with residual p = probs[b, cur], each child x in sibling
+    order is accepted with probability p[x] / sum(p); a rejected child's token gets p[x] = 0.
+    An accepted child becomes the current node. When no child is accepted (or at a leaf) the
+    final token is drawn from the residual p. A duplicate sibling token is never accepted
+    after its first copy was rejected.
+
+    Randomness: request b draws from `generators[b]` when that list is given and its entry is
+    not None, otherwise from `generator` (None: torch's default generator). A request with its
+    own generator always consumes the same amount of its state (max(n - 1, 1) uniforms, then
+    one multinomial draw), so the result depends only on that generator, its tree and its probs,
+    never on the other requests of the batch.
+
+    All requests walk together, one child test each per step (at most n - 1 steps), so a batch
+    of thousands of copies of one tree costs a few tensor ops per step.
+    """
+    B, n = trees.tokens.shape
+    if probs.dim() != 3 or probs.shape[:2] != (B, n):
+        raise ValueError(f"probs must be [B, n, V] with B, n = {B}, {n} (got {tuple(probs.shape)})")
+    if generators is not None and len(generators) != B:
+        raise ValueError(f"generators must have one entry per request ({B}, got {len(generators)})")
+    own = [(b, g) for b, g in enumerate(generators or []) if g is not None]
+    uses_own = torch.zeros(B, dtype=torch.bool)
+    uses_own[[b for b, _ in own]] = True
+    shared = torch.arange(B)[~uses_own]
+    width = max(n - 1, 1)
+    uniforms = torch.empty((B, width), dtype=torch.float64)
+    uniforms[shared] = torch.rand((shared.numel(), width), dtype=torch.float64, generator=generator)
+    for b, g in own:
+        uniforms[b] = torch.rand(width, dtype=torch.float64, generator=g)
+
+    batch = torch.arange(B)
+    child = trees.next_token[:, 0].clone()
+    draws = torch.zeros(B, dtype=torch.int64)  # uniforms used so far
+    path = torch.full((B, n), -1, dtype=torch.int64)
+    path[:, 0] = 0
+    path_len = torch.ones(B, dtype=torch.int64)
+    residual = probs[:, 0].to(torch.promote_types(probs.dtype, torch.float32)).clone()
+    # Each pass tests one child per request still walking; a node is tested at most once, so
+    # no request makes more than n - 1 tests.
+    while True:
+        rows = batch[child >= 0]
+        if rows.numel() == 0:
+            break
+        node = child[rows]
+        token = trees.tokens[rows, node]
+        p_token = residual[rows, token].double()
+        total = residual[rows].sum(dim=-1, dtype=torch.float64)
+        u = uniforms[rows, draws[rows]]
+        draws[rows] += 1
+        # Accept with probability p[x] / total; if x holds all the mass, always accept.
+        accept = (u * total < p_token) | ((total - p_token <= 0) & (total > 0))
+
+        up = rows[accept]
+        up_node = node[accept]
+        path[up, path_len[up]] = up_node
+        path_len[up] += 1
+        residual[up] = probs[up, up_node].to(residual.dtype)
+        child[up] = trees.next_token[up, up_node]
+
+        down = rows[~accept]
+        residual[down, token[~accept]] = 0
+        child[down] = trees.next_sibling[down, node[~accept]]
+
+    if (residual.sum(dim=-1) <= 0).any():
+        raise ValueError("probs has a row without mass at a node the walk reached")
+    final = torch.empty(B, dtype=torch.int64)
+    if shared.numel():
+        final[shared] = torch.multinomial(residual[shared], 1, generator=generator)[:, 0]
+    for b, g in own:
+        final[b] = torch.multinomial(residual[b], 1, generator=g)[0]
+
+    longest = int(path_len.max()) if B else 0
+    path = path[:, :longest]
+    path_tokens = trees.tokens.gather(1, path.clamp(min=0))
+    accepted: list[list[int]] = []
+    emitted: list[list[int]] = []
+    for nodes, toks, length, last in zip(
+        path.tolist(), path_tokens.tolist(), path_len.tolist(), final.tolist()
+    ):
+        accepted.append(nodes[:length])
+        emitted.append(toks[1:length] + [last])
+    return VerifyResult(accepted, emitted)

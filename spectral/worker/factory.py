@@ -1,0 +1,65 @@
+"""Build the worker `ServerArgs` describe: the target alone, or with a drafter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spectral.args import ServerArgs
+from spectral.models.resolve import resolve_model_path
+from spectral.worker.model_worker import ModelWorker
+from spectral.worker.spec_worker import SpeculativeWorker
+
+DEFAULT_HEAD_DIR = Path(__file__).resolve().parent.parent / "assets" / "eagle3-smollm2-135m"
+
+
+def resolve_draft_path(path: str) -> str:
+    """A head directory; 'default' is the head shipped for the default model."""
+    if path == "default":
+        if not (DEFAULT_HEAD_DIR / "config.json").exists():
+            raise FileNotFoundError(
+                "no default draft head is installed with this build; pass a head directory"
+            )
+        return str(DEFAULT_HEAD_DIR)
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"draft head directory {path!r} does not exist")
+    return path
+
+
+def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | SpeculativeWorker:
+    """The model worker for `args`; with speculative decoding on, wrapped with its drafter."""
+    dtype, device = args.resolved_dtype(), args.resolved_device()
+    worker = ModelWorker(
+        resolve_model_path(args.model_path, args.model_cache_dir),
+        dtype=dtype,
+        device=device,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        max_running_requests=args.max_running_requests,
+        max_context_len=max_context_len,
+        attention_backend=args.attention_backend,
+        use_cpu_kernels=not args.disable_cpu_kernels,
+    )
+    spec = args.spec_settings()
+    if spec is None:
+        return worker
+    drafter = None
+    if spec.uses_draft_head:
+        from spectral.speculative.eagle_drafter import EagleDrafter
+        from spectral.speculative.eagle_head import load_draft_head
+
+        cfg = worker.config
+        head = load_draft_head(
+            resolve_draft_path(spec.draft_model_path),
+            kind=spec.algorithm.lower(),
+            target_hidden_size=cfg.hidden_size,
+            target_vocab_size=cfg.vocab_size,
+            target_num_layers=cfg.num_layers,
+            max_positions=max_context_len + spec.num_steps + 1,
+            dtype=dtype,
+            device=device,
+        )
+        head.set_target(worker.model.embed_tokens.weight, worker.model.lm_head_weight)
+        drafter = EagleDrafter(
+            head, worker.num_kv_slots, worker.req_to_token, spec.topk, spec.num_steps, dtype, device
+        )
+    return SpeculativeWorker(worker, drafter)

@@ -1,0 +1,244 @@
+"""SpeculativeWorker: the target worker plus a drafter, one speculative round per TARGET_VERIFY.
+
+- EXTEND and DECODE run the target as usual; with a draft head, the head then runs over the
+  same positions (tokens shifted by one) so its KV and its top-k after the last token are
+  ready for the next round.
+- TARGET_VERIFY (one round for each request of the batch): the head expands a tree below the
+  request's last token (or the scheduler sends an n-gram tree), the target runs once over every
+  tree under the tree mask, verification accepts a path, the accepted nodes' slots take their
+  final places in the request's row, and the head extends over the accepted tokens with the
+  target's features there.
+
+The scheduler owns the slots: it gives each request one slot per tree node and frees those of
+the nodes the result does not list as accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from spectral.forward import ForwardBatch, ForwardMode
+from spectral.speculative.eagle_drafter import EagleDrafter, shifted_draft_batch
+from spectral.speculative.tree import DraftTrees, select_eagle_trees, trees_from_parents
+from spectral.speculative.verify import VerifyResult, verify_greedy, verify_sampling
+from spectral.worker.io import RequestSampling, WorkerBatch, WorkerResult
+from spectral.worker.model_worker import ModelWorker
+from spectral.worker.sampler import apply_penalties, filtered_probs, request_step_seed
+
+
+class SpeculativeWorker:
+    def __init__(self, target: ModelWorker, drafter: EagleDrafter | None) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.config = target.config
+        self.num_kv_slots = target.num_kv_slots
+
+    def forward(self, wb: WorkerBatch) -> WorkerResult:
+        if wb.mode == ForwardMode.TARGET_VERIFY:
+            return self._verify_round(wb)
+        if self.drafter is None:
+            return self.target.forward(wb)
+        result, batch, hidden, captured = self.target.run(wb, self.drafter.capture_layers)
+        next_ids = [
+            nxt if nxt >= 0 else sampled
+            for nxt, sampled in zip(
+                wb.draft_next_ids or [-1] * batch.batch_size, result.next_token_ids
+            )
+        ]
+        self.drafter.extend(shifted_draft_batch(batch, next_ids), self._features(hidden, captured))
+        return result
+
+    def _features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(captured, dim=-1) if captured else hidden
+
+    # ---- one round ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _verify_round(self, wb: WorkerBatch) -> WorkerResult:
+        target = self.target
+        sizes = list(wb.extend_lens)
+        seq_lens = torch.tensor(wb.prefix_lens)
+        rows = torch.tensor(wb.req_pool_indices)
+        trees = self._trees(wb, rows, seq_lens, sizes)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        mask: list[bool] = []
+        for b, n in enumerate(sizes):
+            token_ids.extend(trees.tokens[b, :n].tolist())
+            positions.extend((trees.depths[b, :n] + wb.prefix_lens[b]).tolist())
+            mask.extend(trees.mask[b, :n, :n].reshape(-1).tolist())
+        verify_wb = dataclasses.replace(
+            wb, input_ids=token_ids, positions=positions, custom_mask=mask
+        )
+        batch = target.to_forward_batch(verify_wb)
+        batch.capture_layers = self.drafter.capture_layers if self.drafter else ()
+        hidden, captured = target.forward_hidden(batch)
+        logits = target.model.compute_logits(hidden).cpu()
+        verdict = self._verify(trees, logits, sizes, wb.sampling)
+
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        slots = batch.out_cache_loc
+        kept_rows = [offsets[b] + j for b, acc in enumerate(verdict.accepted) for j in acc]
+        kept_rows_t = torch.tensor(kept_rows)
+        for b, acc in enumerate(verdict.accepted):
+            start = wb.prefix_lens[b]
+            kept = slots[torch.tensor(acc) + offsets[b]]
+            target.req_to_token.table[wb.req_pool_indices[b], start : start + len(acc)] = kept
+        if self.drafter is not None:
+            accepted_lens = [len(acc) for acc in verdict.accepted]
+            draft_batch = ForwardBatch(
+                mode=ForwardMode.DRAFT_EXTEND,
+                input_ids=torch.tensor([t for e in verdict.emitted for t in e]),
+                positions=torch.tensor(
+                    [p + i for p, a in zip(wb.prefix_lens, accepted_lens) for i in range(a)]
+                ),
+                out_cache_loc=slots[kept_rows_t],
+                req_pool_indices=batch.req_pool_indices,
+                prefix_lens=list(wb.prefix_lens),
+                extend_lens=accepted_lens,
+            )
+            features = self._features(hidden, captured)[kept_rows_t.to(hidden.device)]
+            self.drafter.extend(draft_batch, features)
+        return self._result(verdict, logits, offsets, wb.sampling)
+
+    def _trees(
+        self, wb: WorkerBatch, rows: torch.Tensor, seq_lens: torch.Tensor, sizes: list[int]
+    ) -> DraftTrees:
+        roots = torch.tensor(wb.input_ids)
+        n = max(sizes)
+        if wb.draft_tokens is not None:
+            return trees_from_parents(wb.input_ids, wb.draft_tokens, wb.draft_parents, n)
+        if self.drafter is None:
+            raise ValueError("a TARGET_VERIFY batch without draft trees needs a draft head")
+        scores, tokens, parents = self.drafter.draft(rows, seq_lens)
+        trees = select_eagle_trees(roots, scores, tokens, parents, n)
+        if min(sizes) == n:
+            return trees
+        # Requests near the end of their context get the first nodes only (parents come first,
+        # so any prefix of the node list is a tree).
+        ends = [min(m, trees.num_nodes[b]) for b, m in enumerate(sizes)]
+        node_tokens = [trees.tokens[b, 1:m].tolist() for b, m in enumerate(ends)]
+        node_parents = [trees.parents[b, 1:m].tolist() for b, m in enumerate(ends)]
+        return trees_from_parents(wb.input_ids, node_tokens, node_parents, n)
+
+    def _verify(
+        self,
+        trees: DraftTrees,
+        logits: torch.Tensor,
+        sizes: list[int],
+        sampling: list[RequestSampling],
+    ) -> VerifyResult:
+        """Accept a path per request: greedy requests by argmax, others by the lossless
+        sampling rule, both on logits adjusted per node as plain decoding would adjust them."""
+        B, n = trees.tokens.shape
+        vocab = logits.shape[-1]
+        accepted: list[list[int]] = [[] for _ in range(B)]
+        emitted: list[list[int]] = [[] for _ in range(B)]
+        greedy_rows = [b for b, s in enumerate(sampling) if s.params.is_greedy]
+        sampled_rows = [b for b, s in enumerate(sampling) if not s.params.is_greedy]
+        adjusted: list[torch.Tensor] = []
+        offset = 0
+        for b, size in enumerate(sizes):
+            block = logits[offset : offset + size]
+            node_sampling = _node_sampling(trees, b, size, sampling[b])
+            if node_sampling is not None:
+                block = apply_penalties(block, node_sampling)
+            adjusted.append(block)
+            offset += size
+        if greedy_rows:
+            ids = torch.full((len(greedy_rows), n), -1, dtype=torch.int64)
+            for i, b in enumerate(greedy_rows):
+                ids[i, : sizes[b]] = adjusted[b].argmax(dim=-1)
+            part = verify_greedy(_select(trees, greedy_rows), ids)
+            for i, b in enumerate(greedy_rows):
+                accepted[b], emitted[b] = part.accepted[i], part.emitted[i]
+        if sampled_rows:
+            probs = torch.zeros((len(sampled_rows), n, vocab))
+            generators: list[torch.Generator | None] = []
+            for i, b in enumerate(sampled_rows):
+                s = sampling[b]
+                probs[i, : sizes[b]] = filtered_probs(adjusted[b], [s] * sizes[b])
+                probs[i, sizes[b] :, 0] = 1.0  # padding rows: never reached
+                gen = None
+                if s.params.seed is not None:
+                    seed = request_step_seed(s.params.seed, len(s.output_ids))
+                    gen = torch.Generator().manual_seed(seed)
+                generators.append(gen)
+            part = verify_sampling(_select(trees, sampled_rows), probs, generators=generators)
+            for i, b in enumerate(sampled_rows):
+                accepted[b], emitted[b] = part.accepted[i], part.emitted[i]
+        return VerifyResult(accepted, emitted)
+
+    def _result(
+        self,
+        verdict: VerifyResult,
+        logits: torch.Tensor,
+        offsets: list[int],
+        sampling: list[RequestSampling],
+    ) -> WorkerResult:
+        emitted_logprobs: list[list[float] | None] = []
+        emitted_top: list[list[list[tuple[float, int]]] | None] = []
+        for b, s in enumerate(sampling):
+            if not (s.return_logprob or s.top_logprobs_num):
+                emitted_logprobs.append(None)
+                emitted_top.append(None)
+                continue
+            rows = torch.tensor(verdict.accepted[b]) + offsets[b]
+            logprobs = torch.log_softmax(logits[rows], dim=-1)
+            chosen = torch.tensor(verdict.emitted[b])
+            emitted_logprobs.append(logprobs.gather(1, chosen[:, None])[:, 0].tolist())
+            if s.top_logprobs_num:
+                values, ids = logprobs.topk(s.top_logprobs_num, dim=-1)
+                emitted_top.append([list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())])
+            else:
+                emitted_top.append(None)
+        return WorkerResult(
+            next_token_ids=[e[0] for e in verdict.emitted],
+            logprobs=[lp[0] if lp else None for lp in emitted_logprobs],
+            top_logprobs=[t[0] if t else None for t in emitted_top],
+            accepted_nodes=verdict.accepted,
+            emitted_ids=verdict.emitted,
+            emitted_logprobs=emitted_logprobs,
+            emitted_top_logprobs=emitted_top,
+        )
+
+
+def _select(trees: DraftTrees, rows: list[int]) -> DraftTrees:
+    """The trees of `rows` only."""
+    index = torch.tensor(rows)
+    return DraftTrees(
+        tokens=trees.tokens[index],
+        parents=trees.parents[index],
+        depths=trees.depths[index],
+        mask=trees.mask[index],
+        next_token=trees.next_token[index],
+        next_sibling=trees.next_sibling[index],
+        num_nodes=[trees.num_nodes[r] for r in rows],
+    )
+
+
+def _node_sampling(
+    trees: DraftTrees, b: int, size: int, s: RequestSampling
+) -> list[RequestSampling] | None:
+    """Per tree node, the sampling state plain decoding would have there: the output so far
+    extended by the node's path (penalties count it), and banned tokens while the output is
+    shorter than min_new_tokens. None when nothing depends on the node."""
+    if not (s.params.has_penalties or s.banned_token_ids):
+        return None
+    parents = trees.parents[b].tolist()
+    tokens = trees.tokens[b].tolist()
+    out: list[RequestSampling] = []
+    for j in range(size):
+        path: list[int] = []
+        node = j
+        while node > 0:
+            path.append(tokens[node])
+            node = parents[node]
+        output = s.output_ids + path[::-1]
+        banned = s.banned_token_ids if len(output) < s.params.min_new_tokens else []
+        out.append(dataclasses.replace(s, output_ids=output, banned_token_ids=banned))
+    return out

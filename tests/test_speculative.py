@@ -1,0 +1,316 @@
+"""Speculative decoding end to end in the scheduler: greedy output identical token for token to
+plain decoding (float32) under every scheduling path, with nothing leaked."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from spectral.args import ServerArgs
+from spectral.models.config import ModelConfig
+from spectral.sampling_params import SamplingParams
+from spectral.scheduler.req import Req
+from spectral.scheduler.scheduler import Scheduler
+from spectral.speculative.eagle_head import DraftHead, DraftHeadConfig
+from spectral.worker.factory import create_worker
+from tests.conftest import scheduler_leaks
+
+
+def make_random_head(path: Path, target_dir: str, kind: str, seed: int = 0) -> str:
+    """A randomly initialised EAGLE / EAGLE-3 head for the target at `target_dir`."""
+    target = ModelConfig.from_pretrained(target_dir)
+    torch.manual_seed(seed)
+    L = target.num_layers
+    cfg = DraftHeadConfig(
+        kind=kind,
+        hidden_size=target.hidden_size,
+        intermediate_size=2 * target.hidden_size,
+        num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=512 if kind == "eagle3" else target.vocab_size,
+        target_hidden_size=target.hidden_size,
+        fc_bias=kind == "eagle",
+        aux_layers=(0, L // 2, L) if kind == "eagle3" else (),
+    )
+    head = DraftHead(cfg, max_positions=64)
+    if kind == "eagle3":
+        used = torch.randperm(target.vocab_size)[:512].sort().values
+        head.d2t.copy_(used - torch.arange(512))
+        head.t2d.zero_()
+        head.t2d[used] = True
+    head.save(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(tmp_path_factory: pytest.TempPathFactory, peaky_model_dir: str) -> str:
+    return make_random_head(tmp_path_factory.mktemp("eagle3-head"), peaky_model_dir, "eagle3")
+
+
+@pytest.fixture(scope="module")
+def eagle_head(tmp_path_factory: pytest.TempPathFactory, peaky_model_dir: str) -> str:
+    return make_random_head(tmp_path_factory.mktemp("eagle-head"), peaky_model_dir, "eagle")
+
+
+def make_spec_scheduler(model_dir: str, num_kv_slots: int = 4096, **options) -> Scheduler:
+    """A float32 scheduler stepped by the test; `options` are ServerArgs fields."""
+    args = ServerArgs(
+        model_path=model_dir,
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=num_kv_slots,
+        max_running_requests=options.pop("max_running_requests", 16),
+        **{k: v for k, v in options.items() if k.startswith("speculative")},
+    )
+    config = ModelConfig.from_pretrained(model_dir)
+    worker = create_worker(args, config.max_context_len)
+    return Scheduler(
+        worker,
+        AutoTokenizer.from_pretrained(model_dir),
+        num_kv_slots=num_kv_slots,
+        max_running_requests=args.max_running_requests,
+        max_context_len=config.max_context_len,
+        max_prefill_tokens=8192,
+        eos_token_ids=(2,),
+        vocab_size=config.vocab_size,
+        chunked_prefill_size=options.get("chunked_prefill_size"),
+        spec=args.spec_settings(),
+    )
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 5000) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
+
+
+def run(
+    s: Scheduler,
+    batch: list[list[int]],
+    max_new_tokens: int = 24,
+    at_once: int | None = None,
+    **params,
+) -> list[Req]:
+    """Generate for every prompt, `at_once` requests in flight (all by default)."""
+    reqs = [
+        Req(f"r{i}", list(p), SamplingParams(max_new_tokens=max_new_tokens, **params))
+        for i, p in enumerate(batch)
+    ]
+    pending = list(reqs)
+    at_once = at_once or len(reqs)
+    while pending or s.has_work:
+        while pending and len(s.running) + len(s.waiting) < at_once:
+            s.add_request(pending.pop(0))
+        s.step()
+    assert scheduler_leaks(s) == []
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(peaky_model_dir: str) -> list[list[int]]:
+    s = make_spec_scheduler(peaky_model_dir)
+    return [r.output_ids for r in run(s, prompts(20), temperature=0.0)]
+
+
+SPEC_CASES = {
+    "eagle3-topk1-batch1": dict(
+        speculative_eagle_topk=1, speculative_num_draft_tokens=5, at_once=1
+    ),
+    "eagle3-topk4-batch8": dict(speculative_eagle_topk=4, at_once=8),
+    "eagle3-topk3-batch1": dict(speculative_eagle_topk=3, speculative_num_steps=3, at_once=1),
+}
+
+
+@pytest.mark.parametrize("case", list(SPEC_CASES))
+def test_eagle3_greedy_output_equals_plain_decoding(
+    case: str, peaky_model_dir: str, eagle3_head: str, plain_outputs: list[list[int]]
+) -> None:
+    opts = dict(SPEC_CASES[case])
+    at_once = opts.pop("at_once")
+    s = make_spec_scheduler(
+        peaky_model_dir,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=eagle3_head,
+        **opts,
+    )
+    reqs = run(s, prompts(20), at_once=at_once, temperature=0.0)
+    assert [r.output_ids for r in reqs] == plain_outputs
+    assert s.stats.spec_verify_ct > 0
+    assert all(r.spec_verify_ct > 0 for r in reqs)
+
+
+def test_eagle_head_greedy_output_equals_plain_decoding(
+    peaky_model_dir: str, eagle_head: str, plain_outputs: list[list[int]]
+) -> None:
+    s = make_spec_scheduler(
+        peaky_model_dir, speculative_algorithm="EAGLE", speculative_draft_model_path=eagle_head
+    )
+    reqs = run(s, prompts(20), at_once=4, temperature=0.0)
+    assert [r.output_ids for r in reqs] == plain_outputs
+
+
+def eagle3_matches_plain(
+    model_dir: str, head: str, batch: list[list[int]], run_options: dict, **scheduler_options
+) -> tuple[Scheduler, list[Req]]:
+    """Run `batch` greedily without and with EAGLE-3 under the same scheduler options; assert
+    equal outputs. Returns the speculative scheduler and its requests."""
+    plain = make_spec_scheduler(model_dir, **scheduler_options)
+    expected = [r.output_ids for r in run(plain, batch, temperature=0.0, **run_options)]
+    s = make_spec_scheduler(
+        model_dir,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=head,
+        **scheduler_options,
+    )
+    reqs = run(s, batch, temperature=0.0, **run_options)
+    assert [r.output_ids for r in reqs] == expected
+    return s, reqs
+
+
+def test_radix_hits_and_chunked_prefill_keep_output_equal(
+    peaky_model_dir: str, eagle3_head: str
+) -> None:
+    """Prompts sharing long prefixes (radix hits, the draft KV of the matched prefix reused),
+    prefilled in chunks of 16."""
+    base = prompts(1, seed=5)[0] * 3
+    batch = [base + p for p in prompts(6, seed=6)] + [base + prompts(1, seed=6)[0]]
+    _, reqs = eagle3_matches_plain(
+        peaky_model_dir, eagle3_head, batch, dict(at_once=2), chunked_prefill_size=16
+    )
+    assert sum(r.cached_tokens for r in reqs) > 0
+
+
+def test_retraction_under_a_small_pool_keeps_output_equal(
+    peaky_model_dir: str, eagle3_head: str
+) -> None:
+    s, _ = eagle3_matches_plain(
+        peaky_model_dir, eagle3_head, prompts(8, seed=7), dict(max_new_tokens=40), num_kv_slots=260
+    )
+    assert s.stats.retractions > 0
+
+
+def ngram_scheduler(model_dir: str, **options) -> Scheduler:
+    return make_spec_scheduler(model_dir, speculative_algorithm="NGRAM", **options)
+
+
+def test_ngram_accepts_a_continuation_seen_before_and_matches_plain(
+    peaky_model_dir: str, plain_outputs: list[list[int]]
+) -> None:
+    """The second time a prompt runs, its first answer is in the n-gram index: whole paths are
+    accepted, and the output is still exactly plain decoding's."""
+    batch = prompts(20)
+    s = ngram_scheduler(peaky_model_dir)
+    first = run(s, batch, at_once=8, temperature=0.0)
+    again = run(s, batch, at_once=8, temperature=0.0)
+    assert [r.output_ids for r in first] == plain_outputs
+    assert [r.output_ids for r in again] == plain_outputs
+    verify_rounds = sum(r.spec_verify_ct for r in again)
+    assert sum(len(r.output_ids) for r in again) / verify_rounds > 3.0
+
+
+def test_stop_token_inside_an_accepted_path_ends_the_request_there(
+    peaky_model_dir: str, plain_outputs: list[list[int]]
+) -> None:
+    batch = prompts(20)[:4]
+    s = ngram_scheduler(peaky_model_dir)
+    run(s, batch, temperature=0.0)  # index the answers
+    free_before = s.kv.allocator.free_count + s.kv.tree.evictable_size
+    for prompt, plain in zip(batch, plain_outputs):
+        stop = plain[9]
+        end = plain.index(stop) + 1
+        (req,) = run(s, [prompt], temperature=0.0, stop_token_ids=[stop])
+        assert req.output_ids == plain[:end]
+        assert req.finished_reason.type == "stop"
+        (req,) = run(s, [prompt], max_new_tokens=7, temperature=0.0)
+        assert req.output_ids == plain[:7]
+        assert req.finished_reason.type == "length"
+    assert s.kv.allocator.free_count + s.kv.tree.evictable_size == free_before
+
+
+def test_mixed_sampling_in_one_batch(peaky_model_dir: str, eagle3_head: str) -> None:
+    """Greedy requests keep plain decoding's output next to sampled ones, penalised ones and
+    ones that ask for logprobs; every request ends with the length it asked for."""
+    batch = prompts(8, seed=11)
+    plain = make_spec_scheduler(peaky_model_dir)
+    expected = [r.output_ids for r in run(plain, batch[:4], temperature=0.0)]
+    s = make_spec_scheduler(
+        peaky_model_dir, speculative_algorithm="EAGLE3", speculative_draft_model_path=eagle3_head
+    )
+    reqs = [
+        Req(f"g{i}", p, SamplingParams(max_new_tokens=24, temperature=0.0), return_logprob=True)
+        for i, p in enumerate(batch[:4])
+    ]
+    reqs += [
+        Req(f"s{i}", p, SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=i))
+        for i, p in enumerate(batch[4:6])
+    ]
+    reqs += [
+        Req(f"p{i}", p, SamplingParams(max_new_tokens=24, temperature=0.0, frequency_penalty=1.5))
+        for i, p in enumerate(batch[6:])
+    ]
+    for r in reqs:
+        s.add_request(r)
+    while s.has_work:
+        s.step()
+    assert scheduler_leaks(s) == []
+    assert [r.output_ids for r in reqs[:4]] == expected
+    assert all(len(r.output_ids) == 24 for r in reqs)
+    assert all(len(r.output_logprobs) == 24 for r in reqs[:4])
+    penalised = run(plain, batch[6:], temperature=0.0, frequency_penalty=1.5)
+    assert [r.output_ids for r in reqs[6:]] == [r.output_ids for r in penalised]
+
+
+def test_abort_mid_generation_frees_everything(peaky_model_dir: str, eagle3_head: str) -> None:
+    s = make_spec_scheduler(
+        peaky_model_dir, speculative_algorithm="EAGLE3", speculative_draft_model_path=eagle3_head
+    )
+    reqs = [Req(f"a{i}", p, SamplingParams(max_new_tokens=60)) for i, p in enumerate(prompts(4))]
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(4):
+        s.step()
+    s.abort("a1")
+    s.abort("a3")
+    while s.has_work:
+        s.step()
+    assert scheduler_leaks(s) == []
+    assert reqs[1].finished_reason.type == "abort"
+
+
+def test_settings_refuse_what_cannot_work(tmp_path: Path, peaky_model_dir: str) -> None:
+    with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
+        ServerArgs(speculative_algorithm="EAGLE3")
+    with pytest.raises(ValueError, match="NGRAM drafts without a model"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_draft_model_path="x")
+    with pytest.raises(ValueError, match="must be one of EAGLE, EAGLE3, NGRAM"):
+        ServerArgs(speculative_algorithm="MEDUSA")
+    with pytest.raises(ValueError, match="exceeds what 2 steps of top-2 can draft"):
+        ServerArgs(
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path="x",
+            speculative_num_steps=2,
+            speculative_eagle_topk=2,
+            speculative_num_draft_tokens=9,
+        )
+
+
+def test_a_head_for_another_target_is_refused_with_what_differs(
+    tmp_path: Path, peaky_model_dir: str, tiny_model_dir: str, default_model_dir: str
+) -> None:
+    head = make_random_head(tmp_path / "head", default_model_dir, "eagle3")
+    with pytest.raises(ValueError, match="expects target hidden size 576, the target has 64"):
+        make_spec_scheduler(
+            peaky_model_dir, speculative_algorithm="EAGLE3", speculative_draft_model_path=head
+        )
+    eagle1 = make_random_head(tmp_path / "eagle1", peaky_model_dir, "eagle")
+    with pytest.raises(ValueError, match="not an EAGLE-3 head"):
+        make_spec_scheduler(
+            peaky_model_dir, speculative_algorithm="EAGLE3", speculative_draft_model_path=eagle1
+        )
