@@ -46,7 +46,15 @@ def run_demo(args: ServerArgs, max_new_tokens: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="spectral")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "train-eagle3":
+        from spectral.speculative.train import main as train_main
+
+        train_main(argv[1:])
+        return
+    parser = argparse.ArgumentParser(
+        prog="spectral", epilog="spectral train-eagle3 --help: train an EAGLE-3 draft head"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the HTTP server (native and OpenAI-compatible API)")
     ServerArgs.add_cli_args(serve)

@@ -1,0 +1,412 @@
+"""Train an EAGLE-3 draft head for a target model on a CPU (or GPU): `spectral train-eagle3`.
+
+The target (frozen, transformers) runs on the fly over each batch and gives the head its
+inputs (the three captured layers) and its teacher (the target's next-token distribution on
+the draft vocabulary). The loss is the training-time test of EAGLE-3: the head is unrolled
+`ttt_steps` times, step s feeding its own output back as the feature and predicting s + 1
+tokens further ahead, attending to the real prefix and to its own earlier steps at the same
+position, exactly the context a draft tree gives it; step losses are weighted 0.8^s.
+
+Checkpoints (head, optimiser, step, vocabulary) go to `work_dir/checkpoint.pt` every
+`save_every` steps and at the end; a rerun with the same work_dir resumes from there. The head
+is exported in the published EAGLE-3 layout (config.json + model.safetensors).
+
+    spectral train-eagle3 --work-dir .train --out spectral/assets/eagle3-smollm2-135m \\
+        --num-prompts 3000 --time-budget 3600
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from spectral.speculative.eagle_head import DraftHead, DraftHeadConfig
+from spectral.speculative.train_data import Sample, generate_answers, load_samples
+
+logger = logging.getLogger(__name__)
+
+STEP_WEIGHT = 0.8
+
+
+@dataclass
+class TrainConfig:
+    model_path: str = "default"
+    work_dir: str = ".train"
+    out: str | None = None
+    data: list[str] = field(default_factory=list)  # user files; empty: self-distilled ShareGPT
+    num_prompts: int = 2000
+    max_new_tokens: int = 384
+    draft_vocab_size: int = 8192
+    intermediate_size: int | None = None  # default: the target's
+    ttt_steps: int = 7
+    max_len: int = 768
+    batch_tokens: int = 4096
+    lr: float = 5e-4
+    warmup_steps: int = 100
+    max_steps: int = 4000
+    time_budget: float | None = None  # seconds; stop (and save) when spent
+    save_every: int = 100
+    seed: int = 0
+    export_dtype: str = "bfloat16"
+
+
+# ---- the target's side ----------------------------------------------------------------------
+
+
+class Teacher:
+    """The frozen target: captured layer inputs and next-token logits on the draft vocab."""
+
+    def __init__(self, model_dir: str, aux_layers: tuple[int, ...], dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.aux_layers = aux_layers
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @torch.no_grad()
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, used: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features [B, T, 3H] float32, teacher logits over the draft vocab [B, T, N])."""
+        out = self.model.model(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
+        )
+        features = torch.cat([out.hidden_states[i] for i in self.aux_layers], dim=-1)
+        lm_head = self.model.get_output_embeddings().weight[used]
+        logits = F.linear(out.last_hidden_state, lm_head)
+        return features.float(), logits.float()
+
+
+def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int):
+    """The `size` most frequent answer tokens, ascending: (used ids, d2t, t2d, coverage)."""
+    counts: Counter[int] = Counter()
+    for s in samples:
+        counts.update(t for t, m in zip(s.input_ids, s.loss_mask) if m)
+    top = [t for t, _ in counts.most_common(size)]
+    if len(top) < size:  # small data: fill with the lowest unused ids
+        taken = set(top)
+        top += [t for t in range(vocab_size) if t not in taken][: size - len(top)]
+    used = torch.tensor(sorted(top), dtype=torch.int64)
+    d2t = used - torch.arange(size)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    total = sum(counts.values()) or 1
+    coverage = sum(counts[t] for t in top) / total
+    return used, d2t, t2d, coverage
+
+
+# ---- the training-time test ------------------------------------------------------------------
+
+
+class UnrolledAttention:
+    """Attention of the unrolled steps over a [B, T] batch. Step 0 covers every column and is
+    causal over itself (its keys are the real prefix). A later step covers columns
+    `window..T-1` only (the anchors whose predictions reach the answers) and each of its
+    queries sees the step-0 keys up to its own column plus, at that same column, the keys of
+    steps 1..s (the draft's own earlier steps, as in a draft tree)."""
+
+    def __init__(self, num_heads: int, scaling: float, pad: torch.Tensor, window: int) -> None:
+        self.num_heads, self.scaling, self.window = num_heads, scaling, window
+        B, T = pad.shape
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        self.mask0 = causal[None, None] & pad[:, None, None, :]
+        self.B, self.T = B, T
+        self.k0: torch.Tensor | None = None
+        self.v0: torch.Tensor | None = None
+        self.diag_k: list[torch.Tensor] = []
+        self.diag_v: list[torch.Tensor] = []
+
+    def _heads(self, x: torch.Tensor, cols: int) -> torch.Tensor:
+        x = x.view(self.B, cols, x.shape[1], x.shape[2])
+        return x.repeat_interleave(self.num_heads // x.shape[2], dim=2)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        first = self.k0 is None
+        cols = self.T if first else self.T - self.window
+        q = q.view(self.B, cols, q.shape[1], q.shape[2])
+        k, v = self._heads(k, cols), self._heads(v, cols)
+        if first:
+            self.k0, self.v0 = k, v
+            mask = self.mask0
+        else:
+            self.diag_k.append(k)
+            self.diag_v.append(v)
+            mask = self.mask0[:, :, self.window :]
+        scores = torch.einsum("bthd,bshd->bhts", q, self.k0) * self.scaling
+        scores = scores.masked_fill(~mask, float("-inf"))
+        diag = [torch.einsum("bthd,bthd->bht", q, dk)[..., None] for dk in self.diag_k]
+        all_scores = torch.cat([scores] + [d * self.scaling for d in diag], dim=-1)
+        probs = torch.softmax(all_scores.float(), dim=-1).to(q.dtype)
+        out = torch.einsum("bhts,bshd->bthd", probs[..., : self.T], self.v0)
+        for j, dv in enumerate(self.diag_v):
+            out = out + probs[..., self.T + j].transpose(1, 2)[..., None] * dv
+        return out.reshape(self.B * cols, -1)
+
+
+def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
+    """x[:, t + by] at column t (zeros past the end)."""
+    out = torch.zeros_like(x)
+    out[:, : x.shape[1] - by] = x[:, by:]
+    return out
+
+
+def ttt_loss(
+    head: DraftHead,
+    input_ids: torch.Tensor,
+    pad: torch.Tensor,
+    loss_mask: torch.Tensor,
+    features: torch.Tensor,
+    teacher: torch.Tensor,
+    steps: int,
+) -> tuple[torch.Tensor, list[float], list[int]]:
+    """Weighted loss over `steps` unrolled draft steps; per-step accuracy (top-1 agreement
+    with the teacher on the answer tokens) and counted positions. The teacher is the target's
+    distribution renormalised over the draft vocabulary.
+
+    Anchor t at step s sees token t + 1 + s and predicts token t + 2 + s, whose teacher is the
+    target's distribution at position t + 1 + s. Logits are computed only where a loss is."""
+    B, T = input_ids.shape
+    cfg = head.cfg
+    answer_starts = [int(row.nonzero()[0]) for row in loss_mask if row.any()]
+    window = max(0, min(answer_starts, default=0) - 1 - steps)
+    attend = UnrolledAttention(cfg.num_heads, cfg.head_dim**-0.5, pad, window)
+    hidden = features.reshape(B * T, -1)
+    total = torch.zeros(())
+    accs: list[float] = []
+    counts: list[int] = []
+    for s in range(steps):
+        shift = 1 + s
+        if shift + 1 >= T:
+            break
+        first = 0 if s == 0 else window
+        cols = T - first
+        ids = _shift(input_ids, shift)[:, first:]
+        positions = (torch.arange(first, T) + s).expand(B, cols).reshape(-1)
+        if s == 1:
+            hidden = hidden.view(B, T, -1)[:, window:].reshape(B * cols, -1)
+        hidden = head(ids.reshape(-1), hidden, positions, attend)
+        mask = _shift(loss_mask, shift + 1)[:, first:].reshape(-1)
+        target = _shift(teacher, shift)[:, first:].reshape(B * cols, -1)[mask]
+        logits = head.logits(hidden[mask])
+        best = target.argmax(-1)
+        p = torch.softmax(target, dim=-1)
+        ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)
+        n = int(mask.sum())
+        total = total + STEP_WEIGHT**s * ce.sum() / max(n, 1)
+        with torch.no_grad():
+            accs.append(float((logits.argmax(-1) == best).sum()) / max(n, 1))
+        counts.append(n)
+    return total, accs, counts
+
+
+# ---- the loop --------------------------------------------------------------------------------
+
+
+def batches(samples: list[Sample], batch_tokens: int, rng: random.Random) -> list[list[Sample]]:
+    """Length-bucketed batches of at most `batch_tokens` padded tokens, in random order."""
+    order = sorted(samples, key=lambda s: len(s.input_ids))
+    out: list[list[Sample]] = []
+    current: list[Sample] = []
+    for s in order:
+        if current and (len(current) + 1) * len(s.input_ids) > batch_tokens:
+            out.append(current)
+            current = []
+        current.append(s)
+    if current:
+        out.append(current)
+    rng.shuffle(out)
+    return out
+
+
+def collate(batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T = max(len(s.input_ids) for s in batch)
+    ids = torch.zeros((len(batch), T), dtype=torch.int64)
+    pad = torch.zeros((len(batch), T), dtype=torch.bool)
+    mask = torch.zeros((len(batch), T), dtype=torch.bool)
+    for i, s in enumerate(batch):
+        n = len(s.input_ids)
+        ids[i, :n] = torch.tensor(s.input_ids)
+        pad[i, :n] = True
+        mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
+    return ids, pad, mask
+
+
+def new_head(target_config, cfg: TrainConfig) -> DraftHead:
+    L = target_config.num_layers
+    head_cfg = DraftHeadConfig(
+        kind="eagle3",
+        hidden_size=target_config.hidden_size,
+        intermediate_size=cfg.intermediate_size or target_config.intermediate_size,
+        num_heads=target_config.num_heads,
+        num_kv_heads=target_config.num_kv_heads,
+        head_dim=target_config.head_dim,
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_theta=float(getattr(target_config.hf_config, "rope_theta", 10000.0) or 10000.0),
+        vocab_size=target_config.vocab_size,
+        draft_vocab_size=cfg.draft_vocab_size,
+        target_hidden_size=target_config.hidden_size,
+        fc_bias=False,
+        aux_layers=(2, L // 2, L - 3),
+    )
+    return DraftHead(head_cfg, max_positions=cfg.max_len + cfg.ttt_steps + 1)
+
+
+def train(cfg: TrainConfig) -> DraftHead:
+    from transformers import AutoTokenizer
+
+    from spectral.models.config import ModelConfig
+    from spectral.models.resolve import resolve_model_path
+
+    torch.manual_seed(cfg.seed)
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model_path(cfg.model_path)
+    target_config = ModelConfig.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    data = cfg.data
+    if not data:
+        answers = work / "sharegpt-answers.jsonl"
+        from spectral import Engine
+
+        engine = Engine(model_path=cfg.model_path, dtype="auto", max_running_requests=64)
+        try:
+            generate_answers(engine, str(answers), cfg.num_prompts, cfg.max_new_tokens)
+        finally:
+            engine.shutdown()
+        data = [str(answers)]
+    samples = load_samples(data, tokenizer, cfg.max_len)
+    if not samples:
+        raise SystemExit(f"no training samples in {', '.join(data)}")
+
+    head = new_head(target_config, cfg)
+    checkpoint = work / "checkpoint.pt"
+    state = torch.load(checkpoint, weights_only=False) if checkpoint.exists() else None
+    if state is not None:
+        head.load_state_dict(state["head"])
+        coverage = state["coverage"]
+        step = state["step"]
+        logger.info("resuming from %s at step %d", checkpoint, step)
+    else:
+        _, d2t, t2d, coverage = draft_vocabulary(
+            samples, cfg.draft_vocab_size, target_config.vocab_size
+        )
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+        step = 0
+    logger.info(
+        "%d samples, %d answer tokens; the draft vocabulary covers %.1f%% of them",
+        len(samples),
+        sum(sum(s.loss_mask) for s in samples),
+        100 * coverage,
+    )
+    used = torch.arange(cfg.draft_vocab_size) + head.d2t
+    teacher = Teacher(model_dir, head.cfg.aux_layers, torch.bfloat16)
+    head.set_target(teacher.embed_weight.detach().float(), None)
+    trainable = [p for n, p in head.named_parameters()]
+    for p in trainable:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+
+    def lr_at(i: int) -> float:
+        if i < cfg.warmup_steps:
+            return cfg.lr * (i + 1) / cfg.warmup_steps
+        frac = (i - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+    def save() -> None:
+        torch.save(
+            {
+                "head": head.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "step": step,
+                "coverage": coverage,
+                "config": asdict(cfg),
+            },
+            checkpoint,
+        )
+
+    from tqdm import tqdm
+
+    start = time.monotonic()
+    epoch_rng = random.Random(cfg.seed + step)
+    plan: list[list[Sample]] = []
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="train-eagle3", dynamic_ncols=True)
+    head.train()
+    while step < cfg.max_steps:
+        if not plan:
+            plan = batches(samples, cfg.batch_tokens, epoch_rng)
+        ids, pad, mask = collate(plan.pop())
+        features, logits = teacher(ids, pad.long(), used)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ids.device.type == "cpu"):
+            loss, accs, _ = ttt_loss(head, ids, pad, mask, features, logits, cfg.ttt_steps)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 0.5)
+        optimizer.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in accs[:4]))
+        if step % cfg.save_every == 0:
+            save()
+            if cfg.out:
+                export(head, cfg.out, getattr(torch, cfg.export_dtype))
+        if cfg.time_budget is not None and time.monotonic() - start > cfg.time_budget:
+            logger.info("time budget spent at step %d", step)
+            break
+    bar.close()
+    save()
+    head.eval()
+    if cfg.out:
+        export(head, cfg.out, getattr(torch, cfg.export_dtype))
+    return head
+
+
+def export(head: DraftHead, out: str, dtype: torch.dtype) -> None:
+    """Write the head in the published EAGLE-3 layout (config.json + model.safetensors)."""
+    copy = DraftHead(head.cfg, max_positions=2)
+    copy.load_state_dict(head.state_dict())
+    copy.to(dtype)
+    copy.d2t = head.d2t.clone()
+    copy.t2d = head.t2d.clone()
+    copy.save(out)
+    logger.info("exported the head to %s", out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="spectral train-eagle3", description=__doc__)
+    defaults = TrainConfig()
+    for name, value in asdict(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if name == "data":
+            parser.add_argument(flag, nargs="*", default=[], help="text/JSONL files")
+        elif isinstance(value, bool):
+            parser.add_argument(flag, action="store_true")
+        else:
+            kind = type(value) if value is not None else (float if name == "time_budget" else str)
+            if name == "intermediate_size":
+                kind = int
+            parser.add_argument(flag, type=kind, default=value)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    train(TrainConfig(**vars(ns)))
+
+
+if __name__ == "__main__":
+    main()

