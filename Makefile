@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) bench/offline.py $(ARGS)
 	$(PY) bench/prefix.py
 	$(PY) bench/serving.py
+	$(PY) bench/spec.py --quick
 
 clean-venv:
 	rm -rf $(VENV)

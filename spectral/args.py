@@ -32,6 +32,7 @@ class ServerArgs:
     attention_backend: str = "auto"
     disable_cpu_kernels: bool = False
     random_seed: int | None = None
+    num_threads: int | None = None
     # Speculative decoding
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -66,6 +67,8 @@ class ServerArgs:
             )
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm (got {self.schedule_policy!r})")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 (got {self.num_threads})")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {self.max_prefill_tokens})")
         if self.speculative_algorithm is not None:
@@ -120,6 +123,7 @@ class ServerArgs:
             "attention_backend": "auto, torch",
             "disable_cpu_kernels": "use plain PyTorch matmuls instead of spectral's C++ kernels",
             "random_seed": "seed for unseeded sampling",
+            "num_threads": "CPU threads of the model worker (default: torch's, one per core)",
             "speculative_algorithm": "EAGLE, EAGLE3 (draft head) or NGRAM (no model)",
             "speculative_draft_model_path": "draft head directory (EAGLE/EAGLE3); 'default' for "
             "the head shipped for the default model",

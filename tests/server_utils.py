@@ -49,6 +49,21 @@ def start_server(*flags: str, timeout: float = 120.0) -> tuple[subprocess.Popen,
     raise RuntimeError("server did not come up")
 
 
+def start_fp32_server(model_dir: str, api_key: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    """The default model in float32 with a 16k-token pool behind `api_key`."""
+    return start_server(
+        "--model-path",
+        model_dir,
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "16384",
+        "--api-key",
+        api_key,
+        *flags,
+    )
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM, and if the server is not gone in 30 s, kill its whole process group."""
     proc.send_signal(signal.SIGTERM)

@@ -8,7 +8,7 @@ import torch
 from spectral import Engine
 from spectral.models.resolve import ModelNotFoundError
 from spectral.sampling_params import InvalidRequestError
-from tests.conftest import assert_no_leaks
+from tests.conftest import assert_no_leaks, wait_idle
 
 PROMPT = "Write a short poem about the sea."
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
@@ -71,9 +71,33 @@ def test_min_new_tokens_holds_back_eos(engine_fp32):
 
 
 def test_max_new_tokens_zero_returns_no_tokens(engine_fp32):
-    out = engine_fp32.generate(PROMPT, {"max_new_tokens": 0})
+    prompt = PROMPT + " (cached by a request for no tokens)"
+    out = engine_fp32.generate(prompt, {"max_new_tokens": 0})
     assert out["output_ids"] == [] and out["text"] == ""
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    # Its prefill ran: the prompt is in the radix cache (SGLang's way to cache a prefix).
+    again = engine_fp32.generate(prompt, {"max_new_tokens": 1})
+    assert again["meta_info"]["cached_tokens"] == out["meta_info"]["prompt_tokens"] - 1
+
+
+def test_max_new_tokens_zero_with_logprobs_scores_the_prompt(engine_fp32, hf_model, tokenizer):
+    ids = tokenizer("Paris is the capital of France")["input_ids"]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], -1)
+    out = engine_fp32.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    assert out["output_ids"] == []
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    got = out["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in got] == ids and got[0][0] is None
+    expected = [logprobs[p - 1, ids[p]].item() for p in range(1, len(ids))]
+    assert max(abs(g[0] - e) for g, e in zip(got[1:], expected)) < 1e-4
+    wait_idle(engine_fp32)
+    assert_no_leaks(engine_fp32)
 
 
 def test_batch_with_different_lengths_and_params_finishes_each_on_its_own(engine_fp32, reference):

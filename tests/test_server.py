@@ -11,26 +11,23 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
-from tests.server_utils import alive, cmdline, descendants, start_server, stop_server
+from tests.server_utils import (
+    alive,
+    cmdline,
+    descendants,
+    start_fp32_server,
+    start_server,
+    stop_server,
+)
 
 API_KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    proc, url = start_server(
-        "--model-path",
-        default_model_dir,
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        "16384",
-        "--api-key",
-        API_KEY,
-        "--served-model-name",
-        "smollm2",
-    )
+    proc, url = start_fp32_server(default_model_dir, API_KEY, "--served-model-name", "smollm2")
     yield url
     stop_server(proc)
 
@@ -98,6 +95,22 @@ def test_completions_plain_stream_echo_logprobs(client, engine_fp32, tokenizer):
     logprobs = lp.choices[0].logprobs
     assert len(logprobs.token_logprobs) == 5 and all(v <= 0 for v in logprobs.token_logprobs)
     assert all(len(top) == 2 for top in logprobs.top_logprobs)
+
+
+def test_completions_echo_with_logprobs_scores_the_prompt(client, hf_model, tokenizer):
+    prompt = "Water boils at one hundred degrees"
+    ids = tokenizer(prompt)["input_ids"]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], -1)
+    expected = [logprobs[p - 1, ids[p]].item() for p in range(1, len(ids))]
+    res = client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=0, echo=True, logprobs=0
+    )
+    got = res.choices[0].logprobs
+    assert res.choices[0].text == prompt
+    assert "".join(got.tokens) == prompt and got.token_logprobs[0] is None
+    assert max(abs(g - e) for g, e in zip(got.token_logprobs[1:], expected)) < 1e-4
+    assert got.text_offset[: len(ids)] == sorted(got.text_offset[: len(ids)])
 
 
 def test_native_generate_matches_and_streams(server, engine_fp32, tokenizer):
@@ -197,6 +210,15 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server, path, body, m
         timeout=60,
     )
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded"])
+def test_a_json_body_is_read_whatever_its_content_type(server, content_type):
+    # `curl -d '{...}'` sends form-urlencoded; a hand-written client may send no header.
+    body = b'{"text": "Hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}'
+    headers = {**HEADERS, **({"content-type": content_type} if content_type else {})}
+    res = httpx.post(server + "/generate", content=body, headers=headers, timeout=60)
+    assert res.status_code == 200 and res.json()["meta_info"]["completion_tokens"] == 2
 
 
 def test_wrong_api_key_is_refused_but_health_is_open(server):

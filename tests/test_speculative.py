@@ -286,7 +286,11 @@ def test_abort_mid_generation_frees_everything(peaky_model_dir: str, eagle3_head
 
 def test_settings_refuse_what_cannot_work(tmp_path: Path, peaky_model_dir: str) -> None:
     with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
-        ServerArgs(speculative_algorithm="EAGLE3")
+        ServerArgs(model_path=peaky_model_dir, speculative_algorithm="EAGLE3")
+    with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
+        ServerArgs(speculative_algorithm="EAGLE")
+    # The embedded default model comes with its head.
+    assert ServerArgs(speculative_algorithm="EAGLE3").spec_settings().draft_model_path == "default"
     with pytest.raises(ValueError, match="NGRAM drafts without a model"):
         ServerArgs(speculative_algorithm="NGRAM", speculative_draft_model_path="x")
     with pytest.raises(ValueError, match="must be one of EAGLE, EAGLE3, NGRAM"):

@@ -46,6 +46,24 @@ def random_samples(n: int, length: int, seed: int = 0) -> list[Sample]:
     return out
 
 
+def write_answers(path: Path, samples: list[Sample], prompt_len: int) -> str:
+    """`samples` as generated-answer JSONL (the first `prompt_len` tokens are the prompt)."""
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": str(i),
+                    "input_ids": s.input_ids[:prompt_len],
+                    "output_ids": s.input_ids[prompt_len:],
+                }
+            )
+            + "\n"
+            for i, s in enumerate(samples)
+        )
+    )
+    return str(path)
+
+
 def setup_head(target_dir: str, samples: list[Sample], cfg: TrainConfig):
     config = ModelConfig.from_pretrained(target_dir)
     head = new_head(config, cfg)
@@ -120,15 +138,10 @@ def test_export_then_load_gives_identical_draft_logits(tmp_path: Path, target_di
 
 
 def test_a_rerun_resumes_from_the_checkpoint(tmp_path: Path, target_dir: str) -> None:
-    data = tmp_path / "data.jsonl"
-    rows = [
-        {"id": str(i), "input_ids": s.input_ids[:10], "output_ids": s.input_ids[10:]}
-        for i, s in enumerate(random_samples(2, 40))
-    ]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_answers(tmp_path / "data.jsonl", random_samples(2, 40), 10)
     common = dict(
         model_path=target_dir,
-        data=[str(data)],
+        data=[data],
         draft_vocab_size=128,
         ttt_steps=2,
         max_len=64,
@@ -142,3 +155,63 @@ def test_a_rerun_resumes_from_the_checkpoint(tmp_path: Path, target_dir: str) ->
     assert torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["step"] == 5
     for (name, p), q in zip(resumed.state_dict().items(), straight.state_dict().values()):
         assert torch.allclose(p, q, atol=1e-6), name
+
+
+def test_cached_teacher_states_train_exactly_like_recomputed_ones(
+    tmp_path: Path, target_dir: str
+) -> None:
+    samples = random_samples(6, 24, seed=2) + random_samples(4, 40, seed=3)
+    data = write_answers(tmp_path / "data.jsonl", samples, 8)
+    # 96-token batches: 4 batches an epoch, so 9 steps run 2 epochs on cached states.
+    common = dict(
+        model_path=target_dir,
+        data=[data],
+        draft_vocab_size=128,
+        ttt_steps=2,
+        max_len=64,
+        batch_tokens=96,
+        max_steps=9,
+    )
+    cached = train(TrainConfig(work_dir=str(tmp_path / "a"), cache_teacher=True, **common))
+    fresh = train(TrainConfig(work_dir=str(tmp_path / "b"), cache_teacher=False, **common))
+    for (name, p), q in zip(cached.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_init_from_an_export_starts_from_its_weights_and_vocabulary(
+    tmp_path: Path, target_dir: str
+) -> None:
+    data = write_answers(tmp_path / "data.jsonl", random_samples(2, 40, seed=1), 10)
+    common = dict(model_path=target_dir, data=[data], ttt_steps=2, max_len=64)
+    trained = train(
+        TrainConfig(
+            work_dir=str(tmp_path / "a"),
+            out=str(tmp_path / "head"),
+            export_dtype="float32",
+            draft_vocab_size=128,
+            max_steps=2,
+            **common,
+        )
+    )
+    # Zero steps from the export: the head is the export, d2t/t2d included.
+    started = train(
+        TrainConfig(
+            work_dir=str(tmp_path / "b"),
+            init_from=str(tmp_path / "head"),
+            draft_vocab_size=128,
+            max_steps=0,
+            **common,
+        )
+    )
+    for (name, p), q in zip(trained.state_dict().items(), started.state_dict().values()):
+        assert torch.equal(p, q), name
+    with pytest.raises(SystemExit, match="draft-vocab-size"):
+        train(
+            TrainConfig(
+                work_dir=str(tmp_path / "c"),
+                init_from=str(tmp_path / "head"),
+                draft_vocab_size=64,
+                max_steps=0,
+                **common,
+            )
+        )

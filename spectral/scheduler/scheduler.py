@@ -174,10 +174,9 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """Run one batch. Returns the requests whose output changed (finished ones included)."""
-        done_early = self._finish_empty_requests()
         batch = self._next_batch()
         if batch is None:
-            return done_early
+            return []
         self.last_mode = batch.mode
         banned = {
             req.rid: self._stop_ids(req)
@@ -186,14 +185,7 @@ class Scheduler:
         }
         draft_next = self.spec is not None and self.spec.uses_draft_head
         result = self.worker.forward(batch.to_worker_batch(banned, draft_next))
-        return done_early + self._process_result(batch, result)
-
-    def _finish_empty_requests(self) -> list[Req]:
-        empty = [r for r in self.waiting if self.max_output(r) == 0 and not r.output_ids]
-        for req in empty:
-            self.waiting.remove(req)
-            self._finish(req, FinishReason("length", length=0))
-        return empty
+        return self._process_result(batch, result)
 
     def _next_batch(self) -> ScheduleBatch | None:
         # After a prefill, decode once before the next prefill, so that long prompts
@@ -315,6 +307,10 @@ class Scheduler:
                         req.input_logprobs.extend(result.input_logprobs[i])
                 if not batch.completes_prefill(req):
                     continue  # a chunk: its sampled token is meaningless
+                if self.max_output(req) == 0:  # prefilled only: cached, or scored for logprobs
+                    changed.append(req)
+                    self._finish(req, FinishReason("length", length=0))
+                    continue
             req.output_ids.append(result.next_token_ids[i])
             self.stats.generated_tokens += 1
             if req.return_logprob:

@@ -76,6 +76,21 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class JsonBodyMiddleware:
+    """Every POST body is JSON, whatever its Content-Type says: `curl -d` sends
+    application/x-www-form-urlencoded, and a body without the header would otherwise fail
+    validation with a message about dictionaries."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
 def sse(data: Any) -> bytes:
     return b"data: " + (data if isinstance(data, bytes) else orjson.dumps(data)) + b"\n\n"
 
@@ -100,6 +115,7 @@ def create_app(
     async def invalid_request(_: Request, exc: InvalidRequestError) -> ORJSONResponse:
         return error(str(exc))
 
+    app.add_middleware(JsonBodyMiddleware)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
@@ -209,8 +225,17 @@ def create_app(
         cid, created = new_id("cmpl"), now()
         model = body.model or served_model
 
+        # echo with logprobs scores the prompt too (its first token has none), as OpenAI does.
+        prompt_start = 0 if body.echo and want_logprobs else -1
+
         def choice(index: int, ids: list[int], state: ReqState, text: str) -> dict[str, Any]:
-            logprobs = _completion_logprobs(manager, state) if want_logprobs else None
+            logprobs = None
+            if want_logprobs:
+                scored = state.logprobs
+                if body.echo:
+                    prompt = state.meta.get("input_token_logprobs") or []
+                    scored = [(lp, tok, None) for lp, tok, _ in prompt] + scored
+                logprobs = _completion_logprobs(manager, scored)
             if body.echo:
                 text = manager.tokenizer.decode(ids) + text
             return {
@@ -258,7 +283,10 @@ def create_app(
         states = await _unless_disconnected(
             request,
             asyncio.gather(
-                *(_final(manager.generate(ids, p, None, want_logprobs, top)) for _, ids, p in jobs)
+                *(
+                    _final(manager.generate(ids, p, None, want_logprobs, top, prompt_start))
+                    for _, ids, p in jobs
+                )
             ),
         )
         if isinstance(states, Response):
@@ -453,9 +481,10 @@ def _token_text(manager: TokenizerManager, token: int) -> str:
     return manager.tokenizer.decode([token])
 
 
-def _completion_logprobs(manager: TokenizerManager, state: ReqState) -> dict[str, Any]:
+def _completion_logprobs(manager: TokenizerManager, scored: list[Any]) -> dict[str, Any]:
+    """OpenAI's completion logprobs for (logprob, token, top logprobs or None) entries."""
     tokens, token_logprobs, tops, offsets, offset = [], [], [], [], 0
-    for lp, tok, top in state.logprobs:
+    for lp, tok, top in scored:
         text = _token_text(manager, tok)
         tokens.append(text)
         token_logprobs.append(lp)

@@ -150,7 +150,8 @@ class SchedulerProcess:
                 "cached_tokens": req.cached_tokens,
                 **req.spec_meta(),
             }
-            if start == 0 and new and req.return_logprob and req.logprob_start_len >= 0:
+            first = start == 0 and (new or req.finished)
+            if first and req.return_logprob and req.logprob_start_len >= 0:
                 meta["input_token_logprobs"] = req.input_token_logprobs()
             if req.finished:
                 meta["e2e_latency"] = (req.finished_at or time.perf_counter()) - req.created_at

@@ -44,6 +44,8 @@ class SpecSettings:
         topk = args.speculative_eagle_topk or topk
         tokens = args.speculative_num_draft_tokens or tokens
         path = args.speculative_draft_model_path
+        if algo == "EAGLE3" and not path and getattr(args, "model_path", None) == "default":
+            path = "default"  # the head shipped for the embedded default model
         if algo in ("EAGLE", "EAGLE3") and not path:
             raise ValueError(
                 f"--speculative-algorithm {algo} needs --speculative-draft-model-path "

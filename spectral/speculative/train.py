@@ -42,6 +42,7 @@ class TrainConfig:
     model_path: str = "default"
     work_dir: str = ".train"
     out: str | None = None
+    init_from: str | None = None  # an exported head to start from (weights and vocabulary)
     data: list[str] = field(default_factory=list)  # user files; empty: self-distilled ShareGPT
     num_prompts: int = 2000
     max_new_tokens: int = 384
@@ -56,6 +57,7 @@ class TrainConfig:
     time_budget: float | None = None  # seconds; stop (and save) when spent
     save_every: int = 100
     seed: int = 0
+    cache_teacher: bool = True  # keep the target's states in memory across epochs
     export_dtype: str = "bfloat16"
 
 
@@ -80,13 +82,55 @@ class Teacher:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, used: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(features [B, T, 3H] float32, teacher logits over the draft vocab [B, T, N])."""
+        features, last = self.states(input_ids, attention_mask)
+        return features.float(), self.logits(last, used)
+
+    @torch.no_grad()
+    def states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured layers' inputs [B, T, 3H] and the final hidden state [B, T, H], in the
+        teacher's dtype (what `TeacherCache` keeps)."""
         out = self.model.model(
             input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
         )
         features = torch.cat([out.hidden_states[i] for i in self.aux_layers], dim=-1)
+        return features, out.last_hidden_state
+
+    @torch.no_grad()
+    def logits(self, last_hidden: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
         lm_head = self.model.get_output_embeddings().weight[used]
-        logits = F.linear(out.last_hidden_state, lm_head)
-        return features.float(), logits.float()
+        return F.linear(last_hidden, lm_head).float()
+
+
+class TeacherCache:
+    """The teacher's states per sample, kept in memory after their first batch, so that later
+    epochs skip the target's forward (about half a step on a CPU). Batches are the same
+    length buckets every epoch, so from the second epoch on every batch is a hit."""
+
+    def __init__(self, teacher: Teacher) -> None:
+        self.teacher = teacher
+        self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(
+        self, batch: list[Sample], input_ids: torch.Tensor, pad: torch.Tensor, used: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = [id(s) for s in batch]
+        if all(k in self.states for k in keys):
+            B, T = input_ids.shape
+            first = self.states[keys[0]]
+            features = first[0].new_zeros(B, T, first[0].shape[-1])
+            last = first[1].new_zeros(B, T, first[1].shape[-1])
+            for i, k in enumerate(keys):
+                f, h = self.states[k]
+                features[i, : f.shape[0]] = f
+                last[i, : h.shape[0]] = h
+        else:
+            features, last = self.teacher.states(input_ids, pad.long())
+            for i, (k, s) in enumerate(zip(keys, batch)):
+                n = len(s.input_ids)
+                self.states[k] = (features[i, :n].clone(), last[i, :n].clone())
+        return features.float(), self.teacher.logits(last, used)
 
 
 def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int):
@@ -105,6 +149,40 @@ def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int):
     total = sum(counts.values()) or 1
     coverage = sum(counts[t] for t in top) / total
     return used, d2t, t2d, coverage
+
+
+def vocabulary_coverage(samples: list[Sample], t2d: torch.Tensor) -> float:
+    """Share of the answer tokens that the draft vocabulary `t2d` holds."""
+    answer = [t for s in samples for t, m in zip(s.input_ids, s.loss_mask) if m]
+    if not answer:
+        return 0.0
+    return float(t2d[torch.tensor(answer)].float().mean())
+
+
+def init_from_export(head: DraftHead, path: str) -> None:
+    """Load an exported head's weights and vocabulary into `head` (float32), refusing a head
+    whose shapes differ (a different target or draft vocabulary size)."""
+    from spectral.speculative.eagle_head import _read_tensors
+
+    tensors = _read_tensors(path)
+    if not tensors:
+        raise SystemExit(f"--init-from {path}: no .safetensors file there")
+    state = head.state_dict()
+    for name, value in tensors.items():
+        if name not in state:
+            raise SystemExit(f"--init-from {path}: unexpected tensor {name!r}")
+        if tuple(value.shape) != tuple(state[name].shape):
+            raise SystemExit(
+                f"--init-from {path}: {name} has shape {tuple(value.shape)}, this run "
+                f"needs {tuple(state[name].shape)} (same target and --draft-vocab-size?)"
+            )
+    missing = sorted(set(state) - set(tensors) - {"t2d"})
+    if missing:
+        raise SystemExit(f"--init-from {path}: tensors missing: {', '.join(missing[:5])}")
+    head.load_state_dict({k: v.to(state[k].dtype) for k, v in tensors.items()}, strict=False)
+    if "t2d" not in tensors:  # derive it from d2t
+        head.t2d.zero_()
+        head.t2d[torch.arange(head.cfg.draft_vocab_size) + head.d2t] = True
 
 
 # ---- the training-time test ------------------------------------------------------------------
@@ -299,6 +377,11 @@ def train(cfg: TrainConfig) -> DraftHead:
         coverage = state["coverage"]
         step = state["step"]
         logger.info("resuming from %s at step %d", checkpoint, step)
+    elif cfg.init_from:
+        init_from_export(head, cfg.init_from)
+        coverage = vocabulary_coverage(samples, head.t2d)
+        step = 0
+        logger.info("starting from the head in %s", cfg.init_from)
     else:
         _, d2t, t2d, coverage = draft_vocabulary(
             samples, cfg.draft_vocab_size, target_config.vocab_size
@@ -314,6 +397,7 @@ def train(cfg: TrainConfig) -> DraftHead:
     )
     used = torch.arange(cfg.draft_vocab_size) + head.d2t
     teacher = Teacher(model_dir, head.cfg.aux_layers, torch.bfloat16)
+    cache = TeacherCache(teacher) if cfg.cache_teacher else None
     head.set_target(teacher.embed_weight.detach().float(), None)
     trainable = [p for n, p in head.named_parameters()]
     for p in trainable:
@@ -350,8 +434,12 @@ def train(cfg: TrainConfig) -> DraftHead:
     while step < cfg.max_steps:
         if not plan:
             plan = batches(samples, cfg.batch_tokens, epoch_rng)
-        ids, pad, mask = collate(plan.pop())
-        features, logits = teacher(ids, pad.long(), used)
+        batch = plan.pop()
+        ids, pad, mask = collate(batch)
+        if cache is not None:
+            features, logits = cache(batch, ids, pad, used)
+        else:
+            features, logits = teacher(ids, pad.long(), used)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ids.device.type == "cpu"):
@@ -397,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
         if name == "data":
             parser.add_argument(flag, nargs="*", default=[], help="text/JSONL files")
         elif isinstance(value, bool):
-            parser.add_argument(flag, action="store_true")
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
         else:
             kind = type(value) if value is not None else (float if name == "time_budget" else str)
             if name == "intermediate_size":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from spectral.args import ServerArgs
 from spectral.models.resolve import resolve_model_path
 from spectral.worker.model_worker import ModelWorker
@@ -28,6 +30,8 @@ def resolve_draft_path(path: str) -> str:
 def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | SpeculativeWorker:
     """The model worker for `args`; with speculative decoding on, wrapped with its drafter."""
     dtype, device = args.resolved_dtype(), args.resolved_device()
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
     worker = ModelWorker(
         resolve_model_path(args.model_path, args.model_cache_dir),
         dtype=dtype,

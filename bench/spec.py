@@ -1,0 +1,131 @@
+"""Speculative decoding speed: the same prompts with and without speculation, in one run.
+
+MT-Bench first turns (all 80, or `--quick` for the first 16), greedy, with the model's chat
+template; for each batch size (requests in flight at once) it prints tokens/s without
+speculation, then with each algorithm: tokens/s, the speedup over plain decoding, the average
+accept length τ (tokens per speculative round and request), and how many outputs equal the
+plain ones (bf16 multi-token forwards round differently from one-token ones, so a few may
+differ; float32 output is identical, which the tests check). HumanEval prompts give a second
+τ for the draft head. Results also go to bench/out/spec.json.
+
+    python bench/spec.py --quick
+    python bench/spec.py --algorithms EAGLE3 --draft default --batches 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data import chat, humaneval_prompts, mtbench_first_turns  # noqa: E402
+
+from spectral import Engine  # noqa: E402
+
+
+def measure(engine: Engine, prompts: list[str], new_tokens: int) -> tuple[float, list, float]:
+    """(tokens/s, outputs, τ) for generating all prompts, the engine's max_running_requests
+    at a time; τ = 0 without speculation."""
+    params = {"temperature": 0.0, "max_new_tokens": new_tokens}
+    engine.generate(prompts[0], {**params, "max_new_tokens": 8})  # warm-up
+    engine.flush_cache()
+    before = engine.get_server_info()["stats"]
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    after = engine.get_server_info()["stats"]
+    rounds = after["spec_verify_ct"] - before["spec_verify_ct"]
+    emitted = after["spec_emitted_tokens"] - before["spec_emitted_tokens"]
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    return tokens / elapsed, [o["output_ids"] for o in outs], emitted / rounds if rounds else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model-path", default="default")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--quick", action="store_true", help="the first 16 MT-Bench questions")
+    ap.add_argument("--num-prompts", type=int, default=None, help="overrides --quick")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--algorithms", default="EAGLE3,NGRAM")
+    ap.add_argument("--draft", default="default", help="EAGLE3 head directory")
+    ap.add_argument("--num-steps", type=int, default=None)
+    ap.add_argument("--topk", type=int, default=None)
+    ap.add_argument("--num-draft-tokens", type=int, default=None)
+    ap.add_argument("--max-batch-size", type=int, default=None, help="speculate up to this")
+    ap.add_argument("--humaneval", type=int, default=16, help="HumanEval prompts for τ (0: none)")
+    args = ap.parse_args()
+
+    questions = mtbench_first_turns(args.num_prompts or (16 if args.quick else None))
+    results: dict[str, object] = {
+        "dtype": args.dtype,
+        "num_prompts": len(questions),
+        "max_new_tokens": args.max_new_tokens,
+        "threads": torch.get_num_threads(),
+        "runs": [],
+    }
+    common = dict(model_path=args.model_path, dtype=args.dtype, max_total_tokens=65536)
+    spec_options = dict(
+        speculative_num_steps=args.num_steps,
+        speculative_eagle_topk=args.topk,
+        speculative_num_draft_tokens=args.num_draft_tokens,
+        speculative_max_batch_size=args.max_batch_size,
+    )
+    algorithms = [a for a in args.algorithms.split(",") if a]
+    for size in [int(b) for b in args.batches.split(",") if b]:
+        engine = Engine(**common, max_running_requests=size)
+        prompts = [chat(engine.tokenizer, q) for q in questions]
+        plain, plain_out, _ = measure(engine, prompts, args.max_new_tokens)
+        engine.shutdown()
+        print(f"batch {size:3d}  plain            {plain:7.2f} tok/s")
+        for algo in algorithms:
+            draft = args.draft if algo != "NGRAM" else None
+            engine = Engine(
+                **common,
+                max_running_requests=size,
+                speculative_algorithm=algo,
+                speculative_draft_model_path=draft,
+                **spec_options,
+            )
+            speed, out, tau = measure(engine, prompts, args.max_new_tokens)
+            same = sum(a == b for a, b in zip(out, plain_out))
+            row = {
+                "batch": size,
+                "algorithm": algo,
+                "plain_tok_s": round(plain, 2),
+                "spec_tok_s": round(speed, 2),
+                "speedup": round(speed / plain, 3),
+                "accept_length": round(tau, 3),
+                "identical_outputs": f"{same}/{len(prompts)}",
+            }
+            if algo != "NGRAM" and size == 1 and args.humaneval:
+                code = [chat(engine.tokenizer, p) for p in humaneval_prompts(args.humaneval)]
+                _, _, row["humaneval_accept_length"] = measure(engine, code, args.max_new_tokens)
+            engine.shutdown()
+            gc.collect()
+            results["runs"].append(row)
+            extra = (
+                f", HumanEval τ {row['humaneval_accept_length']:.2f}"
+                if "humaneval_accept_length" in row
+                else ""
+            )
+            print(
+                f"batch {size:3d}  {algo:<16s} {speed:7.2f} tok/s  {speed / plain:5.2f}x  "
+                f"τ {tau:4.2f}  identical {same}/{len(prompts)}{extra}"
+            )
+    out_dir = Path(__file__).resolve().parent / "out"
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "spec.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""ProgramStateGroup: the branches that `s.fork(n)` returns, and how `join` merges them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spectral.lang.state import ProgramState
+
+
+class ProgramStateGroup:
+    """The branches of `s.fork(n)`: index them (`forks[i] += ...`), iterate them, `join()`."""
+
+    def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
+        self.states = states
+        self.parent = parent
+        self._fork_text_len = len(parent._text)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __iter__(self) -> Iterator[ProgramState]:
+        return iter(self.states)
+
+    def __getitem__(self, index: int) -> ProgramState:
+        return self.states[index]
+
+    def __setitem__(self, index: int, value: ProgramState) -> None:
+        # `forks[i] += x` ends with `forks[i] = forks[i]`; nothing else may be assigned.
+        if value is not self.states[index]:
+            raise TypeError("the branches of a fork cannot be replaced; use forks[i] += ...")
+
+    def join(self, mode: str = "gather_variable") -> None:
+        """Wait for every branch, then merge into the parent state.
+
+        "gather_variable" (the default): each variable set in any branch becomes a list on
+        the parent, one value per branch (None where a branch did not set it).
+        "concate_and_append": the text each branch added is appended to the parent, in
+        branch order."""
+        for state in self.states:
+            state.sync()
+        if mode == "gather_variable":
+            names = dict.fromkeys(name for state in self.states for name in state._assigned)
+            for name in names:
+                values = [state._variables.get(name) for state in self.states]
+                metas = [state._meta_info.get(name) for state in self.states]
+                self.parent._set_var(name, values, {"branches": metas})
+        elif mode == "concate_and_append":
+            self.parent += "".join(state._text[self._fork_text_len :] for state in self.states)
+        else:
+            raise ValueError(
+                f"unknown join mode {mode!r}; use 'gather_variable' or 'concate_and_append'"
+            )
