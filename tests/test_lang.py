@@ -279,6 +279,15 @@ def test_openai_backend_completion_model_matches_the_native_api(server, backend)
 
     assert via_openai["answer"] == via_native["answer"]
 
+    # select scores the choices by prompt logprobs, as the native API does.
+    scored = judge.run(backend=completion)
+    native = judge.run()
+    assert scored.get_meta_info("verdict")["method"] == "logprobs"
+    assert scored["verdict"] == native["verdict"]
+    assert scored.get_meta_info("verdict")["normalized_prompt_logprobs"] == pytest.approx(
+        native.get_meta_info("verdict")["normalized_prompt_logprobs"], abs=1e-3
+    )
+
 
 def test_openai_chat_backend_needs_gen_to_open_the_assistant_turn(openai_backend):
     @sgl.function

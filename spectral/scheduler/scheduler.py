@@ -230,7 +230,9 @@ class Scheduler:
         """Every running request gets one slot for its newest token; when the pool runs
         short, evict cached prefixes, then retract requests (most remaining work first)."""
         if self.spec is not None and len(self.running) <= self.spec.max_batch_size:
-            return self._verify_batch()
+            batch = self._verify_batch()
+            if batch is not None:
+                return batch
         kv = self.kv
         while kv.available < len(self.running) and len(self.running) > 1:
             self._retract_one()
@@ -242,11 +244,12 @@ class Scheduler:
         self.stats.decode_steps += 1
         return ScheduleBatch(ForwardMode.DECODE, list(self.running))
 
-    def _verify_batch(self) -> ScheduleBatch:
+    def _verify_batch(self) -> ScheduleBatch | None:
         """A speculative round: each running request gets one slot per tree node (the root
         is its newest token). A request's tree ends before its context does; when the pool
         cannot hold every tree, requests are retracted as for decode, and a last request
-        verifies its root alone."""
+        verifies its root alone. None when the n-gram drafter has nothing for anyone (a plain
+        decode step is cheaper than a round of roots)."""
         spec = self.spec
         kv = self.kv
         sizes = {}
@@ -259,6 +262,8 @@ class Scheduler:
                 room = min(room, 1 + len(tokens))
                 req.draft_tokens, req.draft_parents = tokens[: room - 1], parents[: room - 1]
             sizes[req.rid] = min(spec.num_draft_tokens, room)
+        if self.ngram is not None and all(size == 1 for size in sizes.values()):
+            return None
         while kv.available < sum(sizes[r.rid] for r in self.running) and len(self.running) > 1:
             self._retract_one()
         if kv.available < sum(sizes[r.rid] for r in self.running):

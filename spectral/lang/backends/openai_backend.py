@@ -5,9 +5,11 @@ Chat models (the default) see the program's finished role turns as `messages`; a
 `assistant_begin()`), because the API can only continue a conversation, not a half-written
 reply. Completion models (`is_chat_model=False`) get the program's text as `prompt`.
 
-`select` generates greedily and picks the closest choice: the OpenAI API returns no prompt
-logprobs (and spectral's `/v1/completions` returns logprobs of generated tokens only, even with
-`echo`), so choices cannot be scored as `RuntimeEndpoint` does.
+`select` on a completion model scores each choice by its tokens' mean logprob, from one
+`completions` request with the prompt + choice texts, `echo`, `logprobs=0` and `max_tokens=0`
+(spectral's `/v1/completions` answers it; so do servers that keep the legacy echo scoring).
+Where the server gives no prompt logprobs, and always on a chat model (the chat API cannot score
+given text), it generates greedily and picks the closest choice.
 """
 
 from __future__ import annotations
@@ -80,6 +82,47 @@ class OpenAI(Backend):
             yield delta, meta
 
     def select(self, ctx: Context, choices: list[str], temperature: float) -> Choice:
+        """Score the choices by prompt logprobs where the server gives them (see the module
+        docstring), else choose by generation. `temperature` does not change scores."""
+        if not self.is_chat_model:
+            scored = self._score_choices(ctx, choices)
+            if scored is not None:
+                return scored
+        return self._select_by_generation(ctx, choices)
+
+    def _score_choices(self, ctx: Context, choices: list[str]) -> Choice | None:
+        """Mean logprob of each choice's tokens (a token that straddles the end of the prompt
+        counts as the choice's); None when the server does not score prompts."""
+        try:
+            response = self._create(
+                model=self.model,
+                prompt=[ctx.text + choice for choice in choices],
+                max_tokens=0,
+                echo=True,
+                logprobs=0,
+                temperature=0.0,
+            )
+        except BackendError:
+            return None
+        end = len(ctx.text)
+        scores: list[float] = []
+        by_index = sorted(response.choices, key=lambda c: c.index)
+        for choice in by_index:
+            lp = choice.logprobs
+            if lp is None or not lp.token_logprobs or lp.text_offset is None:
+                return None
+            picked = [
+                value
+                for value, token, offset in zip(lp.token_logprobs, lp.tokens, lp.text_offset)
+                if offset + len(token) > end and value is not None
+            ]
+            scores.append(sum(picked) / len(picked) if picked else float("-inf"))
+        if len(scores) != len(choices):
+            return None
+        best = max(range(len(choices)), key=lambda i: (scores[i], -i))
+        return Choice(choices[best], {"normalized_prompt_logprobs": scores, "method": "logprobs"})
+
+    def _select_by_generation(self, ctx: Context, choices: list[str]) -> Choice:
         """Generate greedily (about as many tokens as the longest choice has characters) and
         choose: the longest choice the output starts with, else the most similar one."""
         budget = min(max(len(c) for c in choices) + 2, MAX_SELECT_TOKENS)

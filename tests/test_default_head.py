@@ -1,0 +1,48 @@
+"""The EAGLE-3 head shipped for the embedded default model: `--speculative-algorithm EAGLE3`
+alone loads it, its output is the plain output token for token (float32), and it is a trained
+head (a random head's drafts are almost never accepted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from spectral import Engine
+from spectral.worker.factory import DEFAULT_HEAD_DIR
+from tests.conftest import assert_no_leaks
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "What are three tips for staying productive while working from home?",
+    "Explain what a binary search does.",
+    "Describe the water cycle in simple terms.",
+]
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(tokenizer) -> list[str]:
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        for p in PROMPTS
+    ]
+
+
+def test_the_default_head_is_lossless_and_accepts_drafts(engine_fp32, chat_prompts) -> None:
+    assert (DEFAULT_HEAD_DIR / "model.safetensors").exists()
+    params = {"temperature": 0.0, "max_new_tokens": 48}
+    plain = engine_fp32.generate(chat_prompts, params)
+    with Engine(
+        model_path="default",
+        dtype="float32",
+        max_total_tokens=8192,
+        speculative_algorithm="EAGLE3",
+    ) as engine:
+        assert engine.args.spec_settings().draft_model_path == "default"
+        outs = engine.generate(chat_prompts, params)
+        assert [o["output_ids"] for o in outs] == [p["output_ids"] for p in plain]
+        rounds = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+        emitted = sum(len(o["output_ids"]) for o in outs)
+        # A trained head: well over one token per round.
+        assert emitted / rounds > 1.8
+        assert_no_leaks(engine)
