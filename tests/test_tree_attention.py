@@ -13,9 +13,11 @@ from spectral.worker.model_worker import ModelWorker
 from tests.conftest import make_worker
 
 
-@pytest.fixture(scope="module")
-def worker(tiny_model_dir: str) -> ModelWorker:
-    return make_worker(tiny_model_dir, 2048, 256)
+@pytest.fixture(scope="module", params=[True, False], ids=["cpu-kernels", "sdpa"])
+def worker(request: pytest.FixtureRequest, tiny_model_dir: str) -> ModelWorker:
+    """With the CPU kernels a tree runs through the decode-attention kernel (a row per node
+    over its prefix and ancestors); without them, through SDPA under the mask."""
+    return make_worker(tiny_model_dir, 2048, 256, use_cpu_kernels=request.param)
 
 
 @st.composite

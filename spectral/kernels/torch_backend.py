@@ -3,7 +3,8 @@ explicit mask.
 
 This backend runs on any device and is the oracle the other backends are tested against.
 Requests are attended one at a time, so no work is spent on padding. With spectral's CPU
-kernels, decode batches go through the fused decode-attention kernel instead.
+kernels, decode batches and draft-tree verification go through the fused decode-attention
+kernel instead (a tree token is a query row over its prefix and its ancestors).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class TorchAttentionBackend(AttentionBackend):
                 kv_indices = kv_indices.masked_fill(pad, 0)
             batch.attn_metadata = TorchAttnMetadata([], kv_indices, lens)
             return
+        if self._use_tree_kernel(batch):
+            batch.attn_metadata = self._tree_metadata(batch)
+            return
         requests = []
         token_start = mask_offset = 0
         for row, prefix, num_new in zip(rows, batch.prefix_lens, batch.extend_lens):
@@ -86,6 +90,37 @@ class TorchAttentionBackend(AttentionBackend):
             and self.kv_pool.k[0].device.type == "cpu"
             and self.kv_pool.dtype in (torch.float32, torch.bfloat16)
         )
+
+    def _use_tree_kernel(self, batch: ForwardBatch) -> bool:
+        return (
+            self.kernels is not None
+            and batch.custom_mask is not None
+            and self.kv_pool.k[0].device.type == "cpu"
+            and self.kv_pool.dtype in (torch.float32, torch.bfloat16)
+        )
+
+    def _tree_metadata(self, batch: ForwardBatch) -> TorchAttnMetadata:
+        """Tree tokens through the decode kernel: each token is a query row whose keys are
+        its request's prefix and its own ancestors in the tree (itself included), packed to
+        the front of its row. No K/V is gathered or copied."""
+        table = self.req_to_token.table
+        num_tokens = sum(batch.extend_lens)
+        width = max(p + n for p, n in zip(batch.prefix_lens, batch.extend_lens))
+        kv_indices = torch.zeros((num_tokens, width), dtype=torch.int64, device=table.device)
+        lens = torch.empty(num_tokens, dtype=torch.int64, device=table.device)
+        start = mask_offset = 0
+        rows = batch.req_pool_indices.tolist()
+        for row, prefix, n in zip(rows, batch.prefix_lens, batch.extend_lens):
+            custom = batch.custom_mask[mask_offset : mask_offset + n * n].view(n, n)
+            mask_offset += n * n
+            slots = table[row, : prefix + n]
+            block = kv_indices[start : start + n]
+            block[:, :prefix] = slots[:prefix]
+            ancestors_first = torch.argsort((~custom).to(torch.int8), dim=1, stable=True)
+            block[:, prefix : prefix + n] = slots[prefix:][ancestors_first]
+            lens[start : start + n] = prefix + custom.sum(dim=1)
+            start += n
+        return TorchAttnMetadata([], kv_indices, lens)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch

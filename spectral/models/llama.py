@@ -47,6 +47,13 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype), x
 
 
+def route_to_cpu_kernels(root: nn.Module, kernels: ModuleType | None) -> None:
+    """Every `Linear` and `RMSNorm` under `root` uses `kernels` (None: plain PyTorch)."""
+    for module in root.modules():
+        if isinstance(module, (Linear, RMSNorm)):
+            module.kernels = kernels
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables (float32) for every position up to the context length."""
 
@@ -171,9 +178,7 @@ class LlamaForCausalLM(nn.Module):
     def set_cpu_kernels(self, kernels: ModuleType | None) -> None:
         """Route norms, rotary and small matmuls through spectral's CPU kernels (None: PyTorch)."""
         self.kernels = kernels
-        for module in self.modules():
-            if isinstance(module, (Linear, RMSNorm)):
-                module.kernels = kernels
+        route_to_cpu_kernels(self, kernels)
 
     def forward(
         self, batch: ForwardBatch, backend: AttentionBackend

@@ -24,6 +24,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from spectral.models.llama import RMSNorm, apply_rotary
+from spectral.kernels.linear import Linear
+from spectral.models.llama import RMSNorm, apply_rotary, route_to_cpu_kernels
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -127,10 +129,10 @@ class DraftAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(input_size, q, bias=False)
-        self.k_proj = nn.Linear(input_size, kv, bias=False)
-        self.v_proj = nn.Linear(input_size, kv, bias=False)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(input_size, q, bias=False)
+        self.k_proj = Linear(input_size, kv, bias=False)
+        self.v_proj = Linear(input_size, kv, bias=False)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=False)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
@@ -146,9 +148,9 @@ class DraftAttention(nn.Module):
 class DraftMLP(nn.Module):
     def __init__(self, cfg: DraftHeadConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -175,14 +177,14 @@ class DraftHead(nn.Module):
         self.cfg = cfg
         H = cfg.hidden_size
         if cfg.kind == "eagle3":
-            self.fc = nn.Linear(cfg.feature_size, H, bias=cfg.fc_bias)
+            self.fc = Linear(cfg.feature_size, H, bias=cfg.fc_bias)
             self.midlayer = DraftLayer(cfg)
             self.norm = RMSNorm(H, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+            self.lm_head = Linear(H, cfg.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
             self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         elif cfg.kind == "eagle":
-            self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
+            self.fc = Linear(2 * H, H, bias=cfg.fc_bias)
             self.layers = nn.ModuleList([DraftLayer(cfg)])
         else:
             raise ValueError(f"draft head kind must be eagle or eagle3 (got {cfg.kind!r})")
@@ -199,6 +201,10 @@ class DraftHead(nn.Module):
     @property
     def layer(self) -> DraftLayer:
         return self.midlayer if self.cfg.kind == "eagle3" else self.layers[0]
+
+    def set_cpu_kernels(self, kernels: ModuleType | None) -> None:
+        """Small matmuls and norms through spectral's CPU kernels (inference only)."""
+        route_to_cpu_kernels(self, kernels)
 
     def set_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Share the target's embedding (and, for EAGLE-1, its LM head); they are not saved."""

@@ -63,6 +63,7 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
             device=device,
         )
         head.set_target(worker.model.embed_tokens.weight, worker.model.lm_head_weight)
+        head.set_cpu_kernels(worker.model.kernels)
         drafter = EagleDrafter(
             head, worker.num_kv_slots, worker.req_to_token, spec.topk, spec.num_steps, dtype, device
         )
