@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--trees", default=TREES, help="steps/topk/tokens, comma-separated")
+    ap.add_argument("--ngram-min-match", type=int, default=None, help="NGRAM shortest match")
     args = ap.parse_args()
 
     common = dict(
@@ -56,6 +57,7 @@ def main() -> None:
             speculative_eagle_topk=topk,
             speculative_num_draft_tokens=tokens,
             speculative_max_batch_size=args.batch,
+            speculative_ngram_min_match_window_size=args.ngram_min_match,
         )
         speed, _, tau = measure(engine, prompts, args.max_new_tokens)
         engine.shutdown()

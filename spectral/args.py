@@ -40,6 +40,8 @@ class ServerArgs:
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_max_batch_size: int | None = None
+    speculative_ngram_min_match_window_size: int | None = None
+    speculative_ngram_max_match_window_size: int | None = None
     # Server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -132,6 +134,9 @@ class ServerArgs:
             "speculative_num_draft_tokens": "tree nodes verified per round, the root included",
             "speculative_max_batch_size": "decode plainly when more requests than this run "
             "(default: tuned for the device)",
+            "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix match that "
+            "drafts (default 1)",
+            "speculative_ngram_max_match_window_size": "NGRAM: longest suffix matched (default 4)",
             "host": "address to bind (default loopback only)",
             "port": "HTTP port",
             "log_level": "debug, info, warning, error",

@@ -293,6 +293,12 @@ def test_settings_refuse_what_cannot_work(tmp_path: Path, peaky_model_dir: str) 
     assert ServerArgs(speculative_algorithm="EAGLE3").spec_settings().draft_model_path == "default"
     with pytest.raises(ValueError, match="NGRAM drafts without a model"):
         ServerArgs(speculative_algorithm="NGRAM", speculative_draft_model_path="x")
+    with pytest.raises(ValueError, match="ngram_min_match_window_size <="):
+        ServerArgs(
+            speculative_algorithm="NGRAM",
+            speculative_ngram_min_match_window_size=5,
+            speculative_ngram_max_match_window_size=3,
+        )
     with pytest.raises(ValueError, match="must be one of EAGLE, EAGLE3, NGRAM"):
         ServerArgs(speculative_algorithm="MEDUSA")
     with pytest.raises(ValueError, match="exceeds what 2 steps of top-2 can draft"):

@@ -91,7 +91,10 @@ class Scheduler:
         self.ngram: NgramDrafter | None = None
         if spec is not None and spec.algorithm == "NGRAM":
             self.ngram = NgramDrafter(
-                max_nodes=spec.num_draft_tokens - 1, max_depth=spec.max_tree_depth
+                max_nodes=spec.num_draft_tokens - 1,
+                max_depth=spec.max_tree_depth,
+                min_ngram=spec.ngram_min_match,
+                max_ngram=spec.ngram_max_match,
             )
         self.max_running_requests = max_running_requests
         self.max_context_len = max_context_len

@@ -22,6 +22,8 @@ class SpecSettings:
     num_draft_tokens: int
     draft_model_path: str | None
     max_batch_size: int
+    ngram_min_match: int = 1
+    ngram_max_match: int = 4
 
     @property
     def uses_draft_head(self) -> bool:
@@ -76,4 +78,13 @@ class SpecSettings:
             max_batch = DEFAULT_MAX_BATCH_SIZE
         if max_batch < 0:
             raise ValueError(f"speculative_max_batch_size must be >= 0 (got {max_batch})")
-        return cls(algo, steps, topk, tokens, path, max_batch)
+        ngram_min = getattr(args, "speculative_ngram_min_match_window_size", None) or 1
+        ngram_max = getattr(args, "speculative_ngram_max_match_window_size", None) or max(
+            4, ngram_min
+        )
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(
+                "need 1 <= speculative_ngram_min_match_window_size <= "
+                f"speculative_ngram_max_match_window_size (got {ngram_min} and {ngram_max})"
+            )
+        return cls(algo, steps, topk, tokens, path, max_batch, ngram_min, ngram_max)
