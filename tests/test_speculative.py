@@ -196,6 +196,58 @@ def test_retraction_under_a_small_pool_keeps_output_equal(
     assert s.stats.retractions > 0
 
 
+def test_over_the_batch_limit_the_head_writes_kv_only_and_drafts_as_after_full_extends(
+    peaky_model_dir: str, eagle3_head: str, plain_outputs: list[list[int]]
+) -> None:
+    """8 requests of different lengths with speculation limited to 3 running: plain decode
+    steps (the head writes its KV only) until the batch shrinks, then rounds; the drafts equal
+    those of a head that ran in full on every step (same accepted tokens per request)."""
+    lengths = [6 + 2 * i for i in range(8)]
+
+    def run_varied(s: Scheduler) -> list[Req]:
+        reqs = [
+            Req(f"v{i}", p, SamplingParams(max_new_tokens=n, temperature=0.0))
+            for i, (p, n) in enumerate(zip(prompts(8), lengths))
+        ]
+        for req in reqs:
+            s.add_request(req)
+        while s.has_work:
+            s.step()
+        assert scheduler_leaks(s) == []
+        assert [r.output_ids for r in reqs] == [o[:n] for o, n in zip(plain_outputs, lengths)]
+        return reqs
+
+    options = dict(
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=eagle3_head,
+        speculative_max_batch_size=3,
+    )
+    def recorded_drafts(s: Scheduler) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        drafter, drafts = s.worker.drafter, []
+        draft = drafter.draft
+
+        def record(rows, seq_lens):
+            scores, tokens, parents = draft(rows, seq_lens)
+            drafts.append((scores.clone(), tokens.clone()))
+            return scores, tokens, parents
+
+        drafter.draft = record
+        return drafts
+
+    s = make_spec_scheduler(peaky_model_dir, **options)
+    drafts = recorded_drafts(s)
+    run_varied(s)
+    assert 0 < s.stats.spec_verify_ct < s.stats.decode_steps
+    full = make_spec_scheduler(peaky_model_dir, **options)
+    full.worker.drafter.write_kv = full.worker.drafter.extend  # the full head on every step
+    full_drafts = recorded_drafts(full)
+    run_varied(full)
+    assert len(drafts) == len(full_drafts) > 0
+    for (scores, tokens), (full_scores, full_tokens) in zip(drafts, full_drafts):
+        assert torch.equal(tokens, full_tokens)
+        assert torch.allclose(scores, full_scores, atol=1e-5)
+
+
 def ngram_scheduler(model_dir: str, **options) -> Scheduler:
     return make_spec_scheduler(model_dir, speculative_algorithm="NGRAM", **options)
 

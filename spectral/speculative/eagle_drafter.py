@@ -10,6 +10,11 @@ Tree nodes' draft KV is scratch, held in tensors for the length of one `draft` c
 Per request row the drafter keeps what the last extend left: the top-k next tokens after the
 last verified token (their log-probs and target ids) and the head's output there, which is the
 feature of the first tree step.
+
+While the scheduler decodes without speculating (the batch is over the speculation limit),
+`write_kv` stores only the head's keys and values of the new positions, a fraction of a full
+extend, and remembers each row's last position; the first `draft` for such a row runs the full
+head there first, so the draft is what it would have been after full extends.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class EagleDrafter:
         self.topk_logprobs = torch.zeros((rows, topk), dtype=torch.float32, device=device)
         self.topk_ids = torch.zeros((rows, topk), dtype=torch.int64, device=device)
         self.last_hidden = torch.zeros((rows, cfg.hidden_size), dtype=dtype, device=device)
+        # Rows whose top-k is stale (after `write_kv`): row -> (token, feature, position, slot).
+        self.stale: dict[int, tuple[int, torch.Tensor, int, int]] = {}
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -74,6 +81,43 @@ class EagleDrafter:
         self.topk_logprobs[rows] = values
         self.topk_ids[rows] = self.head.to_target_ids(ids)
         self.last_hidden[rows] = last
+        for row in rows.tolist():
+            self.stale.pop(row, None)
+
+    @torch.inference_mode()
+    def write_kv(self, batch: ForwardBatch, features: torch.Tensor) -> None:
+        """Only the head's KV for the batch's new positions (`extend`'s arguments); each row's
+        top-k is left stale until its next `draft`."""
+        k, v = self.head.kv(batch.input_ids, features, batch.positions)
+        self.kv_pool.write(0, batch.out_cache_loc, k, v)
+        ends = (torch.tensor(batch.extend_lens).cumsum(0) - 1).tolist()
+        for row, end in zip(batch.req_pool_indices.tolist(), ends):
+            self.stale[row] = (
+                int(batch.input_ids[end]),
+                features[end].clone(),
+                int(batch.positions[end]),
+                int(batch.out_cache_loc[end]),
+            )
+
+    def _refresh(self, rows: torch.Tensor) -> None:
+        """Run the full head at the last position of `rows` whose top-k is stale."""
+        stale = [row for row in rows.tolist() if row in self.stale]
+        if not stale:
+            return
+        entries = [self.stale[row] for row in stale]
+        device = rows.device
+        self.extend(
+            ForwardBatch(
+                mode=ForwardMode.DRAFT_EXTEND,
+                input_ids=torch.tensor([e[0] for e in entries], device=device),
+                positions=torch.tensor([e[2] for e in entries], device=device),
+                out_cache_loc=torch.tensor([e[3] for e in entries], device=device),
+                req_pool_indices=torch.tensor(stale, device=device),
+                prefix_lens=[e[2] for e in entries],
+                extend_lens=[1] * len(stale),
+            ),
+            torch.stack([e[1] for e in entries]),
+        )
 
     @torch.inference_mode()
     def draft(
@@ -86,6 +130,7 @@ class EagleDrafter:
         index or -1 for children of the root [B, C]) with C = k + (num_steps - 1) k², laid out
         level by level, so parents have lower indices than their children.
         """
+        self._refresh(rows)
         k = self.topk
         B = rows.shape[0]
         device = rows.device

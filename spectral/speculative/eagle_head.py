@@ -144,6 +144,13 @@ class DraftAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(attend(q, k, v))
 
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The keys (rotated) and values `forward` would write, and nothing else."""
+        c = self.cfg
+        k = self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        return apply_rotary(k, cos, sin), v
+
 
 class DraftMLP(nn.Module):
     def __init__(self, cfg: DraftHeadConfig) -> None:
@@ -221,6 +228,23 @@ class DraftHead(nn.Module):
         """Pre-norm output [T, H] for tokens `input_ids` (target ids) paired with `features`:
         the target feature ([T, feature_size]) on a round's first step, or the head's own
         previous output ([T, H]) after that. Position t pairs feature t with token t + 1."""
+        layer = self.layer
+        x, residual, cos, sin = self._layer_input(input_ids, features, positions)
+        h = residual + layer.self_attn(x, cos, sin, attend)
+        return h + layer.mlp(layer.post_attention_layernorm(h)[0])
+
+    def kv(
+        self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values `forward` would write for these positions, computed alone (a
+        fraction of the head's work: no attention, MLP or LM head)."""
+        x, _, cos, sin = self._layer_input(input_ids, features, positions)
+        return self.layer.self_attn.kv(x, cos, sin)
+
+    def _layer_input(
+        self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(attention input, residual, cos, sin) of the decoder layer."""
         cfg = self.cfg
         layer = self.layer
         emb = F.embedding(input_ids, self.embed_weight).to(features.dtype)
@@ -234,8 +258,7 @@ class DraftHead(nn.Module):
             residual = x
         cos = self.rope_cos[positions].to(x.dtype)[:, None, :]
         sin = self.rope_sin[positions].to(x.dtype)[:, None, :]
-        h = residual + layer.self_attn(x, cos, sin, attend)
-        return h + layer.mlp(layer.post_attention_layernorm(h)[0])
+        return x, residual, cos, sin
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary (EAGLE-1: the target's vocabulary)."""

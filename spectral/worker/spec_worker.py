@@ -2,7 +2,8 @@
 
 - EXTEND and DECODE run the target as usual; with a draft head, the head then runs over the
   same positions (tokens shifted by one) so its KV and its top-k after the last token are
-  ready for the next round.
+  ready for the next round. A DECODE step (the scheduler is not speculating: the batch is over
+  the limit) writes only the head's KV; the top-k is computed when the request next drafts.
 - TARGET_VERIFY (one round for each request of the batch): the head expands a tree below the
   request's last token (or the scheduler sends an n-gram tree), the target runs once over every
   tree under the tree mask, verification accepts a path, the accepted nodes' slots take their
@@ -47,7 +48,12 @@ class SpeculativeWorker:
                 wb.draft_next_ids or [-1] * batch.batch_size, result.next_token_ids
             )
         ]
-        self.drafter.extend(shifted_draft_batch(batch, next_ids), self._features(hidden, captured))
+        draft_batch = shifted_draft_batch(batch, next_ids)
+        features = self._features(hidden, captured)
+        if wb.mode == ForwardMode.DECODE:  # not speculating this step (a large batch)
+            self.drafter.write_kv(draft_batch, features)
+        else:
+            self.drafter.extend(draft_batch, features)
         return result
 
     def _features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
