@@ -222,6 +222,7 @@ def test_over_the_batch_limit_the_head_writes_kv_only_and_drafts_as_after_full_e
         speculative_draft_model_path=eagle3_head,
         speculative_max_batch_size=3,
     )
+
     def recorded_drafts(s: Scheduler) -> list[tuple[torch.Tensor, torch.Tensor]]:
         drafter, drafts = s.worker.drafter, []
         draft = drafter.draft

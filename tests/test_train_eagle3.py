@@ -20,9 +20,9 @@ from spectral.speculative.train import (
     export,
     new_head,
     train,
-    ttt_loss,
 )
 from spectral.speculative.train_data import Sample
+from spectral.speculative.ttt import ttt_loss
 from tests.conftest import make_tiny_llama
 
 

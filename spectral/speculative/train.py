@@ -5,7 +5,7 @@ inputs (the three captured layers) and its teacher (the target's next-token dist
 the draft vocabulary). The loss is the training-time test of EAGLE-3: the head is unrolled
 `ttt_steps` times, step s feeding its own output back as the feature and predicting s + 1
 tokens further ahead, attending to the real prefix and to its own earlier steps at the same
-position, exactly the context a draft tree gives it; step losses are weighted 0.8^s.
+position, exactly the context a draft tree gives it; step losses are weighted 0.8^s (`ttt.py`).
 
 Checkpoints (head, optimiser, step, vocabulary) go to `work_dir/checkpoint.pt` every
 `save_every` steps and at the end; a rerun with the same work_dir resumes from there. The head
@@ -31,10 +31,9 @@ import torch.nn.functional as F
 
 from spectral.speculative.eagle_head import DraftHead, DraftHeadConfig
 from spectral.speculative.train_data import Sample, generate_answers, load_samples
+from spectral.speculative.ttt import ttt_loss
 
 logger = logging.getLogger(__name__)
-
-STEP_WEIGHT = 0.8
 
 
 @dataclass
@@ -183,110 +182,6 @@ def init_from_export(head: DraftHead, path: str) -> None:
     if "t2d" not in tensors:  # derive it from d2t
         head.t2d.zero_()
         head.t2d[torch.arange(head.cfg.draft_vocab_size) + head.d2t] = True
-
-
-# ---- the training-time test ------------------------------------------------------------------
-
-
-class UnrolledAttention:
-    """Attention of the unrolled steps over a [B, T] batch. Step 0 covers every column and is
-    causal over itself (its keys are the real prefix). A later step covers columns
-    `window..T-1` only (the anchors whose predictions reach the answers) and each of its
-    queries sees the step-0 keys up to its own column plus, at that same column, the keys of
-    steps 1..s (the draft's own earlier steps, as in a draft tree)."""
-
-    def __init__(self, num_heads: int, scaling: float, pad: torch.Tensor, window: int) -> None:
-        self.num_heads, self.scaling, self.window = num_heads, scaling, window
-        B, T = pad.shape
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        self.mask0 = causal[None, None] & pad[:, None, None, :]
-        self.B, self.T = B, T
-        self.k0: torch.Tensor | None = None
-        self.v0: torch.Tensor | None = None
-        self.diag_k: list[torch.Tensor] = []
-        self.diag_v: list[torch.Tensor] = []
-
-    def _heads(self, x: torch.Tensor, cols: int) -> torch.Tensor:
-        x = x.view(self.B, cols, x.shape[1], x.shape[2])
-        return x.repeat_interleave(self.num_heads // x.shape[2], dim=2)
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        first = self.k0 is None
-        cols = self.T if first else self.T - self.window
-        q = q.view(self.B, cols, q.shape[1], q.shape[2])
-        k, v = self._heads(k, cols), self._heads(v, cols)
-        if first:
-            self.k0, self.v0 = k, v
-            mask = self.mask0
-        else:
-            self.diag_k.append(k)
-            self.diag_v.append(v)
-            mask = self.mask0[:, :, self.window :]
-        scores = torch.einsum("bthd,bshd->bhts", q, self.k0) * self.scaling
-        scores = scores.masked_fill(~mask, float("-inf"))
-        diag = [torch.einsum("bthd,bthd->bht", q, dk)[..., None] for dk in self.diag_k]
-        all_scores = torch.cat([scores] + [d * self.scaling for d in diag], dim=-1)
-        probs = torch.softmax(all_scores.float(), dim=-1).to(q.dtype)
-        out = torch.einsum("bhts,bshd->bthd", probs[..., : self.T], self.v0)
-        for j, dv in enumerate(self.diag_v):
-            out = out + probs[..., self.T + j].transpose(1, 2)[..., None] * dv
-        return out.reshape(self.B * cols, -1)
-
-
-def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
-    """x[:, t + by] at column t (zeros past the end)."""
-    out = torch.zeros_like(x)
-    out[:, : x.shape[1] - by] = x[:, by:]
-    return out
-
-
-def ttt_loss(
-    head: DraftHead,
-    input_ids: torch.Tensor,
-    pad: torch.Tensor,
-    loss_mask: torch.Tensor,
-    features: torch.Tensor,
-    teacher: torch.Tensor,
-    steps: int,
-) -> tuple[torch.Tensor, list[float], list[int]]:
-    """Weighted loss over `steps` unrolled draft steps; per-step accuracy (top-1 agreement
-    with the teacher on the answer tokens) and counted positions. The teacher is the target's
-    distribution renormalised over the draft vocabulary.
-
-    Anchor t at step s sees token t + 1 + s and predicts token t + 2 + s, whose teacher is the
-    target's distribution at position t + 1 + s. Logits are computed only where a loss is."""
-    B, T = input_ids.shape
-    cfg = head.cfg
-    answer_starts = [int(row.nonzero()[0]) for row in loss_mask if row.any()]
-    window = max(0, min(answer_starts, default=0) - 1 - steps)
-    attend = UnrolledAttention(cfg.num_heads, cfg.head_dim**-0.5, pad, window)
-    hidden = features.reshape(B * T, -1)
-    total = torch.zeros(())
-    accs: list[float] = []
-    counts: list[int] = []
-    for s in range(steps):
-        shift = 1 + s
-        if shift + 1 >= T:
-            break
-        first = 0 if s == 0 else window
-        cols = T - first
-        ids = _shift(input_ids, shift)[:, first:]
-        positions = (torch.arange(first, T) + s).expand(B, cols).reshape(-1)
-        if s == 1:
-            hidden = hidden.view(B, T, -1)[:, window:].reshape(B * cols, -1)
-        hidden = head(ids.reshape(-1), hidden, positions, attend)
-        mask = _shift(loss_mask, shift + 1)[:, first:].reshape(-1)
-        target = _shift(teacher, shift)[:, first:].reshape(B * cols, -1)[mask]
-        logits = head.logits(hidden[mask])
-        best = target.argmax(-1)
-        p = torch.softmax(target, dim=-1)
-        ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)
-        n = int(mask.sum())
-        total = total + STEP_WEIGHT**s * ce.sum() / max(n, 1)
-        with torch.no_grad():
-            accs.append(float((logits.argmax(-1) == best).sum()) / max(n, 1))
-        counts.append(n)
-    return total, accs, counts
 
 
 # ---- the loop --------------------------------------------------------------------------------
