@@ -37,12 +37,14 @@ def test_the_default_head_is_lossless_and_accepts_drafts(engine_fp32, chat_promp
         dtype="float32",
         max_total_tokens=8192,
         speculative_algorithm="EAGLE3",
+        speculative_max_batch_size=4,  # the default speculates for one request at a time
     ) as engine:
         assert engine.args.spec_settings().draft_model_path == "default"
         outs = engine.generate(chat_prompts, params)
         assert [o["output_ids"] for o in outs] == [p["output_ids"] for p in plain]
         rounds = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
         emitted = sum(len(o["output_ids"]) for o in outs)
-        # A trained head: well over one token per round.
-        assert emitted / rounds > 1.8
+        # A trained head: 1.5 tokens per round here (fp32, these prompts); a random head's
+        # drafts are almost never accepted, which gives about 1.03.
+        assert emitted / rounds > 1.3, emitted / rounds
         assert_no_leaks(engine)

@@ -68,7 +68,11 @@ def make_spec_scheduler(model_dir: str, num_kv_slots: int = 4096, **options) -> 
         device="cpu",
         max_total_tokens=num_kv_slots,
         max_running_requests=options.pop("max_running_requests", 16),
-        **{k: v for k, v in options.items() if k.startswith("speculative")},
+        **{
+            # Speculate at every batch size the tests use (the default is tuned for speed).
+            "speculative_max_batch_size": 16 if options.get("speculative_algorithm") else None,
+            **{k: v for k, v in options.items() if k.startswith("speculative")},
+        },
     )
     config = ModelConfig.from_pretrained(model_dir)
     worker = create_worker(args, config.max_context_len)
@@ -121,9 +125,17 @@ def plain_outputs(peaky_model_dir: str) -> list[list[int]]:
 
 SPEC_CASES = {
     "eagle3-topk1-batch1": dict(
-        speculative_eagle_topk=1, speculative_num_draft_tokens=5, at_once=1
+        speculative_eagle_topk=1,
+        speculative_num_steps=4,
+        speculative_num_draft_tokens=5,
+        at_once=1,
     ),
-    "eagle3-topk4-batch8": dict(speculative_eagle_topk=4, at_once=8),
+    "eagle3-topk4-batch8": dict(
+        speculative_eagle_topk=4,
+        speculative_num_steps=5,
+        speculative_num_draft_tokens=8,
+        at_once=8,
+    ),
     "eagle3-topk3-batch1": dict(speculative_eagle_topk=3, speculative_num_steps=3, at_once=1),
 }
 
@@ -259,7 +271,7 @@ def test_ngram_accepts_a_continuation_seen_before_and_matches_plain(
     """The second time a prompt runs, its first answer is in the n-gram index: whole paths are
     accepted, and the output is still exactly plain decoding's."""
     batch = prompts(20)
-    s = ngram_scheduler(peaky_model_dir)
+    s = ngram_scheduler(peaky_model_dir, speculative_num_steps=7, speculative_num_draft_tokens=8)
     first = run(s, batch, at_once=8, temperature=0.0)
     again = run(s, batch, at_once=8, temperature=0.0)
     assert [r.output_ids for r in first] == plain_outputs

@@ -7,11 +7,18 @@ from typing import Any
 
 ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM")
 
-# Defaults for the embedded model on a CPU: (num_steps, topk, num_draft_tokens).
-DEFAULTS = {"EAGLE": (5, 4, 8), "EAGLE3": (5, 4, 8), "NGRAM": (5, 1, 8)}
-# Above this many running requests the target is compute-bound on a CPU and a round costs more
-# than it gains; decode plainly there (the head still extends, so speculation can resume).
-DEFAULT_MAX_BATCH_SIZE = 8
+# Defaults for the embedded model on a CPU: (num_steps, topk, num_draft_tokens). Measured with
+# bench/spec_tune.py: at a few tokens per round a verify forward over more than 4 tokens costs
+# more than the extra accepted tokens give (a 2-core CPU is compute-bound there).
+DEFAULTS = {"EAGLE": (3, 2, 4), "EAGLE3": (3, 2, 4), "NGRAM": (3, 1, 4)}
+# NGRAM drafts only from a suffix match of at least this many tokens (one-token matches are
+# right too rarely to pay for their verification).
+DEFAULT_NGRAM_MIN_MATCH = 2
+# Above this many running requests a round costs more than it gains: on a 2-core CPU the
+# verify forward of several requests' trees is compute-bound (bench/spec.py measured 0.54x at
+# batch 4 with the shipped head). Decode plainly there; the head keeps its KV, so speculation
+# resumes when the batch shrinks.
+DEFAULT_MAX_BATCH_SIZE = 1
 
 
 @dataclass(frozen=True)
@@ -22,7 +29,7 @@ class SpecSettings:
     num_draft_tokens: int
     draft_model_path: str | None
     max_batch_size: int
-    ngram_min_match: int = 1
+    ngram_min_match: int = DEFAULT_NGRAM_MIN_MATCH
     ngram_max_match: int = 4
 
     @property
@@ -78,7 +85,10 @@ class SpecSettings:
             max_batch = DEFAULT_MAX_BATCH_SIZE
         if max_batch < 0:
             raise ValueError(f"speculative_max_batch_size must be >= 0 (got {max_batch})")
-        ngram_min = getattr(args, "speculative_ngram_min_match_window_size", None) or 1
+        ngram_min = (
+            getattr(args, "speculative_ngram_min_match_window_size", None)
+            or DEFAULT_NGRAM_MIN_MATCH
+        )
         ngram_max = getattr(args, "speculative_ngram_max_match_window_size", None) or max(
             4, ngram_min
         )
