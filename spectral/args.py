@@ -135,7 +135,7 @@ class ServerArgs:
             "speculative_max_batch_size": "decode plainly when more requests than this run "
             "(default: tuned for the device)",
             "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix match that "
-            "drafts (default 1)",
+            "drafts (default 2)",
             "speculative_ngram_max_match_window_size": "NGRAM: longest suffix matched (default 4)",
             "host": "address to bind (default loopback only)",
             "port": "HTTP port",

@@ -64,10 +64,21 @@ def write_answers(path: Path, samples: list[Sample], prompt_len: int) -> str:
     return str(path)
 
 
+def tiny_run(target_dir: str, data: str, work_dir: Path, **overrides) -> TrainConfig:
+    """A few-step run on the tiny target (two unrolled steps, 128-token draft vocabulary)."""
+    options = {"draft_vocab_size": 128, "ttt_steps": 2, "max_len": 64, **overrides}
+    return TrainConfig(model_path=target_dir, data=[data], work_dir=str(work_dir), **options)
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, atol: float = 0.0) -> None:
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.allclose(p, q, atol=atol, rtol=0), name
+
+
 def setup_head(target_dir: str, samples: list[Sample], cfg: TrainConfig):
     config = ModelConfig.from_pretrained(target_dir)
     head = new_head(config, cfg)
-    _, d2t, t2d, _ = draft_vocabulary(samples, cfg.draft_vocab_size, config.vocab_size)
+    d2t, t2d = draft_vocabulary(samples, cfg.draft_vocab_size, config.vocab_size)
     head.d2t.copy_(d2t)
     head.t2d.copy_(t2d)
     teacher = Teacher(target_dir, head.cfg.aux_layers, torch.float32)
@@ -139,22 +150,13 @@ def test_export_then_load_gives_identical_draft_logits(tmp_path: Path, target_di
 
 def test_a_rerun_resumes_from_the_checkpoint(tmp_path: Path, target_dir: str) -> None:
     data = write_answers(tmp_path / "data.jsonl", random_samples(2, 40), 10)
-    common = dict(
-        model_path=target_dir,
-        data=[data],
-        draft_vocab_size=128,
-        ttt_steps=2,
-        max_len=64,
-        warmup_steps=2,
-        save_every=1,
-    )
-    train(TrainConfig(work_dir=str(tmp_path / "a"), max_steps=3, **common))
+    common = dict(warmup_steps=2, save_every=1)
+    train(tiny_run(target_dir, data, tmp_path / "a", max_steps=3, **common))
     assert torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["step"] == 3
-    resumed = train(TrainConfig(work_dir=str(tmp_path / "a"), max_steps=5, **common))
-    straight = train(TrainConfig(work_dir=str(tmp_path / "b"), max_steps=5, **common))
+    resumed = train(tiny_run(target_dir, data, tmp_path / "a", max_steps=5, **common))
+    straight = train(tiny_run(target_dir, data, tmp_path / "b", max_steps=5, **common))
     assert torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["step"] == 5
-    for (name, p), q in zip(resumed.state_dict().items(), straight.state_dict().values()):
-        assert torch.allclose(p, q, atol=1e-6), name
+    assert_same_weights(resumed, straight, atol=1e-6)
 
 
 def test_cached_teacher_states_train_exactly_like_recomputed_ones(
@@ -163,55 +165,26 @@ def test_cached_teacher_states_train_exactly_like_recomputed_ones(
     samples = random_samples(6, 24, seed=2) + random_samples(4, 40, seed=3)
     data = write_answers(tmp_path / "data.jsonl", samples, 8)
     # 96-token batches: 4 batches an epoch, so 9 steps run 2 epochs on cached states.
-    common = dict(
-        model_path=target_dir,
-        data=[data],
-        draft_vocab_size=128,
-        ttt_steps=2,
-        max_len=64,
-        batch_tokens=96,
-        max_steps=9,
-    )
-    cached = train(TrainConfig(work_dir=str(tmp_path / "a"), cache_teacher=True, **common))
-    fresh = train(TrainConfig(work_dir=str(tmp_path / "b"), cache_teacher=False, **common))
-    for (name, p), q in zip(cached.state_dict().items(), fresh.state_dict().values()):
-        assert torch.equal(p, q), name
+    common = dict(batch_tokens=96, max_steps=9)
+    cached = train(tiny_run(target_dir, data, tmp_path / "a", cache_teacher=True, **common))
+    fresh = train(tiny_run(target_dir, data, tmp_path / "b", cache_teacher=False, **common))
+    assert_same_weights(cached, fresh)
 
 
 def test_init_from_an_export_starts_from_its_weights_and_vocabulary(
     tmp_path: Path, target_dir: str
 ) -> None:
     data = write_answers(tmp_path / "data.jsonl", random_samples(2, 40, seed=1), 10)
-    common = dict(model_path=target_dir, data=[data], ttt_steps=2, max_len=64)
+    head = str(tmp_path / "head")
     trained = train(
-        TrainConfig(
-            work_dir=str(tmp_path / "a"),
-            out=str(tmp_path / "head"),
-            export_dtype="float32",
-            draft_vocab_size=128,
-            max_steps=2,
-            **common,
-        )
+        tiny_run(target_dir, data, tmp_path / "a", out=head, export_dtype="float32", max_steps=2)
     )
     # Zero steps from the export: the head is the export, d2t/t2d included.
-    started = train(
-        TrainConfig(
-            work_dir=str(tmp_path / "b"),
-            init_from=str(tmp_path / "head"),
-            draft_vocab_size=128,
-            max_steps=0,
-            **common,
-        )
-    )
-    for (name, p), q in zip(trained.state_dict().items(), started.state_dict().values()):
-        assert torch.equal(p, q), name
+    started = train(tiny_run(target_dir, data, tmp_path / "b", init_from=head, max_steps=0))
+    assert_same_weights(trained, started)
     with pytest.raises(SystemExit, match="draft-vocab-size"):
         train(
-            TrainConfig(
-                work_dir=str(tmp_path / "c"),
-                init_from=str(tmp_path / "head"),
-                draft_vocab_size=64,
-                max_steps=0,
-                **common,
+            tiny_run(
+                target_dir, data, tmp_path / "c", init_from=head, max_steps=0, draft_vocab_size=64
             )
         )

@@ -83,21 +83,20 @@ class TorchAttentionBackend(AttentionBackend):
             token_start += num_new
         batch.attn_metadata = TorchAttnMetadata(requests)
 
-    def _use_decode_kernel(self, batch: ForwardBatch) -> bool:
+    @property
+    def _has_decode_kernel(self) -> bool:
+        """The CPU kernels are loaded and the KV pool is one they read."""
         return (
             self.kernels is not None
-            and batch.mode.is_decode()
             and self.kv_pool.k[0].device.type == "cpu"
             and self.kv_pool.dtype in (torch.float32, torch.bfloat16)
         )
 
+    def _use_decode_kernel(self, batch: ForwardBatch) -> bool:
+        return self._has_decode_kernel and batch.mode.is_decode()
+
     def _use_tree_kernel(self, batch: ForwardBatch) -> bool:
-        return (
-            self.kernels is not None
-            and batch.custom_mask is not None
-            and self.kv_pool.k[0].device.type == "cpu"
-            and self.kv_pool.dtype in (torch.float32, torch.bfloat16)
-        )
+        return self._has_decode_kernel and batch.custom_mask is not None
 
     def _tree_metadata(self, batch: ForwardBatch) -> TorchAttnMetadata:
         """Tree tokens through the decode kernel: each token is a query row whose keys are

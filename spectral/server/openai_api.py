@@ -109,16 +109,16 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager, served_model: str
         if isinstance(states, Response):
             return states
         choices = [choice(index, ids, s, s.text) for (index, ids, _), s in zip(jobs, states)]
-        return {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": usage(
-                sum(len(ids) for _, ids, _ in jobs), sum(len(s.output_ids) for s in states)
-            ),
-        }
+        prompt_tokens = sum(len(ids) for _, ids, _ in jobs)
+        completion_tokens = sum(len(s.output_ids) for s in states)
+        return _envelope(
+            cid,
+            "text_completion",
+            created,
+            model,
+            choices,
+            usage=usage(prompt_tokens, completion_tokens),
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -199,14 +199,15 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager, served_model: str
             }
             for k, s in enumerate(states)
         ]
-        return {
-            "id": cid,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": usage(len(ids) * body.n, sum(len(s.output_ids) for s in states)),
-        }
+        completion_tokens = sum(len(s.output_ids) for s in states)
+        return _envelope(
+            cid,
+            "chat.completion",
+            created,
+            model,
+            choices,
+            usage=usage(len(ids) * body.n, completion_tokens),
+        )
 
 
 def _seeded(params: SamplingParams, k: int) -> SamplingParams:
@@ -230,36 +231,31 @@ def _completion_prompts(manager: TokenizerManager, prompt: Any) -> list[list[int
     return [list(p) for p in prompt]
 
 
-def _usage_chunk(cid, obj, created, model, prompt_tokens, completion_tokens) -> dict[str, Any]:
-    """The last chunk of a stream with `stream_options.include_usage`."""
+def _envelope(cid, obj, created, model, choices, **extra) -> dict[str, Any]:
+    """What every completion response and stream chunk carries around its choices."""
     return {
         "id": cid,
         "object": obj,
         "created": created,
         "model": model,
-        "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "choices": choices,
+        **extra,
     }
+
+
+def _usage_chunk(cid, obj, created, model, prompt_tokens, completion_tokens) -> dict[str, Any]:
+    """The last chunk of a stream with `stream_options.include_usage`."""
+    return _envelope(cid, obj, created, model, [], usage=usage(prompt_tokens, completion_tokens))
 
 
 def _completion_chunk(cid, created, model, index, text, reason) -> dict[str, Any]:
-    return {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}],
-    }
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    return _envelope(cid, "text_completion", created, model, [choice])
 
 
 def _chat_chunk(cid, created, model, index, delta, reason) -> dict[str, Any]:
-    return {
-        "id": cid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}],
-    }
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+    return _envelope(cid, "chat.completion.chunk", created, model, [choice])
 
 
 def _token_text(manager: TokenizerManager, token: int) -> str:

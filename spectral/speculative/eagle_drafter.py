@@ -54,8 +54,12 @@ class EagleDrafter:
         self.topk_logprobs = torch.zeros((rows, topk), dtype=torch.float32, device=device)
         self.topk_ids = torch.zeros((rows, topk), dtype=torch.int64, device=device)
         self.last_hidden = torch.zeros((rows, cfg.hidden_size), dtype=dtype, device=device)
-        # Rows whose top-k is stale (after `write_kv`): row -> (token, feature, position, slot).
-        self.stale: dict[int, tuple[int, torch.Tensor, int, int]] = {}
+        # Rows whose top-k is stale (after `write_kv`), and the inputs of their last position.
+        self.stale = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.stale_token = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.stale_position = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.stale_slot = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.stale_feature = torch.zeros((rows, cfg.feature_size), dtype=dtype, device=device)
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -81,8 +85,7 @@ class EagleDrafter:
         self.topk_logprobs[rows] = values
         self.topk_ids[rows] = self.head.to_target_ids(ids)
         self.last_hidden[rows] = last
-        for row in rows.tolist():
-            self.stale.pop(row, None)
+        self.stale[rows] = False
 
     @torch.inference_mode()
     def write_kv(self, batch: ForwardBatch, features: torch.Tensor) -> None:
@@ -90,33 +93,31 @@ class EagleDrafter:
         top-k is left stale until its next `draft`."""
         k, v = self.head.kv(batch.input_ids, features, batch.positions)
         self.kv_pool.write(0, batch.out_cache_loc, k, v)
-        ends = (torch.tensor(batch.extend_lens).cumsum(0) - 1).tolist()
-        for row, end in zip(batch.req_pool_indices.tolist(), ends):
-            self.stale[row] = (
-                int(batch.input_ids[end]),
-                features[end].clone(),
-                int(batch.positions[end]),
-                int(batch.out_cache_loc[end]),
-            )
+        ends = torch.tensor(batch.extend_lens, device=features.device).cumsum(0) - 1
+        rows = batch.req_pool_indices
+        self.stale[rows] = True
+        self.stale_token[rows] = batch.input_ids[ends]
+        self.stale_position[rows] = batch.positions[ends]
+        self.stale_slot[rows] = batch.out_cache_loc[ends]
+        self.stale_feature[rows] = features[ends]
 
     def _refresh(self, rows: torch.Tensor) -> None:
         """Run the full head at the last position of `rows` whose top-k is stale."""
-        stale = [row for row in rows.tolist() if row in self.stale]
-        if not stale:
+        stale = rows[self.stale[rows]]
+        if stale.numel() == 0:
             return
-        entries = [self.stale[row] for row in stale]
-        device = rows.device
+        positions = self.stale_position[stale]
         self.extend(
             ForwardBatch(
                 mode=ForwardMode.DRAFT_EXTEND,
-                input_ids=torch.tensor([e[0] for e in entries], device=device),
-                positions=torch.tensor([e[2] for e in entries], device=device),
-                out_cache_loc=torch.tensor([e[3] for e in entries], device=device),
-                req_pool_indices=torch.tensor(stale, device=device),
-                prefix_lens=[e[2] for e in entries],
-                extend_lens=[1] * len(stale),
+                input_ids=self.stale_token[stale],
+                positions=positions,
+                out_cache_loc=self.stale_slot[stale],
+                req_pool_indices=stale,
+                prefix_lens=positions.tolist(),  # one new token at position p: p before it
+                extend_lens=[1] * stale.numel(),
             ),
-            torch.stack([e[1] for e in entries]),
+            self.stale_feature[stale],
         )
 
     @torch.inference_mode()

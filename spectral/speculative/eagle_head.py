@@ -364,6 +364,9 @@ def load_draft_head(
     if kind == "eagle3":
         head.d2t = head.d2t.to(torch.int64)
         head.t2d = head.t2d.to(torch.bool)
+        if "t2d" not in loaded:  # derive it from d2t
+            head.t2d.zero_()
+            head.t2d[torch.arange(cfg.draft_vocab_size) + head.d2t] = True
     head.requires_grad_(False)
     head.eval()
     return head

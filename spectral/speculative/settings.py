@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spectral.args import ServerArgs
 
 ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM")
 
@@ -14,6 +17,7 @@ DEFAULTS = {"EAGLE": (3, 2, 4), "EAGLE3": (3, 2, 4), "NGRAM": (3, 1, 4)}
 # NGRAM drafts only from a suffix match of at least this many tokens (one-token matches are
 # right too rarely to pay for their verification).
 DEFAULT_NGRAM_MIN_MATCH = 2
+DEFAULT_NGRAM_MAX_MATCH = 4
 # Above this many running requests a round costs more than it gains: on a 2-core CPU the
 # verify forward of several requests' trees is compute-bound (bench/spec.py measured 0.54x at
 # batch 4 with the shipped head). Decode plainly there; the head keeps its KV, so speculation
@@ -29,8 +33,8 @@ class SpecSettings:
     num_draft_tokens: int
     draft_model_path: str | None
     max_batch_size: int
-    ngram_min_match: int = DEFAULT_NGRAM_MIN_MATCH
-    ngram_max_match: int = 4
+    ngram_min_match: int
+    ngram_max_match: int
 
     @property
     def uses_draft_head(self) -> bool:
@@ -41,7 +45,7 @@ class SpecSettings:
         return self.num_steps
 
     @classmethod
-    def from_args(cls, args: Any) -> SpecSettings:
+    def from_args(cls, args: ServerArgs) -> SpecSettings:
         algo = (args.speculative_algorithm or "").upper()
         if algo not in ALGORITHMS:
             raise ValueError(
@@ -53,7 +57,7 @@ class SpecSettings:
         topk = args.speculative_eagle_topk or topk
         tokens = args.speculative_num_draft_tokens or tokens
         path = args.speculative_draft_model_path
-        if algo == "EAGLE3" and not path and getattr(args, "model_path", None) == "default":
+        if algo == "EAGLE3" and not path and args.model_path == "default":
             path = "default"  # the head shipped for the embedded default model
         if algo in ("EAGLE", "EAGLE3") and not path:
             raise ValueError(
@@ -85,12 +89,9 @@ class SpecSettings:
             max_batch = DEFAULT_MAX_BATCH_SIZE
         if max_batch < 0:
             raise ValueError(f"speculative_max_batch_size must be >= 0 (got {max_batch})")
-        ngram_min = (
-            getattr(args, "speculative_ngram_min_match_window_size", None)
-            or DEFAULT_NGRAM_MIN_MATCH
-        )
-        ngram_max = getattr(args, "speculative_ngram_max_match_window_size", None) or max(
-            4, ngram_min
+        ngram_min = args.speculative_ngram_min_match_window_size or DEFAULT_NGRAM_MIN_MATCH
+        ngram_max = args.speculative_ngram_max_match_window_size or max(
+            DEFAULT_NGRAM_MAX_MATCH, ngram_min
         )
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from spectral.speculative.eagle_head import DraftHead, DraftHeadConfig
+from spectral.models.config import ModelConfig
+from spectral.speculative.eagle_head import DraftHead, DraftHeadConfig, load_draft_head
 from spectral.speculative.train_data import Sample, generate_answers, load_samples
 from spectral.speculative.ttt import ttt_loss
 
@@ -132,8 +133,10 @@ class TeacherCache:
         return features.float(), self.teacher.logits(last, used)
 
 
-def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int):
-    """The `size` most frequent answer tokens, ascending: (used ids, d2t, t2d, coverage)."""
+def draft_vocabulary(
+    samples: list[Sample], size: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the `size` most frequent answer tokens, in ascending id order."""
     counts: Counter[int] = Counter()
     for s in samples:
         counts.update(t for t, m in zip(s.input_ids, s.loss_mask) if m)
@@ -142,12 +145,9 @@ def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int):
         taken = set(top)
         top += [t for t in range(vocab_size) if t not in taken][: size - len(top)]
     used = torch.tensor(sorted(top), dtype=torch.int64)
-    d2t = used - torch.arange(size)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[used] = True
-    total = sum(counts.values()) or 1
-    coverage = sum(counts[t] for t in top) / total
-    return used, d2t, t2d, coverage
+    return used - torch.arange(size), t2d
 
 
 def vocabulary_coverage(samples: list[Sample], t2d: torch.Tensor) -> float:
@@ -158,30 +158,29 @@ def vocabulary_coverage(samples: list[Sample], t2d: torch.Tensor) -> float:
     return float(t2d[torch.tensor(answer)].float().mean())
 
 
-def init_from_export(head: DraftHead, path: str) -> None:
-    """Load an exported head's weights and vocabulary into `head` (float32), refusing a head
-    whose shapes differ (a different target or draft vocabulary size)."""
-    from spectral.speculative.eagle_head import _read_tensors
-
-    tensors = _read_tensors(path)
-    if not tensors:
-        raise SystemExit(f"--init-from {path}: no .safetensors file there")
-    state = head.state_dict()
-    for name, value in tensors.items():
-        if name not in state:
-            raise SystemExit(f"--init-from {path}: unexpected tensor {name!r}")
-        if tuple(value.shape) != tuple(state[name].shape):
+def init_from_export(head: DraftHead, path: str, target_config: ModelConfig) -> None:
+    """Load an exported head's weights and vocabulary into `head` (float32), through the
+    loader serving uses; a head of another shape (draft vocabulary, width) is refused."""
+    try:
+        loaded = load_draft_head(
+            path,
+            "eagle3",
+            target_hidden_size=target_config.hidden_size,
+            target_vocab_size=target_config.vocab_size,
+            target_num_layers=target_config.num_layers,
+            max_positions=2,
+            dtype=torch.float32,
+        )
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"--init-from {path}: {err}") from err
+    ours, theirs = head.cfg, loaded.cfg
+    for name in ("draft_vocab_size", "intermediate_size", "aux_layers"):
+        if getattr(ours, name) != getattr(theirs, name):
             raise SystemExit(
-                f"--init-from {path}: {name} has shape {tuple(value.shape)}, this run "
-                f"needs {tuple(state[name].shape)} (same target and --draft-vocab-size?)"
+                f"--init-from {path}: its {name} is {getattr(theirs, name)}, this run's is "
+                f"{getattr(ours, name)} (same target and --draft-vocab-size?)"
             )
-    missing = sorted(set(state) - set(tensors) - {"t2d"})
-    if missing:
-        raise SystemExit(f"--init-from {path}: tensors missing: {', '.join(missing[:5])}")
-    head.load_state_dict({k: v.to(state[k].dtype) for k, v in tensors.items()}, strict=False)
-    if "t2d" not in tensors:  # derive it from d2t
-        head.t2d.zero_()
-        head.t2d[torch.arange(head.cfg.draft_vocab_size) + head.d2t] = True
+    head.load_state_dict(loaded.state_dict())
 
 
 # ---- the loop --------------------------------------------------------------------------------
@@ -239,7 +238,6 @@ def new_head(target_config, cfg: TrainConfig) -> DraftHead:
 def train(cfg: TrainConfig) -> DraftHead:
     from transformers import AutoTokenizer
 
-    from spectral.models.config import ModelConfig
     from spectral.models.resolve import resolve_model_path
 
     torch.manual_seed(cfg.seed)
@@ -267,23 +265,19 @@ def train(cfg: TrainConfig) -> DraftHead:
     head = new_head(target_config, cfg)
     checkpoint = work / "checkpoint.pt"
     state = torch.load(checkpoint, weights_only=False) if checkpoint.exists() else None
+    step = 0
     if state is not None:
         head.load_state_dict(state["head"])
-        coverage = state["coverage"]
         step = state["step"]
         logger.info("resuming from %s at step %d", checkpoint, step)
     elif cfg.init_from:
-        init_from_export(head, cfg.init_from)
-        coverage = vocabulary_coverage(samples, head.t2d)
-        step = 0
+        init_from_export(head, cfg.init_from, target_config)
         logger.info("starting from the head in %s", cfg.init_from)
     else:
-        _, d2t, t2d, coverage = draft_vocabulary(
-            samples, cfg.draft_vocab_size, target_config.vocab_size
-        )
+        d2t, t2d = draft_vocabulary(samples, cfg.draft_vocab_size, target_config.vocab_size)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
-        step = 0
+    coverage = vocabulary_coverage(samples, head.t2d)
     logger.info(
         "%d samples, %d answer tokens; the draft vocabulary covers %.1f%% of them",
         len(samples),
@@ -313,7 +307,6 @@ def train(cfg: TrainConfig) -> DraftHead:
                 "head": head.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "step": step,
-                "coverage": coverage,
                 "config": asdict(cfg),
             },
             checkpoint,
