@@ -15,8 +15,10 @@ from spectral.speculative.eagle_head import load_draft_head
 from spectral.speculative.train import (
     Teacher,
     TrainConfig,
+    chain_accept_length,
     collate,
     draft_vocabulary,
+    evaluate,
     export,
     new_head,
     train,
@@ -73,6 +75,16 @@ def tiny_run(target_dir: str, data: str, work_dir: Path, **overrides) -> TrainCo
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, atol: float = 0.0) -> None:
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.allclose(p, q, atol=atol, rtol=0), name
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention over one sequence ([T, heads, dim] in, [T, heads * dim] out)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) * q.shape[-1] ** -0.5
+    future = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+    return torch.einsum("hts,shd->thd", probs, v).reshape(q.shape[0], -1)
 
 
 def setup_head(target_dir: str, samples: list[Sample], cfg: TrainConfig):
@@ -188,3 +200,51 @@ def test_init_from_an_export_starts_from_its_weights_and_vocabulary(
                 target_dir, data, tmp_path / "c", init_from=head, max_steps=0, draft_vocab_size=64
             )
         )
+
+
+def test_held_out_agreement_counts_first_step_hits_like_a_direct_forward(target_dir: str) -> None:
+    """evaluate()'s first-step agreement, recounted with the target from transformers and the
+    head run causally over each sample: anchor t (feature t, token t + 1) against the target's
+    choice at t + 1, wherever token t + 2 is an answer token."""
+    torch.manual_seed(1)
+    cfg = TrainConfig(draft_vocab_size=256, max_len=64)
+    samples = random_samples(3, 30, seed=4) + random_samples(2, 22, seed=5)
+    head, teacher = setup_head(target_dir, samples, cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    used = torch.arange(256) + head.d2t
+    accs = evaluate(head, teacher, samples, used, steps=3, batch_tokens=64)
+    assert len(accs) == 3
+    hits = total = 0
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.input_ids])
+            out = teacher.model(input_ids=ids, output_hidden_states=True)
+            features = torch.cat([out.hidden_states[i] for i in head.cfg.aux_layers], -1)[0]
+            target_choice = out.logits[0][:, used].argmax(-1)  # at t: the token after t
+            T = ids.shape[1]
+            hidden = head(ids[0, 1:], features[: T - 1], torch.arange(T - 1), causal)
+            draft_choice = head.logits(hidden).argmax(-1)  # at anchor t: token t + 2
+            for t in range(T - 2):
+                if s.loss_mask[t + 2]:
+                    hits += int(draft_choice[t] == target_choice[t + 1])
+                    total += 1
+    assert total > 0 and accs[0] == pytest.approx(hits / total, abs=1e-9)
+    assert chain_accept_length(accs) == pytest.approx(
+        1 + accs[0] + accs[0] * accs[1] + accs[0] * accs[1] * accs[2]
+    )
+
+
+def test_evaluating_held_out_data_leaves_training_unchanged(
+    tmp_path: Path, target_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = write_answers(tmp_path / "data.jsonl", random_samples(3, 40, seed=6), 10)
+    held = write_answers(tmp_path / "held.jsonl", random_samples(2, 30, seed=7), 10)
+    common = dict(max_steps=4, save_every=2)
+    with caplog.at_level("INFO", logger="spectral.speculative.train"):
+        scored = train(tiny_run(target_dir, data, tmp_path / "a", eval_data=[held], **common))
+    plain = train(tiny_run(target_dir, data, tmp_path / "b", **common))
+    assert_same_weights(scored, plain)
+    lines = [r.getMessage() for r in caplog.records if "held out" in r.getMessage()]
+    assert [line.split(",")[0] for line in lines] == ["step 2", "step 4"]

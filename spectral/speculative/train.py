@@ -44,6 +44,7 @@ class TrainConfig:
     out: str | None = None
     init_from: str | None = None  # an exported head to start from (weights and vocabulary)
     data: list[str] = field(default_factory=list)  # user files; empty: self-distilled ShareGPT
+    eval_data: list[str] = field(default_factory=list)  # held-out samples, scored at each save
     num_prompts: int = 2000
     max_new_tokens: int = 384
     draft_vocab_size: int = 8192
@@ -215,6 +216,45 @@ def collate(batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return ids, pad, mask
 
 
+@torch.no_grad()
+def evaluate(
+    head: DraftHead,
+    teacher: Teacher | TeacherCache,
+    samples: list[Sample],
+    used: torch.Tensor,
+    steps: int,
+    batch_tokens: int,
+) -> list[float]:
+    """Per-step top-1 agreement with the target on `samples` (the training-time test's
+    accuracy, over every answer token), in eval mode and without gradients."""
+    hits = [0.0] * steps
+    counts = [0] * steps
+    was_training = head.training
+    head.eval()
+    for batch in batches(samples, batch_tokens, random.Random(0)):
+        ids, pad, mask = collate(batch)
+        if isinstance(teacher, TeacherCache):
+            features, logits = teacher(batch, ids, pad, used)
+        else:
+            features, logits = teacher(ids, pad.long(), used)
+        _, accs, ns = ttt_loss(head, ids, pad, mask, features, logits, steps)
+        for s, (a, n) in enumerate(zip(accs, ns)):
+            hits[s] += a * n
+            counts[s] += n
+    head.train(was_training)
+    return [h / max(n, 1) for h, n in zip(hits, counts)]
+
+
+def chain_accept_length(accs: list[float]) -> float:
+    """τ of a one-path draft whose steps agree with the target with these probabilities,
+    taken as independent: 1 + a0 + a0·a1 + ..."""
+    tau, reach = 1.0, 1.0
+    for a in accs:
+        reach *= a
+        tau += reach
+    return tau
+
+
 def new_head(target_config, cfg: TrainConfig) -> DraftHead:
     L = target_config.num_layers
     head_cfg = DraftHeadConfig(
@@ -261,6 +301,9 @@ def train(cfg: TrainConfig) -> DraftHead:
     samples = load_samples(data, tokenizer, cfg.max_len)
     if not samples:
         raise SystemExit(f"no training samples in {', '.join(data)}")
+    held_out = load_samples(cfg.eval_data, tokenizer, cfg.max_len) if cfg.eval_data else []
+    if cfg.eval_data and not held_out:
+        raise SystemExit(f"no evaluation samples in {', '.join(cfg.eval_data)}")
 
     head = new_head(target_config, cfg)
     checkpoint = work / "checkpoint.pt"
@@ -287,6 +330,7 @@ def train(cfg: TrainConfig) -> DraftHead:
     used = torch.arange(cfg.draft_vocab_size) + head.d2t
     teacher = Teacher(model_dir, head.cfg.aux_layers, torch.bfloat16)
     cache = TeacherCache(teacher) if cfg.cache_teacher else None
+    eval_teacher = TeacherCache(teacher) if held_out else None
     head.set_target(teacher.embed_weight.detach().float(), None)
     trainable = [p for n, p in head.named_parameters()]
     for p in trainable:
@@ -301,7 +345,20 @@ def train(cfg: TrainConfig) -> DraftHead:
         frac = (i - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
         return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
+    saved_at = -1
+
     def save() -> None:
+        """Checkpoint, export, and score the held-out samples."""
+        nonlocal saved_at
+        saved_at = step
+        if eval_teacher is not None:
+            accs = evaluate(head, eval_teacher, held_out, used, cfg.ttt_steps, cfg.batch_tokens)
+            logger.info(
+                "step %d, held out: top-1 agreement %s, chain τ %.2f",
+                step,
+                "/".join(f"{a:.3f}" for a in accs),
+                chain_accept_length(accs),
+            )
         torch.save(
             {
                 "head": head.state_dict(),
@@ -311,6 +368,8 @@ def train(cfg: TrainConfig) -> DraftHead:
             },
             checkpoint,
         )
+        if cfg.out:
+            export(head, cfg.out, getattr(torch, cfg.export_dtype))
 
     from tqdm import tqdm
 
@@ -341,16 +400,13 @@ def train(cfg: TrainConfig) -> DraftHead:
         bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in accs[:4]))
         if step % cfg.save_every == 0:
             save()
-            if cfg.out:
-                export(head, cfg.out, getattr(torch, cfg.export_dtype))
         if cfg.time_budget is not None and time.monotonic() - start > cfg.time_budget:
             logger.info("time budget spent at step %d", step)
             break
     bar.close()
-    save()
+    if saved_at != step:
+        save()
     head.eval()
-    if cfg.out:
-        export(head, cfg.out, getattr(torch, cfg.export_dtype))
     return head
 
 
@@ -370,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     defaults = TrainConfig()
     for name, value in asdict(defaults).items():
         flag = "--" + name.replace("_", "-")
-        if name == "data":
+        if name in ("data", "eval_data"):
             parser.add_argument(flag, nargs="*", default=[], help="text/JSONL files")
         elif isinstance(value, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
