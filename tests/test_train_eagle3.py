@@ -14,6 +14,7 @@ from spectral.models.config import ModelConfig
 from spectral.speculative.eagle_head import load_draft_head
 from spectral.speculative.train import (
     Teacher,
+    TeacherCache,
     TrainConfig,
     chain_accept_length,
     collate,
@@ -106,7 +107,7 @@ def test_loss_falls_on_a_fixed_batch(target_dir: str) -> None:
     assert head.cfg.aux_layers == (2, 4, 5)
     ids, pad, mask = collate(samples)
     used = torch.arange(cfg.draft_vocab_size) + head.d2t
-    features, logits = teacher(ids, pad.long(), used)
+    features, logits = TeacherCache(teacher, keep=False)(samples, ids, pad, used)
     params = list(head.parameters())
     for p in params:
         p.requires_grad_(True)
@@ -145,19 +146,13 @@ def test_export_then_load_gives_identical_draft_logits(tmp_path: Path, target_di
     assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
     ids, pad, mask = collate(samples)
     used = torch.arange(256) + head.d2t
-    features, _ = teacher(ids, pad.long(), used)
-    positions = torch.arange(32).repeat(2)
-
-    def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        scores = torch.einsum("thd,shd->hts", q, k)
-        return torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(q.shape[0], -1)
-
+    features, _ = TeacherCache(teacher, keep=False)(samples, ids, pad, used)
     with torch.no_grad():
-        a = head.logits(head(ids.reshape(-1), features.reshape(64, -1), positions, dense))
-        b = loaded.logits(loaded(ids.reshape(-1), features.reshape(64, -1), positions, dense))
-    assert torch.equal(a, b)
+        for row in range(2):  # each sample on its own, causally
+            positions = torch.arange(32)
+            a = head.logits(head(ids[row], features[row], positions, causal))
+            b = loaded.logits(loaded(ids[row], features[row], positions, causal))
+            assert torch.equal(a, b)
 
 
 def test_a_rerun_resumes_from_the_checkpoint(tmp_path: Path, target_dir: str) -> None:
@@ -214,7 +209,9 @@ def test_held_out_agreement_counts_first_step_hits_like_a_direct_forward(target_
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     used = torch.arange(256) + head.d2t
-    accs = evaluate(head, teacher, samples, used, steps=3, batch_tokens=64)
+    accs = evaluate(
+        head, TeacherCache(teacher, keep=False), samples, used, steps=3, batch_tokens=64
+    )
     assert len(accs) == 3
     hits = total = 0
     with torch.no_grad():

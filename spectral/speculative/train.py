@@ -79,14 +79,6 @@ class Teacher:
         return self.model.get_input_embeddings().weight
 
     @torch.no_grad()
-    def __call__(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, used: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(features [B, T, 3H] float32, teacher logits over the draft vocab [B, T, N])."""
-        features, last = self.states(input_ids, attention_mask)
-        return features.float(), self.logits(last, used)
-
-    @torch.no_grad()
     def states(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,17 +97,20 @@ class Teacher:
 
 
 class TeacherCache:
-    """The teacher's states per sample, kept in memory after their first batch, so that later
-    epochs skip the target's forward (about half a step on a CPU). Batches are the same
-    length buckets every epoch, so from the second epoch on every batch is a hit."""
+    """The teacher's outputs for a batch of samples. With `keep`, each sample's states stay in
+    memory after its first batch, so that later epochs skip the target's forward (about half a
+    step on a CPU); batches are the same length buckets every epoch, so from the second epoch
+    on every batch is a hit."""
 
-    def __init__(self, teacher: Teacher) -> None:
+    def __init__(self, teacher: Teacher, keep: bool = True) -> None:
         self.teacher = teacher
+        self.keep = keep
         self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(
         self, batch: list[Sample], input_ids: torch.Tensor, pad: torch.Tensor, used: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features [B, T, 3H] float32, teacher logits over the draft vocab [B, T, N])."""
         keys = [id(s) for s in batch]
         if all(k in self.states for k in keys):
             B, T = input_ids.shape
@@ -128,9 +123,10 @@ class TeacherCache:
                 last[i, : h.shape[0]] = h
         else:
             features, last = self.teacher.states(input_ids, pad.long())
-            for i, (k, s) in enumerate(zip(keys, batch)):
-                n = len(s.input_ids)
-                self.states[k] = (features[i, :n].clone(), last[i, :n].clone())
+            if self.keep:
+                for i, (k, s) in enumerate(zip(keys, batch)):
+                    n = len(s.input_ids)
+                    self.states[k] = (features[i, :n].clone(), last[i, :n].clone())
         return features.float(), self.teacher.logits(last, used)
 
 
@@ -219,7 +215,7 @@ def collate(batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 @torch.no_grad()
 def evaluate(
     head: DraftHead,
-    teacher: Teacher | TeacherCache,
+    teacher: TeacherCache,
     samples: list[Sample],
     used: torch.Tensor,
     steps: int,
@@ -233,10 +229,7 @@ def evaluate(
     head.eval()
     for batch in batches(samples, batch_tokens, random.Random(0)):
         ids, pad, mask = collate(batch)
-        if isinstance(teacher, TeacherCache):
-            features, logits = teacher(batch, ids, pad, used)
-        else:
-            features, logits = teacher(ids, pad.long(), used)
+        features, logits = teacher(batch, ids, pad, used)
         _, accs, ns = ttt_loss(head, ids, pad, mask, features, logits, steps)
         for s, (a, n) in enumerate(zip(accs, ns)):
             hits[s] += a * n
@@ -301,7 +294,7 @@ def train(cfg: TrainConfig) -> DraftHead:
     samples = load_samples(data, tokenizer, cfg.max_len)
     if not samples:
         raise SystemExit(f"no training samples in {', '.join(data)}")
-    held_out = load_samples(cfg.eval_data, tokenizer, cfg.max_len) if cfg.eval_data else []
+    held_out = load_samples(cfg.eval_data, tokenizer, cfg.max_len)
     if cfg.eval_data and not held_out:
         raise SystemExit(f"no evaluation samples in {', '.join(cfg.eval_data)}")
 
@@ -329,7 +322,7 @@ def train(cfg: TrainConfig) -> DraftHead:
     )
     used = torch.arange(cfg.draft_vocab_size) + head.d2t
     teacher = Teacher(model_dir, head.cfg.aux_layers, torch.bfloat16)
-    cache = TeacherCache(teacher) if cfg.cache_teacher else None
+    train_teacher = TeacherCache(teacher, keep=cfg.cache_teacher)
     eval_teacher = TeacherCache(teacher) if held_out else None
     head.set_target(teacher.embed_weight.detach().float(), None)
     trainable = [p for n, p in head.named_parameters()]
@@ -383,10 +376,7 @@ def train(cfg: TrainConfig) -> DraftHead:
             plan = batches(samples, cfg.batch_tokens, epoch_rng)
         batch = plan.pop()
         ids, pad, mask = collate(batch)
-        if cache is not None:
-            features, logits = cache(batch, ids, pad, used)
-        else:
-            features, logits = teacher(ids, pad.long(), used)
+        features, logits = train_teacher(batch, ids, pad, used)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ids.device.type == "cpu"):
