@@ -107,7 +107,7 @@ def test_loss_falls_on_a_fixed_batch(target_dir: str) -> None:
     assert head.cfg.aux_layers == (2, 4, 5)
     ids, pad, mask = collate(samples)
     used = torch.arange(cfg.draft_vocab_size) + head.d2t
-    features, logits = TeacherCache(teacher, keep=False)(samples, ids, pad, used)
+    features, logits = TeacherCache(teacher, None)(samples, ids, pad, used)
     params = list(head.parameters())
     for p in params:
         p.requires_grad_(True)
@@ -146,7 +146,7 @@ def test_export_then_load_gives_identical_draft_logits(tmp_path: Path, target_di
     assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
     ids, pad, mask = collate(samples)
     used = torch.arange(256) + head.d2t
-    features, _ = TeacherCache(teacher, keep=False)(samples, ids, pad, used)
+    features, _ = TeacherCache(teacher, None)(samples, ids, pad, used)
     with torch.no_grad():
         for row in range(2):  # each sample on its own, causally
             positions = torch.arange(32)
@@ -167,15 +167,25 @@ def test_a_rerun_resumes_from_the_checkpoint(tmp_path: Path, target_dir: str) ->
 
 
 def test_cached_teacher_states_train_exactly_like_recomputed_ones(
-    tmp_path: Path, target_dir: str
+    tmp_path: Path, target_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     samples = random_samples(6, 24, seed=2) + random_samples(4, 40, seed=3)
     data = write_answers(tmp_path / "data.jsonl", samples, 8)
     # 96-token batches: 4 batches an epoch, so 9 steps run 2 epochs on cached states.
     common = dict(batch_tokens=96, max_steps=9)
-    cached = train(tiny_run(target_dir, data, tmp_path / "a", cache_teacher=True, **common))
-    fresh = train(tiny_run(target_dir, data, tmp_path / "b", cache_teacher=False, **common))
-    assert_same_weights(cached, fresh)
+    fresh = train(tiny_run(target_dir, data, tmp_path / "a", cache_teacher="off", **common))
+    for kind in ("memory", "disk"):
+        cached = train(tiny_run(target_dir, data, tmp_path / kind, cache_teacher=kind, **common))
+        assert_same_weights(cached, fresh)
+    # A later run over the same data reads every state from disk: the target never runs.
+    (tmp_path / "disk" / "checkpoint.pt").unlink()
+
+    def no_target(*args: object) -> None:
+        raise AssertionError("the target ran although its states were on disk")
+
+    monkeypatch.setattr(Teacher, "states", no_target)
+    again = train(tiny_run(target_dir, data, tmp_path / "disk", cache_teacher="disk", **common))
+    assert_same_weights(again, fresh)
 
 
 def test_init_from_an_export_starts_from_its_weights_and_vocabulary(
@@ -209,9 +219,7 @@ def test_held_out_agreement_counts_first_step_hits_like_a_direct_forward(target_
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     used = torch.arange(256) + head.d2t
-    accs = evaluate(
-        head, TeacherCache(teacher, keep=False), samples, used, steps=3, batch_tokens=64
-    )
+    accs = evaluate(head, TeacherCache(teacher, None), samples, used, steps=3, batch_tokens=64)
     assert len(accs) == 3
     hits = total = 0
     with torch.no_grad():

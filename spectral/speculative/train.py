@@ -2,10 +2,12 @@
 
 The target (frozen, transformers) runs on the fly over each batch and gives the head its
 inputs (the three captured layers) and its teacher (the target's next-token distribution on
-the draft vocabulary). The loss is the training-time test of EAGLE-3: the head is unrolled
-`ttt_steps` times, step s feeding its own output back as the feature and predicting s + 1
-tokens further ahead, attending to the real prefix and to its own earlier steps at the same
-position, exactly the context a draft tree gives it; step losses are weighted 0.8^s (`ttt.py`).
+the draft vocabulary); its states are kept per sample (`cache_teacher`: in memory for this
+run, or on disk for later runs too), so it runs once per sample. The loss is the training-time
+test of EAGLE-3: the head is unrolled `ttt_steps` times, step s feeding its own output back as
+the feature and predicting s + 1 tokens further ahead, attending to the real prefix and to its
+own earlier steps at the same position, exactly the context a draft tree gives it; step losses
+are weighted 0.8^s (`ttt.py`).
 
 Checkpoints (head, optimiser, step, vocabulary) go to `work_dir/checkpoint.pt` every
 `save_every` steps and at the end; a rerun with the same work_dir resumes from there. The head
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 
 from spectral.models.config import ModelConfig
 from spectral.speculative.eagle_head import DraftHead, DraftHeadConfig, load_draft_head
+from spectral.speculative.teacher_store import DiskStore, MemoryStore, sample_key
 from spectral.speculative.train_data import Sample, generate_answers, load_samples
 from spectral.speculative.ttt import ttt_loss
 
@@ -58,7 +61,9 @@ class TrainConfig:
     time_budget: float | None = None  # seconds; stop (and save) when spent
     save_every: int = 100
     seed: int = 0
-    cache_teacher: bool = True  # keep the target's states in memory across epochs
+    # where the target's states are kept between epochs: "memory" (this run), "disk" (also
+    # later runs over the same data: work_dir/teacher-states, 4H values a token), or "off"
+    cache_teacher: str = "memory"
     export_dtype: str = "bfloat16"
 
 
@@ -72,7 +77,12 @@ class Teacher:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.dtype = dtype
         self.aux_layers = aux_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -97,37 +107,61 @@ class Teacher:
 
 
 class TeacherCache:
-    """The teacher's outputs for a batch of samples. With `keep`, each sample's states stay in
-    memory after its first batch, so that later epochs skip the target's forward (about half a
-    step on a CPU); batches are the same length buckets every epoch, so from the second epoch
-    on every batch is a hit."""
+    """The teacher's outputs for a batch of samples, through a store of per-sample states
+    (`teacher_store`): a batch whose samples are all stored skips the target's forward (about
+    half a step on a CPU). Batches are the same length buckets every epoch, so from the second
+    epoch on every batch is a hit; with a `DiskStore`, so is every batch of a later run. With no
+    store the target runs every time."""
 
-    def __init__(self, teacher: Teacher, keep: bool = True) -> None:
+    def __init__(self, teacher: Teacher, store: MemoryStore | DiskStore | None) -> None:
         self.teacher = teacher
-        self.keep = keep
-        self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.store = store
 
     def __call__(
         self, batch: list[Sample], input_ids: torch.Tensor, pad: torch.Tensor, used: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(features [B, T, 3H] float32, teacher logits over the draft vocab [B, T, N])."""
-        keys = [id(s) for s in batch]
-        if all(k in self.states for k in keys):
-            B, T = input_ids.shape
-            first = self.states[keys[0]]
-            features = first[0].new_zeros(B, T, first[0].shape[-1])
-            last = first[1].new_zeros(B, T, first[1].shape[-1])
-            for i, k in enumerate(keys):
-                f, h = self.states[k]
-                features[i, : f.shape[0]] = f
-                last[i, : h.shape[0]] = h
+        store = self.store
+        keys = [sample_key(s.input_ids) for s in batch] if store is not None else []
+        if keys and all(k in store for k in keys):
+            rows = [store.get(k) for k in keys]
+            states = rows[0].new_zeros(*input_ids.shape, rows[0].shape[-1])
+            for i, row in enumerate(rows):
+                states[i, : row.shape[0]] = row
+            H = self.teacher.hidden_size
+            features, last = states[..., :-H], states[..., -H:]
         else:
             features, last = self.teacher.states(input_ids, pad.long())
-            if self.keep:
-                for i, (k, s) in enumerate(zip(keys, batch)):
-                    n = len(s.input_ids)
-                    self.states[k] = (features[i, :n].clone(), last[i, :n].clone())
+            for i, (k, s) in enumerate(zip(keys, batch)):
+                n = len(s.input_ids)
+                store.put(k, torch.cat((features[i, :n], last[i, :n]), dim=-1))
         return features.float(), self.teacher.logits(last, used)
+
+
+CHOICES = {
+    "cache_teacher": ("memory", "disk", "off"),
+    "export_dtype": ("bfloat16", "float16", "float32"),
+}
+
+
+def teacher_store(
+    cfg: TrainConfig, teacher: Teacher, model_dir: str
+) -> MemoryStore | DiskStore | None:
+    if cfg.cache_teacher == "memory":
+        return MemoryStore()
+    if cfg.cache_teacher == "disk":
+        meta = {
+            "target": str(Path(model_dir).resolve()),
+            "aux_layers": list(teacher.aux_layers),
+            "dtype": str(teacher.dtype).removeprefix("torch."),
+            "width": (len(teacher.aux_layers) + 1) * teacher.hidden_size,
+        }
+        return DiskStore(Path(cfg.work_dir) / "teacher-states", meta)
+    if cfg.cache_teacher == "off":
+        return None
+    raise SystemExit(
+        f"cache_teacher must be one of {CHOICES['cache_teacher']} (got {cfg.cache_teacher!r})"
+    )
 
 
 def draft_vocabulary(
@@ -322,8 +356,8 @@ def train(cfg: TrainConfig) -> DraftHead:
     )
     used = torch.arange(cfg.draft_vocab_size) + head.d2t
     teacher = Teacher(model_dir, head.cfg.aux_layers, torch.bfloat16)
-    train_teacher = TeacherCache(teacher, keep=cfg.cache_teacher)
-    eval_teacher = TeacherCache(teacher) if held_out else None
+    train_teacher = TeacherCache(teacher, teacher_store(cfg, teacher, model_dir))
+    eval_teacher = TeacherCache(teacher, MemoryStore()) if held_out else None
     head.set_target(teacher.embed_weight.detach().float(), None)
     trainable = [p for n, p in head.named_parameters()]
     for p in trainable:
@@ -418,13 +452,11 @@ def main(argv: list[str] | None = None) -> None:
         flag = "--" + name.replace("_", "-")
         if name in ("data", "eval_data"):
             parser.add_argument(flag, nargs="*", default=[], help="text/JSONL files")
-        elif isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
         else:
             kind = type(value) if value is not None else (float if name == "time_budget" else str)
             if name == "intermediate_size":
                 kind = int
-            parser.add_argument(flag, type=kind, default=value)
+            parser.add_argument(flag, type=kind, default=value, choices=CHOICES.get(name))
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     train(TrainConfig(**vars(ns)))
