@@ -207,6 +207,46 @@ def test_init_from_an_export_starts_from_its_weights_and_vocabulary(
         )
 
 
+def test_init_from_a_narrower_head_widens_it_without_changing_its_logits(
+    tmp_path: Path, target_dir: str
+) -> None:
+    samples = random_samples(2, 40, seed=1)
+    data = write_answers(tmp_path / "data.jsonl", samples, 10)
+    head = str(tmp_path / "head")
+    run = tiny_run(target_dir, data, tmp_path / "a", out=head, export_dtype="float32", max_steps=2)
+    narrow = train(run)
+    width = narrow.cfg.intermediate_size
+    wide = train(
+        tiny_run(
+            target_dir,
+            data,
+            tmp_path / "b",
+            init_from=head,
+            max_steps=0,
+            intermediate_size=3 * width,
+        )
+    )
+    assert wide.layer.mlp.down_proj.weight.shape[1] == 3 * width
+    teacher = Teacher(target_dir, narrow.cfg.aux_layers, torch.float32)
+    ids, pad, _ = collate(samples)
+    used = torch.arange(run.draft_vocab_size) + narrow.d2t
+    features, _ = TeacherCache(teacher, None)(samples, ids, pad, used)
+    for h in (narrow, wide):
+        h.set_target(teacher.embed_weight.detach(), None)
+    with torch.no_grad():
+        for row in range(2):
+            positions = torch.arange(ids.shape[1])
+            a = narrow.logits(narrow(ids[row], features[row], positions, causal))
+            b = wide.logits(wide(ids[row], features[row], positions, causal))
+            assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    with pytest.raises(SystemExit, match="intermediate_size"):
+        train(
+            tiny_run(
+                target_dir, data, tmp_path / "c", init_from=head, max_steps=0, intermediate_size=8
+            )
+        )
+
+
 def test_held_out_agreement_counts_first_step_hits_like_a_direct_forward(target_dir: str) -> None:
     """evaluate()'s first-step agreement, recounted with the target from transformers and the
     head run causally over each sample: anchor t (feature t, token t + 1) against the target's

@@ -191,7 +191,9 @@ def vocabulary_coverage(samples: list[Sample], t2d: torch.Tensor) -> float:
 
 def init_from_export(head: DraftHead, path: str, target_config: ModelConfig) -> None:
     """Load an exported head's weights and vocabulary into `head` (float32), through the
-    loader serving uses; a head of another shape (draft vocabulary, width) is refused."""
+    loader serving uses. A narrower MLP is widened without changing what the head computes
+    (the new units' down-projection starts at zero), so a longer run can test a wider head
+    without starting over; any other difference in shape is refused."""
     try:
         loaded = load_draft_head(
             path,
@@ -206,12 +208,19 @@ def init_from_export(head: DraftHead, path: str, target_config: ModelConfig) -> 
         raise SystemExit(f"--init-from {path}: {err}") from err
     ours, theirs = head.cfg, loaded.cfg
     for name in ("draft_vocab_size", "intermediate_size", "aux_layers"):
-        if getattr(ours, name) != getattr(theirs, name):
+        mine, its = getattr(ours, name), getattr(theirs, name)
+        if mine != its and not (name == "intermediate_size" and its < mine):
             raise SystemExit(
-                f"--init-from {path}: its {name} is {getattr(theirs, name)}, this run's is "
-                f"{getattr(ours, name)} (same target and --draft-vocab-size?)"
+                f"--init-from {path}: its {name} is {its}, this run's is {mine} (same target "
+                "and --draft-vocab-size, and an --intermediate-size no smaller than its?)"
             )
-    head.load_state_dict(loaded.state_dict())
+    state = {name: value.clone() for name, value in head.state_dict().items()}
+    with torch.no_grad():
+        for name, value in loaded.state_dict().items():
+            if name.endswith("mlp.down_proj.weight"):
+                state[name].zero_()
+            state[name][tuple(slice(0, n) for n in value.shape)] = value
+    head.load_state_dict(state)
 
 
 # ---- the loop --------------------------------------------------------------------------------
