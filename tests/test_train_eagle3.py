@@ -88,6 +88,13 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.einsum("hts,shd->thd", probs, v).reshape(q.shape[0], -1)
 
 
+def draft_logits(head, ids: torch.Tensor, features: torch.Tensor) -> list[torch.Tensor]:
+    """The head's draft logits over each row of a batch, run on its own, causally."""
+    positions = torch.arange(ids.shape[1])
+    with torch.no_grad():
+        return [head.logits(head(i, f, positions, causal)) for i, f in zip(ids, features)]
+
+
 def setup_head(target_dir: str, samples: list[Sample], cfg: TrainConfig):
     config = ModelConfig.from_pretrained(target_dir)
     head = new_head(config, cfg)
@@ -147,12 +154,8 @@ def test_export_then_load_gives_identical_draft_logits(tmp_path: Path, target_di
     ids, pad, mask = collate(samples)
     used = torch.arange(256) + head.d2t
     features, _ = TeacherCache(teacher, None)(samples, ids, pad, used)
-    with torch.no_grad():
-        for row in range(2):  # each sample on its own, causally
-            positions = torch.arange(32)
-            a = head.logits(head(ids[row], features[row], positions, causal))
-            b = loaded.logits(loaded(ids[row], features[row], positions, causal))
-            assert torch.equal(a, b)
+    for a, b in zip(draft_logits(head, ids, features), draft_logits(loaded, ids, features)):
+        assert torch.equal(a, b)
 
 
 def test_a_rerun_resumes_from_the_checkpoint(tmp_path: Path, target_dir: str) -> None:
@@ -233,12 +236,8 @@ def test_init_from_a_narrower_head_widens_it_without_changing_its_logits(
     features, _ = TeacherCache(teacher, None)(samples, ids, pad, used)
     for h in (narrow, wide):
         h.set_target(teacher.embed_weight.detach(), None)
-    with torch.no_grad():
-        for row in range(2):
-            positions = torch.arange(ids.shape[1])
-            a = narrow.logits(narrow(ids[row], features[row], positions, causal))
-            b = wide.logits(wide(ids[row], features[row], positions, causal))
-            assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(draft_logits(narrow, ids, features), draft_logits(wide, ids, features)):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
     with pytest.raises(SystemExit, match="intermediate_size"):
         train(
             tiny_run(

@@ -63,26 +63,28 @@ class DiskStore:
             meta_file.write_text(json.dumps(meta, indent=1))
         self.index: dict[str, tuple[int, int]] = {}
         index_file = self.dir / "index.jsonl"
+        text = index_file.read_text() if index_file.exists() else ""
+        lines = text.splitlines()
+        torn = bool(text) and not text.endswith("\n")
+        if torn:
+            lines.pop()  # cut short by a kill: that sample was never committed
         rows = 0
-        if index_file.exists():
-            for line in index_file.read_text().splitlines():
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a line cut short by a kill: the rest was never committed
-                self.index[entry["key"]] = (entry["row"], entry["rows"])
-                rows = max(rows, entry["row"] + entry["rows"])
+        for line in lines:
+            entry = json.loads(line)
+            self.index[entry["key"]] = (entry["row"], entry["rows"])
+            rows = entry["row"] + entry["rows"]
         self.data_file = self.dir / "states.bin"
         with open(self.data_file, "ab") as f:
             if f.tell() < rows * self.row_bytes:
                 raise SystemExit(f"{self.data_file} is shorter than its index; delete {self.dir}")
             f.truncate(rows * self.row_bytes)
         self.rows = rows
-        with open(index_file, "w") as f:  # rewritten without any torn line
-            f.writelines(
-                json.dumps({"key": k, "row": r, "rows": n}) + "\n"
-                for k, (r, n) in self.index.items()
-            )
+        if torn:  # rewritten without the torn line, so that appends start on a fresh one
+            with open(index_file, "w") as f:
+                f.writelines(
+                    json.dumps({"key": k, "row": r, "rows": n}) + "\n"
+                    for k, (r, n) in self.index.items()
+                )
 
     def __contains__(self, key: str) -> bool:
         return key in self.index

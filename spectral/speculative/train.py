@@ -77,7 +77,6 @@ class Teacher:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        self.dtype = dtype
         self.aux_layers = aux_layers
 
     @property
@@ -153,7 +152,7 @@ def teacher_store(
         meta = {
             "target": str(Path(model_dir).resolve()),
             "aux_layers": list(teacher.aux_layers),
-            "dtype": str(teacher.dtype).removeprefix("torch."),
+            "dtype": str(teacher.model.dtype).removeprefix("torch."),
             "width": (len(teacher.aux_layers) + 1) * teacher.hidden_size,
         }
         return DiskStore(Path(cfg.work_dir) / "teacher-states", meta)
