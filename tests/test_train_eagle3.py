@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,10 @@ from spectral.speculative.train import (
     evaluate,
     export,
     new_head,
+    remap_output_rows,
     train,
 )
-from spectral.speculative.train_data import Sample
+from spectral.speculative.train_data import Sample, load_samples
 from spectral.speculative.ttt import ttt_loss
 from tests.conftest import make_tiny_llama
 
@@ -249,32 +251,58 @@ def test_init_from_a_narrower_head_widens_it_without_changing_its_logits(
 def test_held_out_agreement_counts_first_step_hits_like_a_direct_forward(target_dir: str) -> None:
     """evaluate()'s first-step agreement, recounted with the target from transformers and the
     head run causally over each sample: anchor t (feature t, token t + 1) against the target's
-    choice at t + 1, wherever token t + 2 is an answer token."""
+    choice over its whole vocabulary at t + 1, wherever token t + 2 is an answer token. The
+    draft vocabulary holds only some of the target's choices: those it lacks are misses,
+    although the head agrees with the teacher's top draft token there."""
     torch.manual_seed(1)
     cfg = TrainConfig(draft_vocab_size=256, max_len=64)
     samples = random_samples(3, 30, seed=4) + random_samples(2, 22, seed=5)
-    head, teacher = setup_head(target_dir, samples, cfg)
+    config = ModelConfig.from_pretrained(target_dir)
+    head = new_head(config, cfg)
+    teacher = Teacher(target_dir, head.cfg.aux_layers, torch.float32)
+    head.set_target(teacher.embed_weight.detach(), None)
     with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    used = torch.arange(256) + head.d2t
+        choices = [
+            teacher.model(input_ids=torch.tensor([s.input_ids])).logits[0].argmax(-1)
+            for s in samples
+        ]
+    common = Counter(int(t) for c in choices for t in c).most_common()
+    kept = [t for t, _ in common[: len(common) // 2]]
+    fill = [t for t in range(config.vocab_size) if t not in {t for t, _ in common}]
+    used = torch.tensor(sorted(kept + fill[: 256 - len(kept)]))
+    head.d2t.copy_(used - torch.arange(256))
+    head.t2d.zero_()
+    head.t2d[used] = True
+    # Fit the head to these samples a little, so that it agrees with the target often.
+    ids, pad, mask = collate(samples)
+    features, logits = TeacherCache(teacher, None)(samples, ids, pad, used)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for _ in range(30):
+        loss, _, _ = ttt_loss(head, ids, pad, mask, features, logits, 3)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
     accs = evaluate(head, TeacherCache(teacher, None), samples, used, steps=3, batch_tokens=64)
     assert len(accs) == 3
-    hits = total = 0
+    hits = total = unreachable = 0
     with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s.input_ids])
-            out = teacher.model(input_ids=ids, output_hidden_states=True)
-            features = torch.cat([out.hidden_states[i] for i in head.cfg.aux_layers], -1)[0]
-            target_choice = out.logits[0][:, used].argmax(-1)  # at t: the token after t
-            T = ids.shape[1]
-            hidden = head(ids[0, 1:], features[: T - 1], torch.arange(T - 1), causal)
-            draft_choice = head.logits(hidden).argmax(-1)  # at anchor t: token t + 2
+        for s, target_choice in zip(samples, choices):
+            row = torch.tensor([s.input_ids])
+            out = teacher.model(input_ids=row, output_hidden_states=True)
+            states = torch.cat([out.hidden_states[i] for i in head.cfg.aux_layers], -1)[0]
+            T = row.shape[1]
+            hidden = head(row[0, 1:], states[: T - 1], torch.arange(T - 1), causal)
+            draft_choice = used[head.logits(hidden).argmax(-1)]  # at anchor t: token t + 2
             for t in range(T - 2):
                 if s.loss_mask[t + 2]:
                     hits += int(draft_choice[t] == target_choice[t + 1])
+                    unreachable += int(target_choice[t + 1] not in kept)
                     total += 1
-    assert total > 0 and accs[0] == pytest.approx(hits / total, abs=1e-9)
+    assert hits > 0 and unreachable > 0
+    assert accs[0] == pytest.approx(hits / total, abs=1e-9)
+    with torch.no_grad():
+        _, in_vocab, _ = ttt_loss(head, ids, pad, mask, features, logits, 3)
+    assert in_vocab[0] > accs[0]  # agreement within the draft vocabulary overstates it
     assert chain_accept_length(accs) == pytest.approx(
         1 + accs[0] + accs[0] * accs[1] + accs[0] * accs[1] * accs[2]
     )
@@ -292,3 +320,70 @@ def test_evaluating_held_out_data_leaves_training_unchanged(
     assert_same_weights(scored, plain)
     lines = [r.getMessage() for r in caplog.records if "held out" in r.getMessage()]
     assert [line.split(",")[0] for line in lines] == ["step 2", "step 4"]
+
+
+def test_remapped_output_rows_keep_known_tokens_and_fit_new_ones() -> None:
+    """A head whose rows are a linear map of the target's (plus a little noise): known tokens
+    keep their rows exactly, new tokens get the map's image of the target's rows."""
+    torch.manual_seed(0)
+    target_out = torch.randn(500, 16)
+    true_map = torch.randn(16, 12)
+    old = torch.randperm(500)[:200].sort().values
+    rows = target_out[old] @ true_map + 0.01 * torch.randn(200, 12)
+    new = torch.cat((old[:50], torch.tensor([t for t in range(500) if t not in old][:70])))
+    new = new.sort().values
+    out = remap_output_rows(rows, old, new, target_out)
+    assert out.shape == (120, 12)
+    where = {int(t): i for i, t in enumerate(old)}
+    for j, t in enumerate(new.tolist()):
+        if t in where:
+            assert torch.equal(out[j], rows[where[t]])
+        else:
+            assert torch.allclose(out[j], target_out[t] @ true_map, atol=0.05)
+
+
+def test_init_from_with_rebuild_vocab_moves_the_head_to_this_runs_vocabulary(
+    tmp_path: Path, target_dir: str
+) -> None:
+    first = random_samples(3, 40, seed=1)
+    second = random_samples(3, 40, seed=2)
+    head = str(tmp_path / "head")
+    trained = train(
+        tiny_run(
+            target_dir,
+            write_answers(tmp_path / "first.jsonl", first, 10),
+            tmp_path / "a",
+            out=head,
+            export_dtype="float32",
+            max_steps=2,
+        )
+    )
+    data = write_answers(tmp_path / "second.jsonl", second, 10)
+    moved = train(
+        tiny_run(
+            target_dir,
+            data,
+            tmp_path / "b",
+            init_from=head,
+            rebuild_vocab=True,
+            draft_vocab_size=96,
+            max_steps=0,
+        )
+    )
+    config = ModelConfig.from_pretrained(target_dir)
+    loaded = load_samples([data], None, 64)
+    d2t, t2d = draft_vocabulary(loaded, 96, config.vocab_size)
+    assert torch.equal(moved.d2t, d2t) and torch.equal(moved.t2d, t2d)
+    old_ids = (torch.arange(128) + trained.d2t).tolist()
+    new_ids = (torch.arange(96) + moved.d2t).tolist()
+    shared = set(old_ids) & set(new_ids)
+    assert 0 < len(shared) < 96
+    for t in shared:
+        assert torch.equal(
+            moved.lm_head.weight[new_ids.index(t)], trained.lm_head.weight[old_ids.index(t)]
+        )
+    for (name, a), b in zip(trained.state_dict().items(), moved.state_dict().values()):
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(a, b), name
+    with pytest.raises(SystemExit, match="rebuild-vocab"):
+        train(tiny_run(target_dir, data, tmp_path / "c", rebuild_vocab=True, max_steps=0))

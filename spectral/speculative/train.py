@@ -46,6 +46,9 @@ class TrainConfig:
     work_dir: str = ".train"
     out: str | None = None
     init_from: str | None = None  # an exported head to start from (weights and vocabulary)
+    # with init_from: a new draft vocabulary from this run's data (--draft-vocab-size tokens);
+    # tokens the head has keep their output rows, new ones get a fitted one
+    rebuild_vocab: bool = False
     data: list[str] = field(default_factory=list)  # user files; empty: self-distilled ShareGPT
     eval_data: list[str] = field(default_factory=list)  # held-out samples, scored at each save
     num_prompts: int = 2000
@@ -84,6 +87,10 @@ class Teacher:
         return self.model.config.hidden_size
 
     @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
     def embed_weight(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
 
@@ -104,6 +111,14 @@ class Teacher:
         lm_head = self.model.get_output_embeddings().weight[used]
         return F.linear(last_hidden, lm_head).float()
 
+    @torch.no_grad()
+    def top_tokens(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's top token over its whole vocabulary at each position."""
+        lm_head = self.model.get_output_embeddings().weight
+        flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+        top = torch.cat([F.linear(rows, lm_head).argmax(-1) for rows in flat.split(1024)])
+        return top.view(last_hidden.shape[:-1])
+
 
 class TeacherCache:
     """The teacher's outputs for a batch of samples, through a store of per-sample states
@@ -115,11 +130,19 @@ class TeacherCache:
     def __init__(self, teacher: Teacher, store: MemoryStore | DiskStore | None) -> None:
         self.teacher = teacher
         self.store = store
+        self.top: dict[str, torch.Tensor] = {}  # the target's top tokens, per sample key
 
     def __call__(
         self, batch: list[Sample], input_ids: torch.Tensor, pad: torch.Tensor, used: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(features [B, T, 3H] float32, teacher logits over the draft vocab [B, T, N])."""
+        features, last = self.states(batch, input_ids, pad)
+        return features, self.teacher.logits(last, used)
+
+    def states(
+        self, batch: list[Sample], input_ids: torch.Tensor, pad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features [B, T, 3H] float32, the target's final hidden states [B, T, H])."""
         store = self.store
         keys = [sample_key(s.input_ids) for s in batch] if store is not None else []
         if keys and all(k in store for k in keys):
@@ -134,7 +157,25 @@ class TeacherCache:
             for i, (k, s) in enumerate(zip(keys, batch)):
                 n = len(s.input_ids)
                 store.put(k, torch.cat((features[i, :n], last[i, :n]), dim=-1))
-        return features.float(), self.teacher.logits(last, used)
+        return features.float(), last
+
+    def choice(self, batch: list[Sample], last: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+        """Per position, the draft index of the target's top token over its whole vocabulary,
+        -1 where the draft vocabulary `used` lacks it. The top tokens are kept per sample:
+        held-out samples are scored at every save, and a pass over the whole vocabulary costs
+        more than the head's forward."""
+        keys = [sample_key(s.input_ids) for s in batch]
+        missing = [i for i, k in enumerate(keys) if k not in self.top]
+        if missing:
+            fresh = self.teacher.top_tokens(last[missing])
+            for i, row in zip(missing, fresh):
+                self.top[keys[i]] = row[: len(batch[i].input_ids)]
+        index = torch.full((self.teacher.vocab_size,), -1, dtype=torch.int64, device=used.device)
+        index[used] = torch.arange(used.numel(), device=used.device)
+        out = torch.full(last.shape[:-1], -1, dtype=torch.int64, device=last.device)
+        for i, k in enumerate(keys):
+            out[i, : self.top[k].shape[0]] = index[self.top[k]]
+        return out
 
 
 CHOICES = {
@@ -188,11 +229,18 @@ def vocabulary_coverage(samples: list[Sample], t2d: torch.Tensor) -> float:
     return float(t2d[torch.tensor(answer)].float().mean())
 
 
-def init_from_export(head: DraftHead, path: str, target_config: ModelConfig) -> None:
+def init_from_export(
+    head: DraftHead,
+    path: str,
+    target_config: ModelConfig,
+    vocabulary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """Load an exported head's weights and vocabulary into `head` (float32), through the
     loader serving uses. A narrower MLP is widened without changing what the head computes
     (the new units' down-projection starts at zero), so a longer run can test a wider head
-    without starting over; any other difference in shape is refused."""
+    without starting over. With `vocabulary` = (d2t, t2d, the target's output rows) the head
+    moves to that draft vocabulary, of any size (`remap_output_rows`). Any other difference in
+    shape is refused."""
     try:
         loaded = load_draft_head(
             path,
@@ -206,20 +254,57 @@ def init_from_export(head: DraftHead, path: str, target_config: ModelConfig) -> 
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"--init-from {path}: {err}") from err
     ours, theirs = head.cfg, loaded.cfg
-    for name in ("draft_vocab_size", "intermediate_size", "aux_layers"):
+    checked = ("intermediate_size", "aux_layers") + (() if vocabulary else ("draft_vocab_size",))
+    for name in checked:
         mine, its = getattr(ours, name), getattr(theirs, name)
         if mine != its and not (name == "intermediate_size" and its < mine):
             raise SystemExit(
-                f"--init-from {path}: its {name} is {its}, this run's is {mine} (same target "
-                "and --draft-vocab-size, and an --intermediate-size no smaller than its?)"
+                f"--init-from {path}: its {name} is {its}, this run's is {mine} (same target, "
+                "the same --draft-vocab-size or --rebuild-vocab, and an --intermediate-size no "
+                "smaller than its?)"
             )
     state = {name: value.clone() for name, value in head.state_dict().items()}
+    vocab_entries = ("lm_head.weight", "d2t", "t2d")
     with torch.no_grad():
         for name, value in loaded.state_dict().items():
+            if vocabulary is not None and name in vocab_entries:
+                continue
             if name.endswith("mlp.down_proj.weight"):
                 state[name].zero_()
             state[name][tuple(slice(0, n) for n in value.shape)] = value
+        if vocabulary is not None:
+            d2t, t2d, target_out = vocabulary
+            old = torch.arange(theirs.draft_vocab_size) + loaded.d2t
+            new = torch.arange(ours.draft_vocab_size) + d2t
+            state["lm_head.weight"] = remap_output_rows(loaded.lm_head.weight, old, new, target_out)
+            state["d2t"], state["t2d"] = d2t, t2d
+            kept = int(loaded.t2d[new].sum())
+            logger.info(
+                "new draft vocabulary: %d tokens, %d of them the head's, %d fitted",
+                len(new),
+                kept,
+                len(new) - kept,
+            )
     head.load_state_dict(state)
+
+
+def remap_output_rows(
+    rows: torch.Tensor, old_ids: torch.Tensor, new_ids: torch.Tensor, target_out: torch.Tensor
+) -> torch.Tensor:
+    """A head's output rows for the draft vocabulary `new_ids` (target token ids) from its
+    `rows` for `old_ids`: a token it has keeps its row; a new token gets the target's output
+    row for it, mapped into the head's space by the linear least-squares fit of the head's
+    rows on the target's rows for `old_ids` (the head learns to predict what the target's
+    final state predicts, so the two sets of rows are close to linearly related)."""
+    rows = rows.detach().float()
+    target_out = target_out.detach().float()
+    fit = torch.linalg.lstsq(target_out[old_ids], rows).solution
+    out = target_out[new_ids] @ fit
+    where = torch.full((target_out.shape[0],), -1, dtype=torch.int64)
+    where[old_ids] = torch.arange(old_ids.numel())
+    have = where[new_ids] >= 0
+    out[have] = rows[where[new_ids][have]]
+    return out
 
 
 # ---- the loop --------------------------------------------------------------------------------
@@ -263,16 +348,21 @@ def evaluate(
     steps: int,
     batch_tokens: int,
 ) -> list[float]:
-    """Per-step top-1 agreement with the target on `samples` (the training-time test's
-    accuracy, over every answer token), in eval mode and without gradients."""
+    """Per-step top-1 agreement with the target on `samples` (the training-time test, over
+    every answer token), in eval mode and without gradients. A step counts as right only when
+    the head picks the target's top token over the target's whole vocabulary, as a verifier
+    would accept it: a token outside the draft vocabulary is a miss, so this also measures
+    what the vocabulary's size costs."""
     hits = [0.0] * steps
     counts = [0] * steps
     was_training = head.training
     head.eval()
     for batch in batches(samples, batch_tokens, random.Random(0)):
         ids, pad, mask = collate(batch)
-        features, logits = teacher(batch, ids, pad, used)
-        _, accs, ns = ttt_loss(head, ids, pad, mask, features, logits, steps)
+        features, last = teacher.states(batch, ids, pad)
+        logits = teacher.teacher.logits(last, used)
+        choice = teacher.choice(batch, last, used)
+        _, accs, ns = ttt_loss(head, ids, pad, mask, features, logits, steps, choice)
         for s, (a, n) in enumerate(zip(accs, ns)):
             hits[s] += a * n
             counts[s] += n
@@ -315,6 +405,8 @@ def train(cfg: TrainConfig) -> DraftHead:
 
     from spectral.models.resolve import resolve_model_path
 
+    if cfg.rebuild_vocab and not cfg.init_from:
+        raise SystemExit("--rebuild-vocab moves an --init-from head to a new vocabulary")
     torch.manual_seed(cfg.seed)
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -341,6 +433,7 @@ def train(cfg: TrainConfig) -> DraftHead:
         raise SystemExit(f"no evaluation samples in {', '.join(cfg.eval_data)}")
 
     head = new_head(target_config, cfg)
+    teacher = Teacher(model_dir, head.cfg.aux_layers, torch.bfloat16)
     checkpoint = work / "checkpoint.pt"
     state = torch.load(checkpoint, weights_only=False) if checkpoint.exists() else None
     step = 0
@@ -349,7 +442,11 @@ def train(cfg: TrainConfig) -> DraftHead:
         step = state["step"]
         logger.info("resuming from %s at step %d", checkpoint, step)
     elif cfg.init_from:
-        init_from_export(head, cfg.init_from, target_config)
+        vocabulary = None
+        if cfg.rebuild_vocab:
+            d2t, t2d = draft_vocabulary(samples, cfg.draft_vocab_size, target_config.vocab_size)
+            vocabulary = (d2t, t2d, teacher.model.get_output_embeddings().weight)
+        init_from_export(head, cfg.init_from, target_config, vocabulary)
         logger.info("starting from the head in %s", cfg.init_from)
     else:
         d2t, t2d = draft_vocabulary(samples, cfg.draft_vocab_size, target_config.vocab_size)
@@ -363,7 +460,6 @@ def train(cfg: TrainConfig) -> DraftHead:
         100 * coverage,
     )
     used = torch.arange(cfg.draft_vocab_size) + head.d2t
-    teacher = Teacher(model_dir, head.cfg.aux_layers, torch.bfloat16)
     train_teacher = TeacherCache(teacher, teacher_store(cfg, teacher, model_dir))
     eval_teacher = TeacherCache(teacher, MemoryStore()) if held_out else None
     head.set_target(teacher.embed_weight.detach().float(), None)
@@ -460,6 +556,8 @@ def main(argv: list[str] | None = None) -> None:
         flag = "--" + name.replace("_", "-")
         if name in ("data", "eval_data"):
             parser.add_argument(flag, nargs="*", default=[], help="text/JSONL files")
+        elif isinstance(value, bool):
+            parser.add_argument(flag, action="store_true")
         else:
             kind = type(value) if value is not None else (float if name == "time_budget" else str)
             if name == "intermediate_size":

@@ -75,10 +75,14 @@ def ttt_loss(
     features: torch.Tensor,
     teacher: torch.Tensor,
     steps: int,
+    choice: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[float], list[int]]:
     """Weighted loss over `steps` unrolled draft steps; per-step accuracy (top-1 agreement
     with the teacher on the answer tokens) and counted positions. The teacher is the target's
-    distribution renormalised over the draft vocabulary.
+    distribution renormalised over the draft vocabulary. With `choice` [B, T] (the draft index
+    of the target's top token over its whole vocabulary at each position, -1 where the draft
+    vocabulary lacks it) accuracy is agreement with that, what a verifier accepts; without it,
+    with the teacher's top draft token (training, where the whole vocabulary is not computed).
 
     Anchor t at step s sees token t + 1 + s and predicts token t + 2 + s, whose teacher is the
     target's distribution at position t + 1 + s. Logits are computed only where a loss is."""
@@ -105,7 +109,10 @@ def ttt_loss(
         mask = _shift(loss_mask, shift + 1)[:, first:].reshape(-1)
         target = _shift(teacher, shift)[:, first:].reshape(B * cols, -1)[mask]
         logits = head.logits(hidden[mask])
-        best = target.argmax(-1)
+        if choice is None:
+            best = target.argmax(-1)
+        else:
+            best = _shift(choice, shift)[:, first:].reshape(-1)[mask]
         p = torch.softmax(target, dim=-1)
         ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)
         n = int(mask.sum())
