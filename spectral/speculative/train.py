@@ -87,10 +87,6 @@ class Teacher:
         return self.model.config.hidden_size
 
     @property
-    def vocab_size(self) -> int:
-        return self.model.get_output_embeddings().weight.shape[0]
-
-    @property
     def embed_weight(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
 
@@ -159,23 +155,28 @@ class TeacherCache:
                 store.put(k, torch.cat((features[i, :n], last[i, :n]), dim=-1))
         return features.float(), last
 
-    def choice(self, batch: list[Sample], last: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
-        """Per position, the draft index of the target's top token over its whole vocabulary,
-        -1 where the draft vocabulary `used` lacks it. The top tokens are kept per sample:
-        held-out samples are scored at every save, and a pass over the whole vocabulary costs
-        more than the head's forward."""
+    def top_tokens(self, batch: list[Sample], last: torch.Tensor) -> torch.Tensor:
+        """`Teacher.top_tokens` for a batch [B, T] (0 at padding, which is never scored),
+        kept per sample: held-out samples are scored at every save, and a pass over the whole
+        vocabulary costs more than the head's forward."""
         keys = [sample_key(s.input_ids) for s in batch]
         missing = [i for i, k in enumerate(keys) if k not in self.top]
         if missing:
             fresh = self.teacher.top_tokens(last[missing])
             for i, row in zip(missing, fresh):
                 self.top[keys[i]] = row[: len(batch[i].input_ids)]
-        index = torch.full((self.teacher.vocab_size,), -1, dtype=torch.int64, device=used.device)
-        index[used] = torch.arange(used.numel(), device=used.device)
-        out = torch.full(last.shape[:-1], -1, dtype=torch.int64, device=last.device)
+        out = torch.zeros(last.shape[:-1], dtype=torch.int64, device=last.device)
         for i, k in enumerate(keys):
-            out[i, : self.top[k].shape[0]] = index[self.top[k]]
+            out[i, : self.top[k].shape[0]] = self.top[k]
         return out
+
+
+def index_of(ids: torch.Tensor, size: int) -> torch.Tensor:
+    """[size]: the position of each id in `ids`, -1 for ids it lacks (e.g. target token ->
+    draft index)."""
+    where = torch.full((size,), -1, dtype=torch.int64, device=ids.device)
+    where[ids] = torch.arange(ids.numel(), device=ids.device)
+    return where
 
 
 CHOICES = {
@@ -300,10 +301,9 @@ def remap_output_rows(
     target_out = target_out.detach().float()
     fit = torch.linalg.lstsq(target_out[old_ids], rows).solution
     out = target_out[new_ids] @ fit
-    where = torch.full((target_out.shape[0],), -1, dtype=torch.int64)
-    where[old_ids] = torch.arange(old_ids.numel())
-    have = where[new_ids] >= 0
-    out[have] = rows[where[new_ids][have]]
+    where = index_of(old_ids, target_out.shape[0])[new_ids]
+    have = where >= 0
+    out[have] = rows[where[have]]
     return out
 
 
@@ -355,13 +355,14 @@ def evaluate(
     what the vocabulary's size costs."""
     hits = [0.0] * steps
     counts = [0] * steps
+    draft_index = index_of(used, head.cfg.vocab_size)
     was_training = head.training
     head.eval()
     for batch in batches(samples, batch_tokens, random.Random(0)):
         ids, pad, mask = collate(batch)
         features, last = teacher.states(batch, ids, pad)
         logits = teacher.teacher.logits(last, used)
-        choice = teacher.choice(batch, last, used)
+        choice = draft_index[teacher.top_tokens(batch, last)]
         _, accs, ns = ttt_loss(head, ids, pad, mask, features, logits, steps, choice)
         for s, (a, n) in enumerate(zip(accs, ns)):
             hits[s] += a * n
