@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from spectral.models.config import ModelConfig
 from spectral.speculative.eagle_head import load_draft_head
@@ -24,6 +25,7 @@ from spectral.speculative.train import (
     export,
     new_head,
     remap_output_rows,
+    resolve_device,
     train,
 )
 from spectral.speculative.train_data import Sample, load_samples
@@ -387,3 +389,53 @@ def test_init_from_with_rebuild_vocab_moves_the_head_to_this_runs_vocabulary(
             assert torch.equal(a, b), name
     with pytest.raises(SystemExit, match="rebuild-vocab"):
         train(tiny_run(target_dir, data, tmp_path / "c", rebuild_vocab=True, max_steps=0))
+
+
+def test_device_names_resolve_or_are_refused_with_what_is_allowed() -> None:
+    gpu = torch.cuda.is_available()
+    assert resolve_device("auto") == torch.device("cuda" if gpu else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(SystemExit, match="auto, cpu, cuda"):
+        resolve_device("gpu0")
+    if not gpu:
+        with pytest.raises(SystemExit, match="sees no GPU"):
+            resolve_device("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_run_trains_like_a_cpu_run_and_exports_the_same_layout(
+    tmp_path: Path, target_dir: str
+) -> None:
+    """The same steps on the GPU and on the CPU (both autocast to bfloat16) move the weights
+    the same way (AdamW's early updates follow the gradients' signs, so a wrong gradient on
+    either device turns them apart); the GPU run's checkpoint resumes and its export loads on
+    the CPU."""
+    data = write_answers(tmp_path / "data.jsonl", random_samples(3, 40, seed=8), 10)
+    held = write_answers(tmp_path / "held.jsonl", random_samples(2, 30, seed=9), 10)
+    common = dict(save_every=2, eval_data=[held], export_dtype="float32")
+    start = train(tiny_run(target_dir, data, tmp_path / "z", device="cpu", max_steps=0))
+    on_cpu = train(tiny_run(target_dir, data, tmp_path / "a", device="cpu", max_steps=3, **common))
+    out = str(tmp_path / "head")
+    on_gpu = train(
+        tiny_run(target_dir, data, tmp_path / "b", device="cuda", max_steps=3, out=out, **common)
+    )
+    assert on_gpu.fc.weight.device.type == "cuda"
+    before, after_cpu, after_gpu = (h.state_dict() for h in (start, on_cpu, on_gpu))
+    for name, p in before.items():
+        if p.is_floating_point() and not torch.equal(after_cpu[name], p):
+            moved_cpu = (after_cpu[name] - p).flatten()
+            moved_gpu = (after_gpu[name].cpu() - p).flatten()
+            assert F.cosine_similarity(moved_cpu, moved_gpu, dim=0) > 0.95, name
+    resumed = train(tiny_run(target_dir, data, tmp_path / "b", device="cuda", max_steps=4))
+    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["step"] == 4
+    config = ModelConfig.from_pretrained(target_dir)
+    loaded = load_draft_head(
+        out,
+        "eagle3",
+        config.hidden_size,
+        config.vocab_size,
+        config.num_layers,
+        max_positions=64,
+        dtype=torch.float32,
+    )
+    assert torch.equal(loaded.d2t, resumed.d2t.cpu())

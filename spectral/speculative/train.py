@@ -68,6 +68,9 @@ class TrainConfig:
     # later runs over the same data: work_dir/teacher-states, 4H values a token), or "off"
     cache_teacher: str = "memory"
     export_dtype: str = "bfloat16"
+    # where the target and the head run: "auto" (a GPU when torch sees one), "cpu", "cuda",
+    # "cuda:1", ...
+    device: str = "auto"
 
 
 # ---- the target's side ----------------------------------------------------------------------
@@ -76,10 +79,17 @@ class TrainConfig:
 class Teacher:
     """The frozen target: captured layer inputs and next-token logits on the draft vocab."""
 
-    def __init__(self, model_dir: str, aux_layers: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        aux_layers: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.model = model.to(device).eval()
         self.aux_layers = aux_layers
 
     @property
@@ -146,13 +156,14 @@ class TeacherCache:
             states = rows[0].new_zeros(*input_ids.shape, rows[0].shape[-1])
             for i, row in enumerate(rows):
                 states[i, : row.shape[0]] = row
+            states = states.to(input_ids.device, non_blocking=True)
             H = self.teacher.hidden_size
             features, last = states[..., :-H], states[..., -H:]
         else:
             features, last = self.teacher.states(input_ids, pad.long())
             for i, (k, s) in enumerate(zip(keys, batch)):
                 n = len(s.input_ids)
-                store.put(k, torch.cat((features[i, :n], last[i, :n]), dim=-1))
+                store.put(k, torch.cat((features[i, :n], last[i, :n]), dim=-1).cpu())
         return features.float(), last
 
     def top_tokens(self, batch: list[Sample], last: torch.Tensor) -> torch.Tensor:
@@ -326,7 +337,10 @@ def batches(samples: list[Sample], batch_tokens: int, rng: random.Random) -> lis
     return out
 
 
-def collate(batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate(
+    batch: list[Sample], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token ids, which are not padding, which are answer tokens), [B, T] on `device`."""
     T = max(len(s.input_ids) for s in batch)
     ids = torch.zeros((len(batch), T), dtype=torch.int64)
     pad = torch.zeros((len(batch), T), dtype=torch.bool)
@@ -336,7 +350,7 @@ def collate(batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         ids[i, :n] = torch.tensor(s.input_ids)
         pad[i, :n] = True
         mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
-    return ids, pad, mask
+    return ids.to(device), pad.to(device), mask.to(device)
 
 
 @torch.no_grad()
@@ -359,7 +373,7 @@ def evaluate(
     was_training = head.training
     head.eval()
     for batch in batches(samples, batch_tokens, random.Random(0)):
-        ids, pad, mask = collate(batch)
+        ids, pad, mask = collate(batch, used.device)
         features, last = teacher.states(batch, ids, pad)
         logits = teacher.teacher.logits(last, used)
         choice = draft_index[teacher.top_tokens(batch, last)]
@@ -401,6 +415,19 @@ def new_head(target_config, cfg: TrainConfig) -> DraftHead:
     return DraftHead(head_cfg, max_positions=cfg.max_len + cfg.ttt_steps + 1)
 
 
+def resolve_device(name: str) -> torch.device:
+    """`TrainConfig.device` as a torch device; "auto" is the GPU when torch sees one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise SystemExit(f"--device {name!r}: {err} (auto, cpu, cuda, cuda:N)") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: this torch sees no GPU (use cpu or auto)")
+    return device
+
+
 def train(cfg: TrainConfig) -> DraftHead:
     from transformers import AutoTokenizer
 
@@ -408,6 +435,7 @@ def train(cfg: TrainConfig) -> DraftHead:
 
     if cfg.rebuild_vocab and not cfg.init_from:
         raise SystemExit("--rebuild-vocab moves an --init-from head to a new vocabulary")
+    device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -434,9 +462,13 @@ def train(cfg: TrainConfig) -> DraftHead:
         raise SystemExit(f"no evaluation samples in {', '.join(cfg.eval_data)}")
 
     head = new_head(target_config, cfg)
-    teacher = Teacher(model_dir, head.cfg.aux_layers, torch.bfloat16)
+    teacher = Teacher(model_dir, head.cfg.aux_layers, torch.bfloat16, device)
     checkpoint = work / "checkpoint.pt"
-    state = torch.load(checkpoint, weights_only=False) if checkpoint.exists() else None
+    state = (
+        torch.load(checkpoint, map_location="cpu", weights_only=False)
+        if checkpoint.exists()
+        else None
+    )
     step = 0
     if state is not None:
         head.load_state_dict(state["head"])
@@ -446,21 +478,22 @@ def train(cfg: TrainConfig) -> DraftHead:
         vocabulary = None
         if cfg.rebuild_vocab:
             d2t, t2d = draft_vocabulary(samples, cfg.draft_vocab_size, target_config.vocab_size)
-            vocabulary = (d2t, t2d, teacher.model.get_output_embeddings().weight)
+            vocabulary = (d2t, t2d, teacher.model.get_output_embeddings().weight.cpu())
         init_from_export(head, cfg.init_from, target_config, vocabulary)
         logger.info("starting from the head in %s", cfg.init_from)
     else:
         d2t, t2d = draft_vocabulary(samples, cfg.draft_vocab_size, target_config.vocab_size)
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
-    coverage = vocabulary_coverage(samples, head.t2d)
+    head.to(device)
+    coverage = vocabulary_coverage(samples, head.t2d.cpu())
     logger.info(
         "%d samples, %d answer tokens; the draft vocabulary covers %.1f%% of them",
         len(samples),
         sum(sum(s.loss_mask) for s in samples),
         100 * coverage,
     )
-    used = torch.arange(cfg.draft_vocab_size) + head.d2t
+    used = torch.arange(cfg.draft_vocab_size, device=device) + head.d2t
     train_teacher = TeacherCache(teacher, teacher_store(cfg, teacher, model_dir))
     eval_teacher = TeacherCache(teacher, MemoryStore()) if held_out else None
     head.set_target(teacher.embed_weight.detach().float(), None)
@@ -514,11 +547,11 @@ def train(cfg: TrainConfig) -> DraftHead:
         if not plan:
             plan = batches(samples, cfg.batch_tokens, epoch_rng)
         batch = plan.pop()
-        ids, pad, mask = collate(batch)
+        ids, pad, mask = collate(batch, device)
         features, logits = train_teacher(batch, ids, pad, used)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ids.device.type == "cpu"):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss, accs, _ = ttt_loss(head, ids, pad, mask, features, logits, cfg.ttt_steps)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -544,8 +577,8 @@ def export(head: DraftHead, out: str, dtype: torch.dtype) -> None:
     copy = DraftHead(head.cfg, max_positions=2)
     copy.load_state_dict(head.state_dict())
     copy.to(dtype)
-    copy.d2t = head.d2t.clone()
-    copy.t2d = head.t2d.clone()
+    copy.d2t = head.d2t.cpu().clone()
+    copy.t2d = head.t2d.cpu().clone()
     copy.save(out)
     logger.info("exported the head to %s", out)
 

@@ -25,7 +25,7 @@ class UnrolledAttention:
     def __init__(self, num_heads: int, scaling: float, pad: torch.Tensor, window: int) -> None:
         self.num_heads, self.scaling, self.window = num_heads, scaling, window
         B, T = pad.shape
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        causal = torch.ones(T, T, dtype=torch.bool, device=pad.device).tril()
         self.mask0 = causal[None, None] & pad[:, None, None, :]
         self.B, self.T = B, T
         self.k0: torch.Tensor | None = None
@@ -92,7 +92,7 @@ def ttt_loss(
     window = max(0, min(answer_starts, default=0) - 1 - steps)
     attend = UnrolledAttention(cfg.num_heads, cfg.head_dim**-0.5, pad, window)
     hidden = features.reshape(B * T, -1)
-    total = torch.zeros(())
+    total = torch.zeros((), device=input_ids.device)
     accs: list[float] = []
     counts: list[int] = []
     for s in range(steps):
@@ -102,7 +102,9 @@ def ttt_loss(
         first = 0 if s == 0 else window
         cols = T - first
         ids = _shift(input_ids, shift)[:, first:]
-        positions = (torch.arange(first, T) + s).expand(B, cols).reshape(-1)
+        positions = (
+            (torch.arange(first, T, device=input_ids.device) + s).expand(B, cols).reshape(-1)
+        )
         if s == 1:
             hidden = hidden.view(B, T, -1)[:, window:].reshape(B * cols, -1)
         hidden = head(ids.reshape(-1), hidden, positions, attend)
