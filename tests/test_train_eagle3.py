@@ -82,6 +82,20 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, atol: float = 0.
         assert torch.allclose(p, q, atol=atol, rtol=0), name
 
 
+def load_export(path: str, target_dir: str):
+    """An exported head, loaded in float32 as serving loads it for the tiny target."""
+    config = ModelConfig.from_pretrained(target_dir)
+    return load_draft_head(
+        path,
+        "eagle3",
+        config.hidden_size,
+        config.vocab_size,
+        config.num_layers,
+        max_positions=64,
+        dtype=torch.float32,
+    )
+
+
 def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain causal attention over one sequence ([T, heads, dim] in, [T, heads * dim] out)."""
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -142,16 +156,7 @@ def test_export_then_load_gives_identical_draft_logits(tmp_path: Path, target_di
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.01)  # norms away from their initial ones
     export(head, str(tmp_path / "head"), torch.float32)
-    config = ModelConfig.from_pretrained(target_dir)
-    loaded = load_draft_head(
-        str(tmp_path / "head"),
-        "eagle3",
-        config.hidden_size,
-        config.vocab_size,
-        config.num_layers,
-        max_positions=64,
-        dtype=torch.float32,
-    )
+    loaded = load_export(str(tmp_path / "head"), target_dir)
     loaded.set_target(teacher.embed_weight.detach(), None)
     assert loaded.cfg.aux_layers == head.cfg.aux_layers
     assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
@@ -428,14 +433,5 @@ def test_a_gpu_run_trains_like_a_cpu_run_and_exports_the_same_layout(
             assert F.cosine_similarity(moved_cpu, moved_gpu, dim=0) > 0.95, name
     resumed = train(tiny_run(target_dir, data, tmp_path / "b", device="cuda", max_steps=4))
     assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["step"] == 4
-    config = ModelConfig.from_pretrained(target_dir)
-    loaded = load_draft_head(
-        out,
-        "eagle3",
-        config.hidden_size,
-        config.vocab_size,
-        config.num_layers,
-        max_positions=64,
-        dtype=torch.float32,
-    )
+    loaded = load_export(out, target_dir)
     assert torch.equal(loaded.d2t, resumed.d2t.cpu())
