@@ -75,7 +75,7 @@ def test_requests_sharing_a_long_prefix_reuse_it(peaky_model_dir):
     shared = [rng.randrange(3, 49152) for _ in range(500)]
     prompts = [shared + [rng.randrange(3, 49152) for _ in range(20)] for _ in range(32)]
 
-    cached = make_scheduler(peaky_model_dir, num_kv_slots=20000)
+    cached = make_scheduler(peaky_model_dir, num_kv_slots=800)
     reqs = fresh(prompts, max_new=4)
     with_cache = run_all(cached, reqs)
     assert reqs[0].cached_tokens == 0
@@ -92,7 +92,7 @@ def test_requests_sharing_a_long_prefix_reuse_it(peaky_model_dir):
 def test_memory_pressure_retracts_and_still_gives_the_same_outputs(peaky_model_dir):
     rng = random.Random(11)
     specs = [
-        ([rng.randrange(3, 49152) for _ in range(rng.randint(10, 120))], rng.randint(60, 400))
+        ([rng.randrange(3, 49152) for _ in range(rng.randint(10, 120))], rng.randint(60, 200))
         for _ in range(64)
     ]
 
@@ -103,13 +103,13 @@ def test_memory_pressure_retracts_and_still_gives_the_same_outputs(peaky_model_d
     expected = run_all(roomy, reqs())
     assert roomy.stats.retractions == 0
 
-    tight = make_scheduler(peaky_model_dir, num_kv_slots=3000)
+    tight = make_scheduler(peaky_model_dir, num_kv_slots=800)
     got = run_all(tight, reqs())
-    assert tight.stats.retractions > 0
+    assert tight.stats.retractions > 0, tight.stats
     assert got == expected
     assert scheduler_leaks(tight) == []
     assert tight.flush_cache()
-    assert tight.kv.allocator.free_count == 3000
+    assert tight.kv.allocator.free_count == 800
 
 
 def test_abort_while_waiting_mid_prefill_and_mid_decode_leaks_nothing(peaky_model_dir):
