@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spectral.forward import ForwardBatch, ForwardMode
-from spectral.kernels.cpu_kernels import load_cpu_kernels
+from spectral.kernels.cpu_kernels import cpu_signature, load_cpu_kernels
 from spectral.kernels.torch_backend import TorchAttentionBackend
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
@@ -22,6 +22,16 @@ def bf16_tolerance(reference: torch.Tensor, dtype: torch.dtype) -> float:
     """Float32 sums in another order, then one rounding to the output dtype."""
     scale = reference.abs().max().item()
     return scale * (1e-5 if dtype == torch.float32 else 2**-7)
+
+
+def test_kernels_use_the_widest_vector_unit_the_cpu_has():
+    flags = set(
+        next((ln for ln in cpu_signature().splitlines() if ln.startswith("flags")), "").split()
+    )
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    want = 512 if "avx512f" in flags else 256 if {"avx2", "fma"} <= flags else 0
+    assert kernels.vector_bits() == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

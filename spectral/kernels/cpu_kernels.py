@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import platform
 from pathlib import Path
 from types import ModuleType
 
@@ -29,6 +30,7 @@ def load_cpu_kernels() -> ModuleType | None:
     for src in [*SOURCES, Path(__file__).parent / "cpu" / "vec.h"]:
         digest.update(src.read_bytes())
     digest.update(torch.__version__.encode())
+    digest.update(cpu_signature().encode())  # -march=native: a build runs only on its own CPU
     build_dir = DEFAULT_CACHE_DIR / "kernels" / digest.hexdigest()[:16]
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -36,7 +38,7 @@ def load_cpu_kernels() -> ModuleType | None:
 
         if not (build_dir / "spectral_cpu_kernels.so").exists():
             logger.info("compiling spectral's CPU kernels (once per machine, ~30 s)")
-        return load(
+        module = load(
             name="spectral_cpu_kernels",
             sources=[str(s) for s in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -47,6 +49,22 @@ def load_cpu_kernels() -> ModuleType | None:
     except Exception as err:  # a missing compiler or ninja must not stop the runtime
         logger.warning("CPU kernels unavailable, using PyTorch matmuls (%s)", err)
         return None
+    if module.vector_bits() == 0:
+        logger.warning(
+            "CPU kernels built without AVX2 or AVX-512: their scalar loops are slower than "
+            "PyTorch's; --disable-cpu-kernels runs the PyTorch references"
+        )
+    return module
+
+
+def cpu_signature() -> str:
+    """The processor's model and instruction-set flags (Linux), else what platform knows."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted) or f"{platform.machine()} {platform.processor()}"
 
 
 def small_m_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:

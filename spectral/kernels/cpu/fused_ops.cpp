@@ -87,12 +87,13 @@ inline void prefetch_head(const T* p, int64_t dim) {
 // dot(q, k) and acc += p * v over one head of `dim` values (float32 q and acc).
 template <typename T>
 inline float dot_head(const float* q, const T* k, int64_t dim) {
-#if defined(__AVX512F__)
-  if (dim % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 16)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), spectral_cpu::load16(k + d), acc);
-    return _mm512_reduce_add_ps(acc);
+#if defined(SPECTRAL_VEC)
+  using spectral_cpu::Vec;
+  if (dim % Vec::kWidth == 0) {
+    Vec::R acc = Vec::zero();
+    for (int64_t d = 0; d < dim; d += Vec::kWidth)
+      acc = Vec::fma(Vec::load(q + d), spectral_cpu::load(k + d), acc);
+    return Vec::reduce(acc);
   }
 #endif
   float s = 0.f;
@@ -102,12 +103,12 @@ inline float dot_head(const float* q, const T* k, int64_t dim) {
 
 template <typename T>
 inline void axpy_head(float p, const T* v, float* acc, int64_t dim) {
-#if defined(__AVX512F__)
-  if (dim % 16 == 0) {
-    __m512 pv = _mm512_set1_ps(p);
-    for (int64_t d = 0; d < dim; d += 16)
-      _mm512_storeu_ps(acc + d,
-                       _mm512_fmadd_ps(pv, spectral_cpu::load16(v + d), _mm512_loadu_ps(acc + d)));
+#if defined(SPECTRAL_VEC)
+  using spectral_cpu::Vec;
+  if (dim % Vec::kWidth == 0) {
+    Vec::R pv = Vec::set1(p);
+    for (int64_t d = 0; d < dim; d += Vec::kWidth)
+      Vec::store(acc + d, Vec::fma(pv, spectral_cpu::load(v + d), Vec::load(acc + d)));
     return;
   }
 #endif

@@ -25,7 +25,7 @@ inline float widen(uint16_t v) { return bf16_to_float(v); }
 inline void put(float* out, int64_t i, float v) { out[i] = v; }
 inline void put(at::BFloat16* out, int64_t i, float v) { out[i] = static_cast<at::BFloat16>(v); }
 
-// Scalar reference path, used where AVX-512 is not compiled in and for leftover rows.
+// Scalar reference path, used where no vector unit is compiled in.
 template <typename T, typename O>
 void dot_rows_scalar(const T* w, const T* x, O* out, int64_t m, int64_t n, int64_t k,
                      int64_t n0, int64_t n1) {
@@ -38,20 +38,29 @@ void dot_rows_scalar(const T* w, const T* x, O* out, int64_t m, int64_t n, int64
   }
 }
 
-#if defined(__AVX512F__)
-struct F32Op {
-  using T = float;
-  static constexpr int kStep = 16;
-  static __m512 fma(__m512 acc, const T* w, const T* x) {
-    return _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_loadu_ps(x), acc);
+#if defined(SPECTRAL_VEC)
+using spectral_cpu::Vec;
+
+// One vector of products added into an accumulator: float32, or bfloat16 widened to float32.
+template <typename TT>
+struct WideningOp {
+  using T = TT;
+  static constexpr int kStep = Vec::kWidth;
+  static Vec::R fma(Vec::R acc, const T* w, const T* x) {
+    return Vec::fma(Vec::load(w), Vec::load(x), acc);
   }
-  static __m512 fma_tail(__m512 acc, const T* w, const T* x, int64_t len) {
-    __mmask16 mask = static_cast<__mmask16>((1u << len) - 1);
-    return _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, w), _mm512_maskz_loadu_ps(mask, x), acc);
+  // The last len < kStep values, zero-padded (0 * 0 adds nothing).
+  static Vec::R fma_tail(Vec::R acc, const T* w, const T* x, int64_t len) {
+    T wb[kStep] = {}, xb[kStep] = {};
+    std::memcpy(wb, w, len * sizeof(T));
+    std::memcpy(xb, x, len * sizeof(T));
+    return fma(acc, wb, xb);
   }
 };
+using F32Op = WideningOp<float>;
 
 #if defined(__AVX512BF16__)
+// Pairs of bfloat16 products summed into float32 lanes by the dot-product instruction.
 struct Bf16Op {
   using T = uint16_t;
   static constexpr int kStep = 32;
@@ -65,22 +74,7 @@ struct Bf16Op {
   }
 };
 #else
-struct Bf16Op {
-  using T = uint16_t;
-  static constexpr int kStep = 16;
-  static __m512 widen16(__m256i raw) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  }
-  static __m512 fma(__m512 acc, const T* w, const T* x) {
-    return _mm512_fmadd_ps(widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))),
-                           widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), acc);
-  }
-  static __m512 fma_tail(__m512 acc, const T* w, const T* x, int64_t len) {
-    __mmask16 mask = static_cast<__mmask16>((1u << len) - 1);
-    return _mm512_fmadd_ps(widen16(_mm256_maskz_loadu_epi16(mask, w)),
-                           widen16(_mm256_maskz_loadu_epi16(mask, x)), acc);
-  }
-};
+using Bf16Op = WideningOp<uint16_t>;
 #endif
 
 // M rows of x, A accumulators per row of x (A * M registers).
@@ -90,9 +84,9 @@ void dot_rows(const typename Op::T* w, const typename Op::T* x, O* out, int64_t 
   constexpr int S = Op::kStep;
   for (int64_t j = n0; j < n1; ++j) {
     const typename Op::T* row = w + j * k;
-    __m512 acc[M][A];
+    Vec::R acc[M][A];
     for (int q = 0; q < M; ++q)
-      for (int a = 0; a < A; ++a) acc[q][a] = _mm512_setzero_ps();
+      for (int a = 0; a < A; ++a) acc[q][a] = Vec::zero();
     int64_t i = 0;
     for (; i + S * A <= k; i += S * A)
       for (int a = 0; a < A; ++a)
@@ -102,33 +96,39 @@ void dot_rows(const typename Op::T* w, const typename Op::T* x, O* out, int64_t 
     if (i < k)
       for (int q = 0; q < M; ++q) acc[q][0] = Op::fma_tail(acc[q][0], row + i, x + q * k + i, k - i);
     for (int q = 0; q < M; ++q) {
-      __m512 sum = acc[q][0];
-      for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[q][a]);
-      put(out, q * n + j, _mm512_reduce_add_ps(sum));
+      Vec::R sum = acc[q][0];
+      for (int a = 1; a < A; ++a) sum = Vec::add(sum, acc[q][a]);
+      put(out, q * n + j, Vec::reduce(sum));
     }
   }
+}
+
+template <class Op, int M, typename O>
+void rows(const typename Op::T* w, const typename Op::T* x, O* out, int64_t n, int64_t k,
+          int64_t n0, int64_t n1) {
+  dot_rows<Op, M, Vec::accumulators(M), O>(w, x, out, n, k, n0, n1);
 }
 
 template <class Op, typename O>
 void dispatch(int64_t m, const typename Op::T* w, const typename Op::T* x, O* out, int64_t n,
               int64_t k, int64_t n0, int64_t n1) {
   switch (m) {
-    case 1: return dot_rows<Op, 1, 6, O>(w, x, out, n, k, n0, n1);
-    case 2: return dot_rows<Op, 2, 4, O>(w, x, out, n, k, n0, n1);
-    case 3: return dot_rows<Op, 3, 3, O>(w, x, out, n, k, n0, n1);
-    case 4: return dot_rows<Op, 4, 2, O>(w, x, out, n, k, n0, n1);
-    case 5: return dot_rows<Op, 5, 2, O>(w, x, out, n, k, n0, n1);
-    case 6: return dot_rows<Op, 6, 2, O>(w, x, out, n, k, n0, n1);
-    case 7: return dot_rows<Op, 7, 2, O>(w, x, out, n, k, n0, n1);
-    case 8: return dot_rows<Op, 8, 2, O>(w, x, out, n, k, n0, n1);
-    case 9: return dot_rows<Op, 9, 1, O>(w, x, out, n, k, n0, n1);
-    case 10: return dot_rows<Op, 10, 1, O>(w, x, out, n, k, n0, n1);
-    case 11: return dot_rows<Op, 11, 1, O>(w, x, out, n, k, n0, n1);
-    case 12: return dot_rows<Op, 12, 1, O>(w, x, out, n, k, n0, n1);
-    case 13: return dot_rows<Op, 13, 1, O>(w, x, out, n, k, n0, n1);
-    case 14: return dot_rows<Op, 14, 1, O>(w, x, out, n, k, n0, n1);
-    case 15: return dot_rows<Op, 15, 1, O>(w, x, out, n, k, n0, n1);
-    default: return dot_rows<Op, 16, 1, O>(w, x, out, n, k, n0, n1);
+    case 1: return rows<Op, 1, O>(w, x, out, n, k, n0, n1);
+    case 2: return rows<Op, 2, O>(w, x, out, n, k, n0, n1);
+    case 3: return rows<Op, 3, O>(w, x, out, n, k, n0, n1);
+    case 4: return rows<Op, 4, O>(w, x, out, n, k, n0, n1);
+    case 5: return rows<Op, 5, O>(w, x, out, n, k, n0, n1);
+    case 6: return rows<Op, 6, O>(w, x, out, n, k, n0, n1);
+    case 7: return rows<Op, 7, O>(w, x, out, n, k, n0, n1);
+    case 8: return rows<Op, 8, O>(w, x, out, n, k, n0, n1);
+    case 9: return rows<Op, 9, O>(w, x, out, n, k, n0, n1);
+    case 10: return rows<Op, 10, O>(w, x, out, n, k, n0, n1);
+    case 11: return rows<Op, 11, O>(w, x, out, n, k, n0, n1);
+    case 12: return rows<Op, 12, O>(w, x, out, n, k, n0, n1);
+    case 13: return rows<Op, 13, O>(w, x, out, n, k, n0, n1);
+    case 14: return rows<Op, 14, O>(w, x, out, n, k, n0, n1);
+    case 15: return rows<Op, 15, O>(w, x, out, n, k, n0, n1);
+    default: return rows<Op, 16, O>(w, x, out, n, k, n0, n1);
   }
 }
 #endif
@@ -137,7 +137,7 @@ template <typename T, typename O>
 void run(const T* w, const T* x, O* out, int64_t m, int64_t n, int64_t k) {
   // Blocks of 64 rows keep each thread's stream long and the split even.
   at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
-#if defined(__AVX512F__)
+#if defined(SPECTRAL_VEC)
     if constexpr (std::is_same_v<T, float>) {
       dispatch<F32Op>(m, w, x, out, n, k, n0, n1);
     } else {
@@ -177,18 +177,12 @@ torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight
   return out;
 }
 
-bool has_avx512() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
 
 void register_fused_ops(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);
   m.def("small_m_linear", &small_m_linear, "x @ weight.T (+ bias) for 1 to 16 rows of x");
-  m.def("has_avx512", &has_avx512, "whether the vector path was compiled in");
+  m.def("vector_bits", &spectral_cpu::vector_bits,
+        "the vector unit compiled in: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (scalar loops)");
 }

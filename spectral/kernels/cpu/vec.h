@@ -1,4 +1,8 @@
 // Small vector helpers shared by spectral's CPU kernels.
+//
+// `Vec` is one register of float32 lanes on the widest vector unit compiled in: AVX-512 (16
+// lanes) or AVX2 with FMA (8 lanes). Where neither is there, SPECTRAL_VEC stays undefined and
+// the kernels take their scalar loops.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -7,6 +11,12 @@
 #include <cstring>
 
 #if defined(__AVX512F__)
+#define SPECTRAL_VEC 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SPECTRAL_VEC 256
+#endif
+
+#if defined(SPECTRAL_VEC)
 #include <immintrin.h>
 #endif
 
@@ -19,13 +29,66 @@ inline float bf16_to_float(uint16_t v) {
   return out;
 }
 
-#if defined(__AVX512F__)
-// 16 consecutive values widened to float32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+#if SPECTRAL_VEC == 512
+struct Vec {
+  using R = __m512;
+  static constexpr int kWidth = 16;
+  // Accumulator registers per row of x in the small-M matmul (32 registers in all).
+  static constexpr int accumulators(int rows) {
+    return rows == 1 ? 6 : rows == 2 ? 4 : rows == 3 ? 3 : rows <= 8 ? 2 : 1;
+  }
+  static R zero() { return _mm512_setzero_ps(); }
+  static R set1(float v) { return _mm512_set1_ps(v); }
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  // bfloat16 widened to float32: the 16 bits become the high half of each lane.
+  static R load(const uint16_t* p) {
+    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
+  static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static float reduce(R v) { return _mm512_reduce_add_ps(v); }
+};
+#elif SPECTRAL_VEC == 256
+struct Vec {
+  using R = __m256;
+  static constexpr int kWidth = 8;
+  // 16 registers in all, two of them kept for the loads.
+  static constexpr int accumulators(int rows) {
+    return rows <= 2 ? 4 : rows == 3 ? 3 : rows == 4 ? 2 : 1;
+  }
+  static R zero() { return _mm256_setzero_ps(); }
+  static R set1(float v) { return _mm256_set1_ps(v); }
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static R load(const uint16_t* p) {
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
+  static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static float reduce(R v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
 #endif
+
+#if defined(SPECTRAL_VEC)
+inline Vec::R load(const c10::BFloat16* p) { return Vec::load(reinterpret_cast<const uint16_t*>(p)); }
+inline Vec::R load(const float* p) { return Vec::load(p); }
+#endif
+
+// Which vector unit the kernels were compiled for: 512, 256, or 0 (scalar loops).
+inline int vector_bits() {
+#if defined(SPECTRAL_VEC)
+  return SPECTRAL_VEC;
+#else
+  return 0;
+#endif
+}
 
 }  // namespace spectral_cpu
