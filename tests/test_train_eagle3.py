@@ -28,7 +28,7 @@ from spectral.speculative.train import (
     resolve_device,
     train,
 )
-from spectral.speculative.train_data import Sample, load_samples
+from spectral.speculative.train_data import Sample, load_samples, sharegpt_first_turns
 from spectral.speculative.ttt import ttt_loss
 from tests.conftest import make_tiny_llama
 
@@ -435,3 +435,19 @@ def test_a_gpu_run_trains_like_a_cpu_run_and_exports_the_same_layout(
     assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["step"] == 4
     loaded = load_export(out, target_dir)
     assert torch.equal(loaded.d2t, resumed.d2t.cpu())
+
+
+def test_sharegpt_first_turns_skip_the_first_prompts_and_stop_at_the_cut(tmp_path: Path) -> None:
+    entries = [
+        {"id": "a", "conversations": [{"from": "human", "value": "one"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "not a user turn"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": " two "}]},
+        {"id": "d", "conversations": [{"from": "human", "value": "three"}]},
+        {"id": "e", "conversations": [{"from": "human", "value": "four"}]},
+    ]
+    text = json.dumps(entries)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[: text.rindex('{"id": "e"') + 12])  # the last entry is cut off
+    assert list(sharegpt_first_turns(10, str(path))) == [("a", "one"), ("c", "two"), ("d", "three")]
+    assert list(sharegpt_first_turns(1, str(path), skip=1)) == [("c", "two")]
+    assert list(sharegpt_first_turns(5, str(path), skip=2)) == [("d", "three")]

@@ -52,6 +52,7 @@ class TrainConfig:
     data: list[str] = field(default_factory=list)  # user files; empty: self-distilled ShareGPT
     eval_data: list[str] = field(default_factory=list)  # held-out samples, scored at each save
     num_prompts: int = 2000
+    skip_prompts: int = 0  # ShareGPT first turns before these are not answered
     max_new_tokens: int = 384
     draft_vocab_size: int = 8192
     intermediate_size: int | None = None  # default: the target's
@@ -450,7 +451,13 @@ def train(cfg: TrainConfig) -> DraftHead:
 
         engine = Engine(model_path=cfg.model_path, dtype="auto", max_running_requests=64)
         try:
-            generate_answers(engine, str(answers), cfg.num_prompts, cfg.max_new_tokens)
+            generate_answers(
+                engine,
+                str(answers),
+                cfg.num_prompts,
+                cfg.max_new_tokens,
+                skip_prompts=cfg.skip_prompts,
+            )
         finally:
             engine.shutdown()
         data = [str(answers)]

@@ -59,8 +59,11 @@ def sharegpt_conversations(path: str | None = None) -> Iterator[dict]:
         yield entry
 
 
-def sharegpt_first_turns(limit: int, path: str | None = None) -> Iterator[tuple[str, str]]:
-    """(id, first user message) of conversations that start with a non-empty user turn."""
+def sharegpt_first_turns(
+    limit: int, path: str | None = None, skip: int = 0
+) -> Iterator[tuple[str, str]]:
+    """(id, first user message) of the conversations that start with a non-empty user turn:
+    `limit` of them, after the first `skip`."""
     count = 0
     for entry in sharegpt_conversations(path):
         turns = entry.get("conversations") or []
@@ -69,9 +72,10 @@ def sharegpt_first_turns(limit: int, path: str | None = None) -> Iterator[tuple[
         question = (turns[0].get("value") or "").strip()
         if not question:
             continue
-        yield str(entry.get("id", count)), question
         count += 1
-        if count >= limit:
+        if count > skip:
+            yield str(entry.get("id", count - 1)), question
+        if count >= skip + limit:
             return
 
 
@@ -83,9 +87,11 @@ def generate_answers(
     max_prompt_tokens: int = 512,
     batch_size: int = 64,
     sharegpt_path: str | None = None,
+    skip_prompts: int = 0,
 ) -> None:
-    """Answer ShareGPT first turns with the target (greedy) and append
-    `{"id", "input_ids", "output_ids"}` lines to `out_path`; ids already there are skipped."""
+    """Answer `num_prompts` ShareGPT first turns, after the first `skip_prompts`, with the
+    target (greedy) and append `{"id", "input_ids", "output_ids"}` lines to `out_path`, in
+    prompt order; ids already there are skipped."""
     done: set[str] = set()
     out = Path(out_path)
     if out.exists():
@@ -96,7 +102,7 @@ def generate_answers(
                 continue  # a line cut by an interrupted write
     tokenizer = engine.tokenizer
     pending: list[tuple[str, list[int]]] = []
-    for rid, question in sharegpt_first_turns(num_prompts, sharegpt_path):
+    for rid, question in sharegpt_first_turns(num_prompts, sharegpt_path, skip_prompts):
         if rid in done:
             continue
         ids = tokenizer.apply_chat_template(
