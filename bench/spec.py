@@ -56,8 +56,14 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=None, help="overrides --quick")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--algorithms", default="EAGLE3,NGRAM")
+    ap.add_argument(
+        "--algorithms",
+        default="EAGLE3,EAGLE3+NGRAM,NGRAM",
+        help="EAGLE3+NGRAM: the head, with n-gram trees where they match (hybrid)",
+    )
     ap.add_argument("--draft", default="default", help="EAGLE3 head directory")
+    ap.add_argument("--hybrid-ngram", type=int, default=8, help="EAGLE3+NGRAM: n-gram tree size")
+    ap.add_argument("--ngram-min-match", type=int, default=None)
     ap.add_argument("--num-steps", type=int, default=None)
     ap.add_argument("--topk", type=int, default=None)
     ap.add_argument("--num-draft-tokens", type=int, default=None)
@@ -79,6 +85,7 @@ def main() -> None:
         speculative_eagle_topk=args.topk,
         speculative_num_draft_tokens=args.num_draft_tokens,
         speculative_max_batch_size=args.max_batch_size,
+        speculative_ngram_min_match_window_size=args.ngram_min_match,
     )
     algorithms = [a for a in args.algorithms.split(",") if a]
     for size in [int(b) for b in args.batches.split(",") if b]:
@@ -88,12 +95,13 @@ def main() -> None:
         engine.shutdown()
         print(f"batch {size:3d}  plain            {plain:7.2f} tok/s")
         for algo in algorithms:
-            draft = args.draft if algo != "NGRAM" else None
+            name, _, extra_drafter = algo.partition("+")
             engine = Engine(
                 **common,
                 max_running_requests=size,
-                speculative_algorithm=algo,
-                speculative_draft_model_path=draft,
+                speculative_algorithm=name,
+                speculative_draft_model_path=args.draft if name != "NGRAM" else None,
+                speculative_hybrid_ngram=args.hybrid_ngram if extra_drafter == "NGRAM" else None,
                 **spec_options,
             )
             speed, out, tau = measure(engine, prompts, args.max_new_tokens)
@@ -107,7 +115,7 @@ def main() -> None:
                 "accept_length": round(tau, 3),
                 "identical_outputs": f"{same}/{len(prompts)}",
             }
-            if algo != "NGRAM" and size == 1 and args.humaneval:
+            if name != "NGRAM" and size == 1 and args.humaneval:
                 code = [chat(engine.tokenizer, p) for p in humaneval_prompts(args.humaneval)]
                 _, _, row["humaneval_accept_length"] = measure(engine, code, args.max_new_tokens)
             engine.shutdown()

@@ -42,6 +42,7 @@ class ServerArgs:
     speculative_max_batch_size: int | None = None
     speculative_ngram_min_match_window_size: int | None = None
     speculative_ngram_max_match_window_size: int | None = None
+    speculative_hybrid_ngram: int | None = None
     # Server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -137,6 +138,9 @@ class ServerArgs:
             "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix match that "
             "drafts (default 2)",
             "speculative_ngram_max_match_window_size": "NGRAM: longest suffix matched (default 4)",
+            "speculative_hybrid_ngram": "EAGLE/EAGLE3: N > 1 turns on n-gram trees of up to N "
+            "tokens (root included), verified instead of the head's tree in rounds whose last "
+            "tokens repeat earlier ones (off by default)",
             "host": "address to bind (default loopback only)",
             "port": "HTTP port",
             "log_level": "debug, info, warning, error",

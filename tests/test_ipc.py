@@ -57,6 +57,13 @@ def test_worker_batch_round_trips_with_nested_types():
     assert back.input_ids == batch.input_ids and back.custom_mask == batch.custom_mask
 
 
+def test_a_hybrid_round_sends_given_trees_beside_head_drafted_ones():
+    batch = sample_batch()
+    batch.draft_tokens, batch.draft_parents = [None, [8, 9]], [None, [0, 1]]
+    back = decode(encode(batch))
+    assert back.draft_tokens == [None, [8, 9]] and back.draft_parents == [None, [0, 1]]
+
+
 def test_arrays_and_tensors_travel_as_raw_frames():
     probe = Probe(
         name="p",

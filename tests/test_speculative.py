@@ -280,6 +280,42 @@ def test_ngram_accepts_a_continuation_seen_before_and_matches_plain(
     assert sum(len(r.output_ids) for r in again) / verify_rounds > 3.0
 
 
+def test_hybrid_ngram_mixes_ngram_and_head_trees_and_matches_plain(
+    peaky_model_dir: str, eagle3_head: str, plain_outputs: list[list[int]]
+) -> None:
+    """EAGLE-3 with n-gram trees where they match: a batch of prompts seen before (their
+    answers are in the n-gram index) and new ones verifies n-gram trees for some requests and
+    the head's for the others in the same round; every output is plain decoding's."""
+    seen, new = prompts(20)[:6], prompts(6, seed=9)
+    plain = make_spec_scheduler(peaky_model_dir)
+    expected = plain_outputs[:6] + [r.output_ids for r in run(plain, new, temperature=0.0)]
+    s = make_spec_scheduler(
+        peaky_model_dir,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=eagle3_head,
+        speculative_hybrid_ngram=8,
+        speculative_num_steps=4,
+        speculative_num_draft_tokens=5,
+    )
+    first = run(s, seen, at_once=6, temperature=0.0)
+    assert [r.output_ids for r in first] == plain_outputs[:6]
+    drafter = s.worker.drafter
+    head_rows: list[tuple[int, int]] = []  # (rows the head drafted for, batch size) per round
+    head_draft = drafter.draft
+
+    def counted(rows: torch.Tensor, seq_lens: torch.Tensor):
+        head_rows.append((rows.numel(), len(s.running)))
+        return head_draft(rows, seq_lens)
+
+    drafter.draft = counted
+    again = run(s, seen + new, at_once=12, temperature=0.0)
+    assert [r.output_ids for r in again] == expected
+    assert any(0 < drafted < size for drafted, size in head_rows)  # mixed rounds
+    tau_seen = sum(len(r.output_ids) for r in again[:6]) / sum(r.spec_verify_ct for r in again[:6])
+    tau_first = sum(len(r.output_ids) for r in first) / sum(r.spec_verify_ct for r in first)
+    assert tau_seen > max(3.0, tau_first)
+
+
 def test_stop_token_inside_an_accepted_path_ends_the_request_there(
     peaky_model_dir: str, plain_outputs: list[list[int]]
 ) -> None:
@@ -364,6 +400,10 @@ def test_settings_refuse_what_cannot_work(tmp_path: Path, peaky_model_dir: str) 
             speculative_ngram_min_match_window_size=5,
             speculative_ngram_max_match_window_size=3,
         )
+    with pytest.raises(ValueError, match="pairs n-gram drafts with a draft head"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_hybrid_ngram=8)
+    with pytest.raises(ValueError, match="the n-gram tree size, root included: >= 2"):
+        ServerArgs(speculative_algorithm="EAGLE3", speculative_hybrid_ngram=1)
     with pytest.raises(ValueError, match="must be one of EAGLE, EAGLE3, NGRAM"):
         ServerArgs(speculative_algorithm="MEDUSA")
     with pytest.raises(ValueError, match="exceeds what 2 steps of top-2 can draft"):

@@ -83,14 +83,15 @@ class ScheduleBatch:
 
     def _verify_batch(self, banned_for: dict[str, list[int]]) -> WorkerBatch:
         """One speculative round: each request's root (its last token) at position seq_len
-        and one slot per tree node in `req.spec_slots`; n-gram trees travel along."""
+        and one slot per tree node in `req.spec_slots`; n-gram trees travel along (None for a
+        request whose tree the worker's draft head expands)."""
         table_writes = []
         for req in self.reqs:
             stale = req.table_stale_from
             if stale is not None and stale < req.seq_len:
                 table_writes.append((req.req_pool_idx, stale, req.kv_slots[stale:]))
             req.table_stale_from = None
-        given = all(req.draft_tokens is not None for req in self.reqs)
+        given = any(req.draft_tokens is not None for req in self.reqs)
         return WorkerBatch(
             mode=self.mode,
             input_ids=[req.output_ids[-1] for req in self.reqs],

@@ -89,10 +89,11 @@ class Scheduler:
             draft_kv_shift=spec is not None and spec.uses_draft_head,
         )
         self.ngram: NgramDrafter | None = None
-        if spec is not None and spec.algorithm == "NGRAM":
+        if spec is not None and spec.uses_ngram:
+            size = spec.ngram_tree_size
             self.ngram = NgramDrafter(
-                max_nodes=spec.num_draft_tokens - 1,
-                max_depth=spec.max_tree_depth,
+                max_nodes=size - 1,
+                max_depth=size - 1 if spec.uses_draft_head else spec.max_tree_depth,
                 min_ngram=spec.ngram_min_match,
                 max_ngram=spec.ngram_max_match,
             )
@@ -251,21 +252,24 @@ class Scheduler:
         """A speculative round: each running request gets one slot per tree node (the root
         is its newest token). A request's tree ends before its context does; when the pool
         cannot hold every tree, requests are retracted as for decode, and a last request
-        verifies its root alone. None when the n-gram drafter has nothing for anyone (a plain
-        decode step is cheaper than a round of roots)."""
+        verifies its root alone. With a draft head, a request whose n-gram drafter matches
+        (hybrid) takes the n-gram tree and the others the head's; NGRAM alone returns None when
+        it has nothing for anyone (a plain decode step is cheaper than a round of roots)."""
         spec = self.spec
         kv = self.kv
         sizes = {}
         for req in self.running:
             room = self.max_context_len - req.seq_len
+            size = spec.num_draft_tokens
             if self.ngram is not None:
                 if req.ngram_state is None:
                     req.ngram_state = NgramState()
                 tokens, parents = self.ngram.propose(req.all_ids, req.ngram_state)
-                room = min(room, 1 + len(tokens))
-                req.draft_tokens, req.draft_parents = tokens[: room - 1], parents[: room - 1]
-            sizes[req.rid] = min(spec.num_draft_tokens, room)
-        if self.ngram is not None and all(size == 1 for size in sizes.values()):
+                if tokens or not spec.uses_draft_head:
+                    size = 1 + len(tokens)
+                    req.draft_tokens, req.draft_parents = tokens[: room - 1], parents[: room - 1]
+            sizes[req.rid] = min(size, room)
+        if not spec.uses_draft_head and all(size == 1 for size in sizes.values()):
             return None
         while kv.available < sum(sizes[r.rid] for r in self.running) and len(self.running) > 1:
             self._retract_one()

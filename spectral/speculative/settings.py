@@ -35,10 +35,23 @@ class SpecSettings:
     max_batch_size: int
     ngram_min_match: int
     ngram_max_match: int
+    # EAGLE/EAGLE3: the size (root included) of the n-gram trees that rounds where the n-gram
+    # drafter matches verify instead of the head's tree; 0 = no n-gram trees
+    hybrid_ngram: int = 0
 
     @property
     def uses_draft_head(self) -> bool:
         return self.algorithm in ("EAGLE", "EAGLE3")
+
+    @property
+    def uses_ngram(self) -> bool:
+        return self.algorithm == "NGRAM" or self.hybrid_ngram > 0
+
+    @property
+    def ngram_tree_size(self) -> int:
+        """Most nodes of an n-gram tree, root included (its depth is at most that less one
+        for a hybrid, num_steps for NGRAM)."""
+        return self.hybrid_ngram or self.num_draft_tokens
 
     @property
     def max_tree_depth(self) -> int:
@@ -98,4 +111,15 @@ class SpecSettings:
                 "need 1 <= speculative_ngram_min_match_window_size <= "
                 f"speculative_ngram_max_match_window_size (got {ngram_min} and {ngram_max})"
             )
-        return cls(algo, steps, topk, tokens, path, max_batch, ngram_min, ngram_max)
+        hybrid = args.speculative_hybrid_ngram or 0
+        if hybrid and algo == "NGRAM":
+            raise ValueError(
+                "--speculative-hybrid-ngram pairs n-gram drafts with a draft head's "
+                "(EAGLE or EAGLE3); NGRAM alone already drafts by n-gram"
+            )
+        if hybrid == 1 or hybrid < 0:
+            raise ValueError(
+                "speculative_hybrid_ngram is the n-gram tree size, root included: >= 2, or "
+                f"unset for none (got {hybrid})"
+            )
+        return cls(algo, steps, topk, tokens, path, max_batch, ngram_min, ngram_max, hybrid)

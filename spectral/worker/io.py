@@ -50,9 +50,10 @@ class WorkerBatch:
     draft_next_ids: list[int] = field(default_factory=list)
     # TARGET_VERIFY: `input_ids` holds each request's root (its last token) and `extend_lens`
     # the tree sizes; trees come from the worker's draft head, or are given here (n-gram):
-    # non-root node tokens and parents (0 = root, i + 1 = node i).
-    draft_tokens: list[list[int]] | None = None
-    draft_parents: list[list[int]] | None = None
+    # non-root node tokens and parents (0 = root, i + 1 = node i), per request, None for a
+    # request the head drafts for.
+    draft_tokens: list[list[int] | None] | None = None
+    draft_parents: list[list[int] | None] | None = None
 
 
 @dataclass

@@ -114,21 +114,27 @@ class SpeculativeWorker:
     def _trees(
         self, wb: WorkerBatch, rows: torch.Tensor, seq_lens: torch.Tensor, sizes: list[int]
     ) -> DraftTrees:
-        roots = torch.tensor(wb.input_ids)
+        """Each request's tree: the one the batch gives (n-gram), else the head's."""
         n = max(sizes)
-        if wb.draft_tokens is not None:
-            return trees_from_parents(wb.input_ids, wb.draft_tokens, wb.draft_parents, n)
-        if self.drafter is None:
-            raise ValueError("a TARGET_VERIFY batch without draft trees needs a draft head")
-        scores, tokens, parents = self.drafter.draft(rows, seq_lens)
-        trees = select_eagle_trees(roots, scores, tokens, parents, n)
-        if min(sizes) == n:
-            return trees
-        # Requests near the end of their context get the first nodes only (parents come first,
-        # so any prefix of the node list is a tree).
-        ends = [min(m, trees.num_nodes[b]) for b, m in enumerate(sizes)]
-        node_tokens = [trees.tokens[b, 1:m].tolist() for b, m in enumerate(ends)]
-        node_parents = [trees.parents[b, 1:m].tolist() for b, m in enumerate(ends)]
+        B = len(sizes)
+        node_tokens = list(wb.draft_tokens or [None] * B)
+        node_parents = list(wb.draft_parents or [None] * B)
+        drafted = [b for b in range(B) if node_tokens[b] is None]
+        if drafted:
+            if self.drafter is None:
+                raise ValueError("a TARGET_VERIFY batch without draft trees needs a draft head")
+            index = torch.tensor(drafted)
+            scores, tokens, parents = self.drafter.draft(rows[index], seq_lens[index])
+            roots = torch.tensor(wb.input_ids)[index]
+            trees = select_eagle_trees(roots, scores, tokens, parents, n)
+            if len(drafted) == B and min(sizes) == n:
+                return trees
+            # A request near the end of its context takes the first nodes only (parents come
+            # first, so any prefix of the node list is a tree).
+            for i, b in enumerate(drafted):
+                end = min(sizes[b], trees.num_nodes[i])
+                node_tokens[b] = trees.tokens[i, 1:end].tolist()
+                node_parents[b] = trees.parents[i, 1:end].tolist()
         return trees_from_parents(wb.input_ids, node_tokens, node_parents, n)
 
     def _verify(
