@@ -101,7 +101,7 @@ def main() -> None:
                 max_running_requests=size,
                 speculative_algorithm=name,
                 speculative_draft_model_path=args.draft if name != "NGRAM" else None,
-                speculative_hybrid_ngram=args.hybrid_ngram if extra_drafter == "NGRAM" else None,
+                speculative_hybrid_ngram=args.hybrid_ngram if extra_drafter == "NGRAM" else 0,
                 **spec_options,
             )
             speed, out, tau = measure(engine, prompts, args.max_new_tokens)

@@ -23,6 +23,9 @@ DEFAULT_NGRAM_MAX_MATCH = 4
 # batch 4 with the shipped head). Decode plainly there; the head keeps its KV, so speculation
 # resumes when the batch shrinks.
 DEFAULT_MAX_BATCH_SIZE = 1
+# EAGLE/EAGLE3: n-gram trees of up to this many tokens where the request's last tokens repeat
+# earlier ones (0: the head drafts every round).
+DEFAULT_HYBRID_NGRAM = 0
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,9 @@ class SpecSettings:
                 "need 1 <= speculative_ngram_min_match_window_size <= "
                 f"speculative_ngram_max_match_window_size (got {ngram_min} and {ngram_max})"
             )
-        hybrid = args.speculative_hybrid_ngram or 0
+        hybrid = args.speculative_hybrid_ngram
+        if hybrid is None:
+            hybrid = DEFAULT_HYBRID_NGRAM if algo != "NGRAM" else 0
         if hybrid and algo == "NGRAM":
             raise ValueError(
                 "--speculative-hybrid-ngram pairs n-gram drafts with a draft head's "
@@ -120,6 +125,6 @@ class SpecSettings:
         if hybrid == 1 or hybrid < 0:
             raise ValueError(
                 "speculative_hybrid_ngram is the n-gram tree size, root included: >= 2, or "
-                f"unset for none (got {hybrid})"
+                f"0 for none (got {hybrid})"
             )
         return cls(algo, steps, topk, tokens, path, max_batch, ngram_min, ngram_max, hybrid)
