@@ -138,9 +138,9 @@ class ServerArgs:
             "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix match that "
             "drafts (default 2)",
             "speculative_ngram_max_match_window_size": "NGRAM: longest suffix matched (default 4)",
-            "speculative_hybrid_ngram": "EAGLE/EAGLE3: N > 1 turns on n-gram trees of up to N "
-            "tokens (root included), verified instead of the head's tree in rounds whose last "
-            "tokens repeat earlier ones (off by default)",
+            "speculative_hybrid_ngram": "EAGLE/EAGLE3: n-gram trees of up to N tokens (root "
+            "included), verified instead of the head's tree in rounds whose last tokens repeat "
+            "earlier ones (default 8; 0: the head drafts every round)",
             "host": "address to bind (default loopback only)",
             "port": "HTTP port",
             "log_level": "debug, info, warning, error",
