@@ -90,10 +90,10 @@ class Scheduler:
         )
         self.ngram: NgramDrafter | None = None
         if spec is not None and spec.uses_ngram:
-            size = spec.ngram_tree_size
+            max_nodes, max_depth = spec.ngram_tree_shape
             self.ngram = NgramDrafter(
-                max_nodes=size - 1,
-                max_depth=size - 1 if spec.uses_draft_head else spec.max_tree_depth,
+                max_nodes=max_nodes,
+                max_depth=max_depth,
                 min_ngram=spec.ngram_min_match,
                 max_ngram=spec.ngram_max_match,
             )

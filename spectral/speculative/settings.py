@@ -53,10 +53,12 @@ class SpecSettings:
         return self.algorithm == "NGRAM" or self.hybrid_ngram > 0
 
     @property
-    def ngram_tree_size(self) -> int:
-        """Most nodes of an n-gram tree, root included (its depth is at most that less one
-        for a hybrid, num_steps for NGRAM)."""
-        return self.hybrid_ngram or self.num_draft_tokens
+    def ngram_tree_shape(self) -> tuple[int, int]:
+        """(most non-root nodes, most depth) of an n-gram tree: a hybrid's may be one chain of
+        `hybrid_ngram - 1` nodes; NGRAM's fills the usual tree (num_draft_tokens, num_steps)."""
+        if self.hybrid_ngram:
+            return self.hybrid_ngram - 1, self.hybrid_ngram - 1
+        return self.num_draft_tokens - 1, self.num_steps
 
     @property
     def max_tree_depth(self) -> int:

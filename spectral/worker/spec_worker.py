@@ -5,7 +5,8 @@
   ready for the next round. A DECODE step (the scheduler is not speculating: the batch is over
   the limit) writes only the head's KV; the top-k is computed when the request next drafts.
 - TARGET_VERIFY (one round for each request of the batch): the head expands a tree below the
-  request's last token (or the scheduler sends an n-gram tree), the target runs once over every
+  request's last token, or the scheduler sends an n-gram tree (NGRAM: every request's; hybrid:
+  those of the requests whose text repeats, in the same batch), the target runs once over every
   tree under the tree mask, verification accepts a path, the accepted nodes' slots take their
   final places in the request's row, and the head extends over the accepted tokens with the
   target's features there.
