@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument(
         "--algorithms",
         default="EAGLE3,EAGLE3+NGRAM,NGRAM",
-        help="EAGLE3+NGRAM: the head, with n-gram trees where they match (hybrid)",
+        help="EAGLE3+NGRAM: the head, with n-gram trees where they match (hybrid); "
+        "EAGLE3+NGRAM+MERGE: the n-gram tree joins the head's there",
     )
     ap.add_argument("--draft", default="default", help="EAGLE3 head directory")
     ap.add_argument("--hybrid-ngram", type=int, default=8, help="EAGLE3+NGRAM: n-gram tree size")
@@ -93,15 +94,16 @@ def main() -> None:
         prompts = [chat(engine.tokenizer, q) for q in questions]
         plain, plain_out, _ = measure(engine, prompts, args.max_new_tokens)
         engine.shutdown()
-        print(f"batch {size:3d}  plain            {plain:7.2f} tok/s")
+        print(f"batch {size:3d}  plain              {plain:7.2f} tok/s")
         for algo in algorithms:
-            name, _, extra_drafter = algo.partition("+")
+            name, *extras = algo.split("+")
             engine = Engine(
                 **common,
                 max_running_requests=size,
                 speculative_algorithm=name,
                 speculative_draft_model_path=args.draft if name != "NGRAM" else None,
-                speculative_hybrid_ngram=args.hybrid_ngram if extra_drafter == "NGRAM" else 0,
+                speculative_hybrid_ngram=args.hybrid_ngram if "NGRAM" in extras else 0,
+                speculative_hybrid_merge="MERGE" in extras,
                 **spec_options,
             )
             speed, out, tau = measure(engine, prompts, args.max_new_tokens)
@@ -127,7 +129,7 @@ def main() -> None:
                 else ""
             )
             print(
-                f"batch {size:3d}  {algo:<16s} {speed:7.2f} tok/s  {speed / plain:5.2f}x  "
+                f"batch {size:3d}  {algo:<18s} {speed:7.2f} tok/s  {speed / plain:5.2f}x  "
                 f"τ {tau:4.2f}  identical {same}/{len(prompts)}{extra}"
             )
     out_dir = Path(__file__).resolve().parent / "out"

@@ -43,6 +43,7 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int | None = None
     speculative_ngram_max_match_window_size: int | None = None
     speculative_hybrid_ngram: int | None = None
+    speculative_hybrid_merge: bool = False
     # Server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -141,6 +142,8 @@ class ServerArgs:
             "speculative_hybrid_ngram": "EAGLE/EAGLE3: n-gram trees of up to N tokens (root "
             "included), verified instead of the head's tree in rounds whose last tokens repeat "
             "earlier ones (default 8; 0: the head drafts every round)",
+            "speculative_hybrid_merge": "with n-gram trees: verify each one together with the "
+            "head's tree (their union) instead of in its place",
             "host": "address to bind (default loopback only)",
             "port": "HTTP port",
             "log_level": "debug, info, warning, error",

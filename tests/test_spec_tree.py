@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from spectral.speculative.tree import (
     DraftTrees,
+    merge_tree_nodes,
     select_eagle_trees,
     tree_positions,
     trees_from_parents,
@@ -207,6 +208,48 @@ def test_trees_from_parents_rejects_invalid_trees(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         trees_from_parents([5], [tokens], [parents], n)
+
+
+def test_merge_maps_shared_paths_onto_the_base_and_appends_the_rest() -> None:
+    # base: root -> 5 -> 6, root -> 7; extra chain: root -> 5 -> 8 -> 9
+    tokens, parents = merge_tree_nodes([5, 7, 6], [0, 0, 1], [5, 8, 9], [0, 1, 2])
+    assert tokens == [5, 7, 6, 8, 9]
+    assert parents == [0, 0, 1, 1, 4]
+
+
+def paths(tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:
+    """Every node's token path from the root (naive: walk up from each node)."""
+    out = []
+    for i in range(len(tokens)):
+        path, node = [], i + 1
+        while node:
+            path.append(tokens[node - 1])
+            node = parents[node - 1]
+        out.append(tuple(reversed(path)))
+    return out
+
+
+@st.composite
+def node_trees(draw: st.DrawFn) -> tuple[list[int], list[int]]:
+    """A tree in node form over a small alphabet; siblings may repeat a token (heads can)."""
+    size = draw(st.integers(0, 12))
+    parents = [draw(st.integers(0, i)) for i in range(size)]
+    tokens = [draw(st.integers(0, 3)) for _ in range(size)]
+    return tokens, parents
+
+
+@settings(max_examples=300, deadline=None)
+@given(node_trees(), node_trees())
+def test_merged_tree_holds_exactly_the_paths_of_both(base, extra) -> None:
+    tokens, parents = merge_tree_nodes(*base, *extra)
+    assert tokens[: len(base[0])] == base[0] and parents[: len(base[1])] == base[1]
+    assert all(0 <= p <= i for i, p in enumerate(parents))
+    merged = paths(tokens, parents)
+    assert set(merged) == set(paths(*base)) | set(paths(*extra))
+    # appended nodes are new paths, each once
+    added = merged[len(base[0]) :]
+    assert len(added) == len(set(added)) and not set(added) & set(paths(*base))
+    trees_from_parents([0], [tokens], [parents], len(tokens) + 1)  # a valid layout
 
 
 def test_tree_positions_are_seq_len_plus_depth() -> None:

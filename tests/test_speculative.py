@@ -280,23 +280,38 @@ def test_ngram_accepts_a_continuation_seen_before_and_matches_plain(
     assert sum(len(r.output_ids) for r in again) / verify_rounds > 3.0
 
 
+def seen_and_new_prompts(
+    model_dir: str, plain_outputs: list[list[int]]
+) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Six prompts whose plain outputs are `plain_outputs[:6]`, six others, and the plain
+    outputs of all twelve."""
+    seen, new = prompts(20)[:6], prompts(6, seed=9)
+    plain = make_spec_scheduler(model_dir)
+    expected = plain_outputs[:6] + [r.output_ids for r in run(plain, new, temperature=0.0)]
+    return seen, new, expected
+
+
+def hybrid_scheduler(model_dir: str, head: str, **overrides: object) -> Scheduler:
+    """EAGLE-3 with n-gram trees of 8 beside head trees of 5 nodes, 4 deep."""
+    return make_spec_scheduler(
+        model_dir,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=head,
+        speculative_hybrid_ngram=8,
+        speculative_num_steps=4,
+        speculative_num_draft_tokens=5,
+        **overrides,
+    )
+
+
 def test_hybrid_ngram_mixes_ngram_and_head_trees_and_matches_plain(
     peaky_model_dir: str, eagle3_head: str, plain_outputs: list[list[int]]
 ) -> None:
     """EAGLE-3 with n-gram trees where they match: a batch of prompts seen before (their
     answers are in the n-gram index) and new ones verifies n-gram trees for some requests and
     the head's for the others in the same round; every output is plain decoding's."""
-    seen, new = prompts(20)[:6], prompts(6, seed=9)
-    plain = make_spec_scheduler(peaky_model_dir)
-    expected = plain_outputs[:6] + [r.output_ids for r in run(plain, new, temperature=0.0)]
-    s = make_spec_scheduler(
-        peaky_model_dir,
-        speculative_algorithm="EAGLE3",
-        speculative_draft_model_path=eagle3_head,
-        speculative_hybrid_ngram=8,
-        speculative_num_steps=4,
-        speculative_num_draft_tokens=5,
-    )
+    seen, new, expected = seen_and_new_prompts(peaky_model_dir, plain_outputs)
+    s = hybrid_scheduler(peaky_model_dir, eagle3_head)
     first = run(s, seen, at_once=6, temperature=0.0)
     assert [r.output_ids for r in first] == plain_outputs[:6]
     drafter = s.worker.drafter
@@ -314,6 +329,34 @@ def test_hybrid_ngram_mixes_ngram_and_head_trees_and_matches_plain(
     tau_seen = sum(len(r.output_ids) for r in again[:6]) / sum(r.spec_verify_ct for r in again[:6])
     tau_first = sum(len(r.output_ids) for r in first) / sum(r.spec_verify_ct for r in first)
     assert tau_seen > max(3.0, tau_first)
+
+
+def test_merged_hybrid_trees_verify_ngram_and_head_drafts_together_and_match_plain(
+    peaky_model_dir: str, eagle3_head: str, plain_outputs: list[list[int]]
+) -> None:
+    """With --speculative-hybrid-merge a request whose text repeats verifies the union of its
+    n-gram tree and the head's: trees hold head nodes beyond the n-gram chain, and every
+    output is plain decoding's."""
+    seen, new, expected = seen_and_new_prompts(peaky_model_dir, plain_outputs)
+    s = hybrid_scheduler(peaky_model_dir, eagle3_head, speculative_hybrid_merge=True)
+    run(s, seen, at_once=6, temperature=0.0)
+    worker = s.worker
+    merged_sizes: list[int] = []  # real nodes of the trees that joined a given one
+    trees_of = worker._trees
+
+    def counted(wb, rows, seq_lens, sizes):
+        trees = trees_of(wb, rows, seq_lens, sizes)
+        for b, toks in enumerate(wb.draft_tokens or []):
+            if toks:
+                merged_sizes.append(trees.num_nodes[b] - 1 - len(toks))
+        return trees
+
+    worker._trees = counted
+    again = run(s, seen + new, at_once=12, temperature=0.0)
+    assert [r.output_ids for r in again] == expected
+    assert merged_sizes and max(merged_sizes) > 0  # head nodes beside n-gram chains
+    assert max(merged_sizes) <= 4
+    assert scheduler_leaks(s) == []
 
 
 def test_stop_token_inside_an_accepted_path_ends_the_request_there(
@@ -404,6 +447,13 @@ def test_settings_refuse_what_cannot_work(tmp_path: Path, peaky_model_dir: str) 
         ServerArgs(speculative_algorithm="NGRAM", speculative_hybrid_ngram=8)
     with pytest.raises(ValueError, match="the n-gram tree size, root included: >= 2"):
         ServerArgs(speculative_algorithm="EAGLE3", speculative_hybrid_ngram=1)
+    with pytest.raises(ValueError, match="needs EAGLE or EAGLE3 with --speculative-hybrid-ngram"):
+        ServerArgs(
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path="x",
+            speculative_hybrid_ngram=0,
+            speculative_hybrid_merge=True,
+        )
     with pytest.raises(ValueError, match="must be one of EAGLE, EAGLE3, NGRAM"):
         ServerArgs(speculative_algorithm="MEDUSA")
     with pytest.raises(ValueError, match="exceeds what 2 steps of top-2 can draft"):

@@ -253,8 +253,9 @@ class Scheduler:
         is its newest token). A request's tree ends before its context does; when the pool
         cannot hold every tree, requests are retracted as for decode, and a last request
         verifies its root alone. With a draft head, a request whose n-gram drafter matches
-        (hybrid) takes the n-gram tree and the others the head's; NGRAM alone returns None when
-        it has nothing for anyone (a plain decode step is cheaper than a round of roots)."""
+        (hybrid) takes the n-gram tree (merged: with the head's, slots for both) and the
+        others the head's; NGRAM alone returns None when it has nothing for anyone (a plain
+        decode step is cheaper than a round of roots)."""
         spec = self.spec
         kv = self.kv
         sizes = {}
@@ -266,7 +267,7 @@ class Scheduler:
                     req.ngram_state = NgramState()
                 tokens, parents = self.ngram.propose(req.all_ids, req.ngram_state)
                 if tokens or not spec.uses_draft_head:
-                    size = 1 + len(tokens)
+                    size = (size if spec.hybrid_merge else 1) + len(tokens)
                     req.draft_tokens, req.draft_parents = tokens[: room - 1], parents[: room - 1]
             sizes[req.rid] = min(size, room)
         if not spec.uses_draft_head and all(size == 1 for size in sizes.values()):

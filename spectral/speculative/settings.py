@@ -43,6 +43,8 @@ class SpecSettings:
     # EAGLE/EAGLE3: the size (root included) of the n-gram trees that rounds where the n-gram
     # drafter matches verify instead of the head's tree; 0 = no n-gram trees
     hybrid_ngram: int = 0
+    # the n-gram tree joins the head's tree (one tree, their union) instead of replacing it
+    hybrid_merge: bool = False
 
     @property
     def uses_draft_head(self) -> bool:
@@ -131,4 +133,10 @@ class SpecSettings:
                 "speculative_hybrid_ngram is the n-gram tree size, root included: >= 2, or "
                 f"0 for none (got {hybrid})"
             )
-        return cls(algo, steps, topk, tokens, path, max_batch, ngram_min, ngram_max, hybrid)
+        merge = args.speculative_hybrid_merge
+        if merge and not hybrid:
+            raise ValueError(
+                "--speculative-hybrid-merge joins n-gram trees to the head's: it needs "
+                "EAGLE or EAGLE3 with --speculative-hybrid-ngram >= 2"
+            )
+        return cls(algo, steps, topk, tokens, path, max_batch, ngram_min, ngram_max, hybrid, merge)

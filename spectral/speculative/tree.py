@@ -119,6 +119,33 @@ def trees_from_parents(
     return _assemble(tokens, parents, num_nodes)
 
 
+def merge_tree_nodes(
+    base_tokens: list[int],
+    base_parents: list[int],
+    extra_tokens: list[int],
+    extra_parents: list[int],
+) -> tuple[list[int], list[int]]:
+    """Union of two trees under the same root, in `trees_from_parents`' node form (parent 0 is
+    the root, i + 1 is non-root node i). The base's nodes keep their places; an extra node
+    whose path the merged tree already holds maps onto that node, any other is appended after
+    the base's. Parents still come before children, so any prefix of the result is a tree."""
+    tokens, parents = list(base_tokens), list(base_parents)
+    node_of: dict[tuple[int, ...], int] = {(): 0}  # token path from the root -> first node
+    base_paths: list[tuple[int, ...]] = [()]
+    for i, (token, parent) in enumerate(zip(tokens, parents)):
+        base_paths.append(base_paths[parent] + (token,))
+        node_of.setdefault(base_paths[-1], i + 1)
+    extra_paths: list[tuple[int, ...]] = [()]
+    for token, parent in zip(extra_tokens, extra_parents):
+        path = extra_paths[parent] + (token,)
+        extra_paths.append(path)
+        if path not in node_of:
+            tokens.append(token)
+            parents.append(node_of[path[:-1]])
+            node_of[path] = len(tokens)
+    return tokens, parents
+
+
 def select_eagle_trees(
     root_tokens: torch.Tensor,
     scores: torch.Tensor,

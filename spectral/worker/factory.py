@@ -67,4 +67,9 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
         drafter = EagleDrafter(
             head, worker.num_kv_slots, worker.req_to_token, spec.topk, spec.num_steps, dtype, device
         )
-    return SpeculativeWorker(worker, drafter)
+    return SpeculativeWorker(
+        worker,
+        drafter,
+        head_tree_size=spec.num_draft_tokens if drafter is not None else None,
+        merge_given_trees=spec.hybrid_merge,
+    )

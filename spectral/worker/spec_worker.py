@@ -6,10 +6,11 @@
   the limit) writes only the head's KV; the top-k is computed when the request next drafts.
 - TARGET_VERIFY (one round for each request of the batch): the head expands a tree below the
   request's last token, or the scheduler sends an n-gram tree (NGRAM: every request's; hybrid:
-  those of the requests whose text repeats, in the same batch), the target runs once over every
-  tree under the tree mask, verification accepts a path, the accepted nodes' slots take their
-  final places in the request's row, and the head extends over the accepted tokens with the
-  target's features there.
+  those of the requests whose text repeats, in the same batch; merged: those requests verify
+  the n-gram tree and the head's as one), the target runs once over every tree under the tree
+  mask, verification accepts a path, the accepted nodes' slots take their final places in the
+  request's row, and the head extends over the accepted tokens with the target's features
+  there.
 
 The scheduler owns the slots: it gives each request one slot per tree node and frees those of
 the nodes the result does not list as accepted.
@@ -23,7 +24,12 @@ import torch
 
 from spectral.forward import ForwardBatch, ForwardMode
 from spectral.speculative.eagle_drafter import EagleDrafter, shifted_draft_batch
-from spectral.speculative.tree import DraftTrees, select_eagle_trees, trees_from_parents
+from spectral.speculative.tree import (
+    DraftTrees,
+    merge_tree_nodes,
+    select_eagle_trees,
+    trees_from_parents,
+)
 from spectral.speculative.verify import VerifyResult, verify_greedy, verify_sampling
 from spectral.worker.io import RequestSampling, WorkerBatch, WorkerResult
 from spectral.worker.model_worker import ModelWorker
@@ -31,9 +37,19 @@ from spectral.worker.sampler import apply_penalties, filtered_probs, request_ste
 
 
 class SpeculativeWorker:
-    def __init__(self, target: ModelWorker, drafter: EagleDrafter | None) -> None:
+    def __init__(
+        self,
+        target: ModelWorker,
+        drafter: EagleDrafter | None,
+        head_tree_size: int | None = None,
+        merge_given_trees: bool = False,
+    ) -> None:
         self.target = target
         self.drafter = drafter
+        # Nodes (root included) of the head's trees; None: the batch's largest tree size.
+        self.head_tree_size = head_tree_size
+        # A request with a given (n-gram) tree verifies it together with the head's tree.
+        self.merge_given_trees = merge_given_trees
         self.config = target.config
         self.num_kv_slots = target.num_kv_slots
 
@@ -115,27 +131,32 @@ class SpeculativeWorker:
     def _trees(
         self, wb: WorkerBatch, rows: torch.Tensor, seq_lens: torch.Tensor, sizes: list[int]
     ) -> DraftTrees:
-        """Each request's tree: the one the batch gives (n-gram), else the head's."""
+        """Each request's tree: the one the batch gives (n-gram), else the head's; with
+        `merge_given_trees`, the union of both where one is given."""
         n = max(sizes)
         B = len(sizes)
         node_tokens = list(wb.draft_tokens or [None] * B)
         node_parents = list(wb.draft_parents or [None] * B)
-        drafted = [b for b in range(B) if node_tokens[b] is None]
+        given = [toks is not None for toks in node_tokens]
+        drafted = [b for b in range(B) if self.merge_given_trees or not given[b]]
         if drafted:
             if self.drafter is None:
                 raise ValueError("a TARGET_VERIFY batch without draft trees needs a draft head")
             index = torch.tensor(drafted)
             scores, tokens, parents = self.drafter.draft(rows[index], seq_lens[index])
             roots = torch.tensor(wb.input_ids)[index]
-            trees = select_eagle_trees(roots, scores, tokens, parents, n)
-            if len(drafted) == B and min(sizes) == n:
+            head_n = self.head_tree_size or n
+            trees = select_eagle_trees(roots, scores, tokens, parents, head_n)
+            if len(drafted) == B and min(sizes) == n == head_n and not any(given):
                 return trees
             # A request near the end of its context takes the first nodes only (parents come
             # first, so any prefix of the node list is a tree).
             for i, b in enumerate(drafted):
-                end = min(sizes[b], trees.num_nodes[i])
-                node_tokens[b] = trees.tokens[i, 1:end].tolist()
-                node_parents[b] = trees.parents[i, 1:end].tolist()
+                toks = trees.tokens[i, 1 : trees.num_nodes[i]].tolist()
+                pars = trees.parents[i, 1 : trees.num_nodes[i]].tolist()
+                if given[b]:
+                    toks, pars = merge_tree_nodes(toks, pars, node_tokens[b], node_parents[b])
+                node_tokens[b], node_parents[b] = toks[: sizes[b] - 1], pars[: sizes[b] - 1]
         return trees_from_parents(wb.input_ids, node_tokens, node_parents, n)
 
     def _verify(
