@@ -28,7 +28,13 @@ from spectral.speculative.train import (
     resolve_device,
     train,
 )
-from spectral.speculative.train_data import Sample, load_samples, sharegpt_first_turns
+from spectral.speculative.train_data import (
+    Sample,
+    generate_answers,
+    generate_second_turns,
+    load_samples,
+    sharegpt_first_turns,
+)
 from spectral.speculative.ttt import ttt_loss
 from tests.conftest import make_tiny_llama
 
@@ -451,3 +457,82 @@ def test_sharegpt_first_turns_skip_the_first_prompts_and_stop_at_the_cut(tmp_pat
     assert list(sharegpt_first_turns(10, str(path))) == [("a", "one"), ("c", "two"), ("d", "three")]
     assert list(sharegpt_first_turns(1, str(path), skip=1)) == [("c", "two")]
     assert list(sharegpt_first_turns(5, str(path), skip=2)) == [("d", "three")]
+
+
+class EchoEngine:
+    """An Engine stand-in that answers every prompt with its last three tokens."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.asked: list[list[int]] = []
+
+    def generate(self, input_ids: list[list[int]], sampling_params: dict) -> list[dict]:
+        assert sampling_params["temperature"] == 0.0
+        self.asked.extend(input_ids)
+        return [{"output_ids": ids[-3:]} for ids in input_ids]
+
+
+def test_second_turns_are_asked_after_the_targets_own_first_answer(
+    tmp_path: Path, default_model_dir: str
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+
+    def turns(*values: str) -> list[dict]:
+        return [{"from": ("human", "gpt")[i % 2], "value": v} for i, v in enumerate(values)]
+
+    entries = [
+        {"id": "a", "conversations": turns("one", "written answer", "and then?")},
+        {"id": "b", "conversations": turns("two")},
+        {"id": "c", "conversations": turns("three", "x", "   ")},
+        {"id": "d", "conversations": turns("four", "y", "not answered first")},
+        {"id": "e", "conversations": turns("five", "z", "why?")},
+    ]
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps(entries))
+    engine = EchoEngine(tokenizer)
+
+    def chat(*messages: str) -> list[int]:
+        roles = ("user", "assistant")
+        return tokenizer.apply_chat_template(
+            [{"role": roles[i % 2], "content": m} for i, m in enumerate(messages)],
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+
+    def rows(path: Path) -> list[dict]:
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    first = tmp_path / "first.jsonl"
+    generate_answers(engine, str(first), 3, 8, sharegpt_path=str(sharegpt))
+    assert [(r["id"], r["input_ids"]) for r in rows(first)] == [
+        ("a", chat("one")),
+        ("b", chat("two")),
+        ("c", chat("three")),
+    ]
+    # the target's first answers, as if it had said "Sure, here:" each time (and "e" too)
+    answer = tokenizer("Sure, here:")["input_ids"] + [tokenizer.eos_token_id]
+    first.write_text(
+        "".join(
+            json.dumps({"id": rid, "input_ids": chat("?"), "output_ids": answer}) + "\n"
+            for rid in "abce"
+        )
+    )
+    second = tmp_path / "second.jsonl"
+    generate_second_turns(engine, [str(first)], str(second), 8, sharegpt_path=str(sharegpt))
+    got = rows(second)
+    assert [r["id"] for r in got] == ["a/2", "e/2"]
+    assert got[0]["input_ids"] == chat("one", "Sure, here:", "and then?")
+    assert got[1]["input_ids"] == chat("five", "Sure, here:", "why?")
+    assert all(r["output_ids"] == r["input_ids"][-3:] for r in got)
+
+    asked = len(engine.asked)
+    generate_second_turns(engine, [str(first)], str(second), 8, sharegpt_path=str(sharegpt))
+    assert len(engine.asked) == asked and rows(second) == got  # a rerun answers nothing twice
+    limited = tmp_path / "limited.jsonl"
+    generate_second_turns(
+        engine, [str(first)], str(limited), 8, limit=1, sharegpt_path=str(sharegpt)
+    )
+    assert [r["id"] for r in rows(limited)] == ["a/2"]

@@ -34,7 +34,12 @@ import torch.nn.functional as F
 from spectral.models.config import ModelConfig
 from spectral.speculative.eagle_head import DraftHead, DraftHeadConfig, load_draft_head
 from spectral.speculative.teacher_store import DiskStore, MemoryStore, sample_key
-from spectral.speculative.train_data import Sample, generate_answers, load_samples
+from spectral.speculative.train_data import (
+    Sample,
+    generate_answers,
+    generate_second_turns,
+    load_samples,
+)
 from spectral.speculative.ttt import ttt_loss
 
 logger = logging.getLogger(__name__)
@@ -53,6 +58,9 @@ class TrainConfig:
     eval_data: list[str] = field(default_factory=list)  # held-out samples, scored at each save
     num_prompts: int = 2000
     skip_prompts: int = 0  # ShareGPT first turns before these are not answered
+    # also answer those conversations' second user turns, after the target's own first answer
+    # (work_dir/sharegpt-second-turns.jsonl)
+    second_turns: bool = False
     max_new_tokens: int = 384
     draft_vocab_size: int = 8192
     intermediate_size: int | None = None  # default: the target's
@@ -458,9 +466,13 @@ def train(cfg: TrainConfig) -> DraftHead:
                 cfg.max_new_tokens,
                 skip_prompts=cfg.skip_prompts,
             )
+            data = [str(answers)]
+            if cfg.second_turns:
+                second = str(work / "sharegpt-second-turns.jsonl")
+                generate_second_turns(engine, data, second, cfg.max_new_tokens)
+                data.append(second)
         finally:
             engine.shutdown()
-        data = [str(answers)]
     samples = load_samples(data, tokenizer, cfg.max_len)
     if not samples:
         raise SystemExit(f"no training samples in {', '.join(data)}")

