@@ -119,20 +119,21 @@ def generate_second_turns(
     answered in `first_turn_paths` (`generate_answers` output), with the target's own first
     answer as the history, so that the head also learns the target's text in later turns.
     Appends like `generate_answers`, with ids `<conversation id>/2`; at most `limit` prompts."""
-    firsts: dict[str, dict] = {}
-    for path in first_turn_paths:
-        for row in _jsonl_rows(path):
-            if "id" in row and "output_ids" in row:
-                firsts[str(row["id"])] = row
+    first_answers = {
+        str(row["id"]): row["output_ids"]
+        for path in first_turn_paths
+        for row in _jsonl_rows(path)
+        if "id" in row and "output_ids" in row
+    }
     done = _answered_ids(out_path)
     tokenizer = engine.tokenizer
     pending: list[tuple[str, list[int]]] = []
     for entry in sharegpt_conversations(sharegpt_path):
         if limit is not None and len(pending) >= limit:
             break
-        first = firsts.get(str(entry.get("id")))
+        first_answer = first_answers.get(str(entry.get("id")))
         turns = entry.get("conversations") or []
-        if first is None or len(turns) < 3 or turns[2].get("from") != "human":
+        if first_answer is None or len(turns) < 3 or turns[2].get("from") != "human":
             continue
         rid = f"{entry['id']}/2"
         follow_up = (turns[2].get("value") or "").strip()
@@ -142,7 +143,7 @@ def generate_second_turns(
             {"role": "user", "content": turns[0]["value"].strip()},
             {
                 "role": "assistant",
-                "content": tokenizer.decode(first["output_ids"], skip_special_tokens=True),
+                "content": tokenizer.decode(first_answer, skip_special_tokens=True),
             },
             {"role": "user", "content": follow_up},
         ]
