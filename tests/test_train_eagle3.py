@@ -27,6 +27,7 @@ from spectral.speculative.train import (
     remap_output_rows,
     resolve_device,
     train,
+    training_files,
 )
 from spectral.speculative.train_data import (
     Sample,
@@ -465,19 +466,20 @@ class EchoEngine:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.asked: list[list[int]] = []
+        self.shut_down = False
 
     def generate(self, input_ids: list[list[int]], sampling_params: dict) -> list[dict]:
         assert sampling_params["temperature"] == 0.0
         self.asked.extend(input_ids)
         return [{"output_ids": ids[-3:]} for ids in input_ids]
 
+    def shutdown(self) -> None:
+        self.shut_down = True
 
-def test_second_turns_are_asked_after_the_targets_own_first_answer(
-    tmp_path: Path, default_model_dir: str
-) -> None:
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+def _sharegpt_file(tmp_path: Path) -> Path:
+    """Five conversations: a and e have a real second user turn, b none, c a blank one, d one
+    whose first turn the tests never answer."""
 
     def turns(*values: str) -> list[dict]:
         return [{"from": ("human", "gpt")[i % 2], "value": v} for i, v in enumerate(values)]
@@ -489,50 +491,99 @@ def test_second_turns_are_asked_after_the_targets_own_first_answer(
         {"id": "d", "conversations": turns("four", "y", "not answered first")},
         {"id": "e", "conversations": turns("five", "z", "why?")},
     ]
-    sharegpt = tmp_path / "sharegpt.json"
-    sharegpt.write_text(json.dumps(entries))
-    engine = EchoEngine(tokenizer)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(entries))
+    return path
 
-    def chat(*messages: str) -> list[int]:
-        roles = ("user", "assistant")
-        return tokenizer.apply_chat_template(
-            [{"role": roles[i % 2], "content": m} for i, m in enumerate(messages)],
-            tokenize=True,
-            add_generation_prompt=True,
-            return_dict=False,
+
+def _chat(tokenizer, *messages: str) -> list[int]:
+    roles = ("user", "assistant")
+    return tokenizer.apply_chat_template(
+        [{"role": roles[i % 2], "content": m} for i, m in enumerate(messages)],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _first_answers(tokenizer, path: Path, ids: str) -> None:
+    """First answers as if the target had said "Sure, here:" to each conversation in `ids`."""
+    answer = tokenizer("Sure, here:")["input_ids"] + [tokenizer.eos_token_id]
+    path.write_text(
+        "".join(
+            json.dumps({"id": rid, "input_ids": _chat(tokenizer, "?"), "output_ids": answer}) + "\n"
+            for rid in ids
         )
+    )
 
-    def rows(path: Path) -> list[dict]:
-        return [json.loads(line) for line in path.read_text().splitlines()]
+
+def test_second_turns_are_asked_after_the_targets_own_first_answer(
+    tmp_path: Path, default_model_dir: str
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    sharegpt = _sharegpt_file(tmp_path)
+    engine = EchoEngine(tokenizer)
 
     first = tmp_path / "first.jsonl"
     generate_answers(engine, str(first), 3, 8, sharegpt_path=str(sharegpt))
-    assert [(r["id"], r["input_ids"]) for r in rows(first)] == [
-        ("a", chat("one")),
-        ("b", chat("two")),
-        ("c", chat("three")),
+    assert [(r["id"], r["input_ids"]) for r in _rows(first)] == [
+        ("a", _chat(tokenizer, "one")),
+        ("b", _chat(tokenizer, "two")),
+        ("c", _chat(tokenizer, "three")),
     ]
-    # the target's first answers, as if it had said "Sure, here:" each time (and "e" too)
-    answer = tokenizer("Sure, here:")["input_ids"] + [tokenizer.eos_token_id]
-    first.write_text(
-        "".join(
-            json.dumps({"id": rid, "input_ids": chat("?"), "output_ids": answer}) + "\n"
-            for rid in "abce"
-        )
-    )
+    _first_answers(tokenizer, first, "abce")
     second = tmp_path / "second.jsonl"
     generate_second_turns(engine, [str(first)], str(second), 8, sharegpt_path=str(sharegpt))
-    got = rows(second)
+    got = _rows(second)
     assert [r["id"] for r in got] == ["a/2", "e/2"]
-    assert got[0]["input_ids"] == chat("one", "Sure, here:", "and then?")
-    assert got[1]["input_ids"] == chat("five", "Sure, here:", "why?")
+    assert got[0]["input_ids"] == _chat(tokenizer, "one", "Sure, here:", "and then?")
+    assert got[1]["input_ids"] == _chat(tokenizer, "five", "Sure, here:", "why?")
     assert all(r["output_ids"] == r["input_ids"][-3:] for r in got)
 
     asked = len(engine.asked)
     generate_second_turns(engine, [str(first)], str(second), 8, sharegpt_path=str(sharegpt))
-    assert len(engine.asked) == asked and rows(second) == got  # a rerun answers nothing twice
+    assert len(engine.asked) == asked and _rows(second) == got  # a rerun answers nothing twice
     limited = tmp_path / "limited.jsonl"
     generate_second_turns(
         engine, [str(first)], str(limited), 8, limit=1, sharegpt_path=str(sharegpt)
     )
-    assert [r["id"] for r in rows(limited)] == ["a/2"]
+    assert [r["id"] for r in _rows(limited)] == ["a/2"]
+
+
+def test_a_run_on_given_files_answers_their_second_turns_only_when_asked(
+    tmp_path: Path, default_model_dir: str
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    sharegpt = str(_sharegpt_file(tmp_path))
+    first = tmp_path / "first.jsonl"
+    _first_answers(tokenizer, first, "ce")
+    engines: list[EchoEngine] = []
+
+    def make_engine() -> EchoEngine:
+        engines.append(EchoEngine(tokenizer))
+        return engines[-1]
+
+    work = tmp_path / "work"
+    cfg = TrainConfig(work_dir=str(work), data=[str(first)], max_new_tokens=8)
+    assert training_files(cfg, make_engine, sharegpt) == [str(first)]
+    assert engines == []  # nothing to generate: no engine started
+
+    cfg.second_turns = True
+    second = work / "sharegpt-second-turns.jsonl"
+    assert training_files(cfg, make_engine, sharegpt) == [str(first), str(second)]
+    assert [r["id"] for r in _rows(second)] == ["e/2"]
+    assert _rows(second)[0]["input_ids"] == _chat(tokenizer, "five", "Sure, here:", "why?")
+    assert engines[0].shut_down
+
+    # naming the second-turn file among the data lists it once and answers nothing again
+    cfg.data = [str(first), str(second)]
+    assert training_files(cfg, make_engine, sharegpt) == [str(first), str(second)]
+    assert engines[1].asked == [] and len(_rows(second)) == 1

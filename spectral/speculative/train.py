@@ -25,8 +25,10 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +60,8 @@ class TrainConfig:
     eval_data: list[str] = field(default_factory=list)  # held-out samples, scored at each save
     num_prompts: int = 2000
     skip_prompts: int = 0  # ShareGPT first turns before these are not answered
-    # also answer those conversations' second user turns, after the target's own first answer
-    # (work_dir/sharegpt-second-turns.jsonl)
+    # also answer the second user turns of the ShareGPT conversations whose first answers the
+    # data holds (generated or --data), after that answer (work_dir/sharegpt-second-turns.jsonl)
     second_turns: bool = False
     max_new_tokens: int = 384
     draft_vocab_size: int = 8192
@@ -437,6 +439,45 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def training_files(
+    cfg: TrainConfig, make_engine: Callable[[], Any], sharegpt_path: str | None = None
+) -> list[str]:
+    """The files a run trains on: `cfg.data`, or without it the target's greedy answers to
+    ShareGPT first turns (`work_dir/sharegpt-answers.jsonl`); with `second_turns` also the
+    target's answers to the second user turns of the ShareGPT conversations whose first
+    answers those files hold (`work_dir/sharegpt-second-turns.jsonl`, listed once even when
+    `cfg.data` names it). The engine (`make_engine()`) starts only when something is to be
+    generated; reruns append only what is missing."""
+    data = list(cfg.data)
+    if data and not cfg.second_turns:
+        return data
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    engine = make_engine()
+    try:
+        if not data:
+            answers = str(work / "sharegpt-answers.jsonl")
+            generate_answers(
+                engine,
+                answers,
+                cfg.num_prompts,
+                cfg.max_new_tokens,
+                sharegpt_path=sharegpt_path,
+                skip_prompts=cfg.skip_prompts,
+            )
+            data = [answers]
+        if cfg.second_turns:
+            second = work / "sharegpt-second-turns.jsonl"
+            data = [p for p in data if Path(p).resolve() != second.resolve()]
+            generate_second_turns(
+                engine, data, str(second), cfg.max_new_tokens, sharegpt_path=sharegpt_path
+            )
+            data.append(str(second))
+    finally:
+        engine.shutdown()
+    return data
+
+
 def train(cfg: TrainConfig) -> DraftHead:
     from transformers import AutoTokenizer
 
@@ -452,27 +493,12 @@ def train(cfg: TrainConfig) -> DraftHead:
     target_config = ModelConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
-    data = cfg.data
-    if not data:
-        answers = work / "sharegpt-answers.jsonl"
+    def engine():
         from spectral import Engine
 
-        engine = Engine(model_path=cfg.model_path, dtype="auto", max_running_requests=64)
-        try:
-            generate_answers(
-                engine,
-                str(answers),
-                cfg.num_prompts,
-                cfg.max_new_tokens,
-                skip_prompts=cfg.skip_prompts,
-            )
-            data = [str(answers)]
-            if cfg.second_turns:
-                second = str(work / "sharegpt-second-turns.jsonl")
-                generate_second_turns(engine, data, second, cfg.max_new_tokens)
-                data.append(second)
-        finally:
-            engine.shutdown()
+        return Engine(model_path=cfg.model_path, dtype="auto", max_running_requests=64)
+
+    data = training_files(cfg, engine)
     samples = load_samples(data, tokenizer, cfg.max_len)
     if not samples:
         raise SystemExit(f"no training samples in {', '.join(data)}")
