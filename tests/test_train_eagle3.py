@@ -574,7 +574,7 @@ def test_a_run_on_given_files_answers_their_second_turns_only_when_asked(
     work = tmp_path / "work"
     cfg = TrainConfig(work_dir=str(work), data=[str(first)], max_new_tokens=8)
     assert training_files(cfg, make_engine, sharegpt) == [str(first)]
-    assert engines == []  # nothing to generate: no engine started
+    assert engines == []  # no generation asked for: no engine started
 
     cfg.second_turns = True
     second = work / "sharegpt-second-turns.jsonl"

@@ -446,8 +446,8 @@ def training_files(
     ShareGPT first turns (`work_dir/sharegpt-answers.jsonl`); with `second_turns` also the
     target's answers to the second user turns of the ShareGPT conversations whose first
     answers those files hold (`work_dir/sharegpt-second-turns.jsonl`, listed once even when
-    `cfg.data` names it). The engine (`make_engine()`) starts only when something is to be
-    generated; reruns append only what is missing."""
+    `cfg.data` names it). The engine (`make_engine()`) starts only for a run that generates
+    (no `cfg.data`, or `second_turns`); a rerun appends only what is missing."""
     data = list(cfg.data)
     if data and not cfg.second_turns:
         return data
@@ -493,12 +493,12 @@ def train(cfg: TrainConfig) -> DraftHead:
     target_config = ModelConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
-    def engine():
+    def start_engine():
         from spectral import Engine
 
         return Engine(model_path=cfg.model_path, dtype="auto", max_running_requests=64)
 
-    data = training_files(cfg, engine)
+    data = training_files(cfg, start_engine)
     samples = load_samples(data, tokenizer, cfg.max_len)
     if not samples:
         raise SystemExit(f"no training samples in {', '.join(data)}")
