@@ -461,16 +461,19 @@ def test_sharegpt_first_turns_skip_the_first_prompts_and_stop_at_the_cut(tmp_pat
 
 
 class EchoEngine:
-    """An Engine stand-in that answers every prompt with its last three tokens."""
+    """An Engine stand-in that answers every prompt with its last three tokens and keeps the
+    sampling parameters it was given."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.asked: list[list[int]] = []
+        self.params: list[dict] = []
         self.shut_down = False
 
-    def generate(self, input_ids: list[list[int]], sampling_params: dict) -> list[dict]:
-        assert sampling_params["temperature"] == 0.0
+    def generate(self, input_ids: list[list[int]], sampling_params: list[dict]) -> list[dict]:
+        assert len(sampling_params) == len(input_ids)
         self.asked.extend(input_ids)
+        self.params.extend(sampling_params)
         return [{"output_ids": ids[-3:]} for ids in input_ids]
 
     def shutdown(self) -> None:
@@ -537,6 +540,7 @@ def test_second_turns_are_asked_after_the_targets_own_first_answer(
         ("b", _chat(tokenizer, "two")),
         ("c", _chat(tokenizer, "three")),
     ]
+    assert {p["temperature"] for p in engine.params} == {0.0}  # greedy unless asked
     _first_answers(tokenizer, first, "abce")
     second = tmp_path / "second.jsonl"
     generate_second_turns(engine, [str(first)], str(second), 8, sharegpt_path=str(sharegpt))
@@ -554,6 +558,32 @@ def test_second_turns_are_asked_after_the_targets_own_first_answer(
         engine, [str(first)], str(limited), 8, limit=1, sharegpt_path=str(sharegpt)
     )
     assert [r["id"] for r in _rows(limited)] == ["a/2"]
+
+
+def test_sampled_answers_draw_at_the_temperature_with_a_seed_from_each_id(
+    tmp_path: Path, default_model_dir: str
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    sharegpt = _sharegpt_file(tmp_path)
+    seeds = []
+    for run in range(2):
+        engine = EchoEngine(tokenizer)
+        out = tmp_path / f"sampled{run}.jsonl"
+        generate_answers(engine, str(out), 3, 8, sharegpt_path=str(sharegpt), temperature=0.7)
+        assert [p["temperature"] for p in engine.params] == [0.7] * 3
+        assert all(p["max_new_tokens"] == 8 for p in engine.params)
+        seeds.append([p["seed"] for p in engine.params])
+        _first_answers(tokenizer, out, "ae")
+        second = tmp_path / f"second{run}.jsonl"
+        generate_second_turns(
+            engine, [str(out)], str(second), 8, sharegpt_path=str(sharegpt), temperature=0.7
+        )
+        assert [p["temperature"] for p in engine.params[3:]] == [0.7] * 2
+        seeds[-1] += [p["seed"] for p in engine.params[3:]]
+    assert seeds[0] == seeds[1]  # a rerun draws the same answers
+    assert len(set(seeds[0])) == 5  # each prompt its own draw
 
 
 def test_a_run_on_given_files_answers_their_second_turns_only_when_asked(

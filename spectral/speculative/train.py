@@ -64,6 +64,9 @@ class TrainConfig:
     # data holds (generated or --data), after that answer (work_dir/sharegpt-second-turns.jsonl)
     second_turns: bool = False
     max_new_tokens: int = 384
+    # sampling temperature of the self-distilled answers (0: greedy); a sampled answer is new
+    # text from the target's distribution for a prompt whose greedy answer the data has
+    temperature: float = 0.0
     draft_vocab_size: int = 8192
     intermediate_size: int | None = None  # default: the target's
     ttt_steps: int = 7
@@ -464,13 +467,19 @@ def training_files(
                 cfg.max_new_tokens,
                 sharegpt_path=sharegpt_path,
                 skip_prompts=cfg.skip_prompts,
+                temperature=cfg.temperature,
             )
             data = [answers]
         if cfg.second_turns:
             second = work / "sharegpt-second-turns.jsonl"
             data = [p for p in data if Path(p).resolve() != second.resolve()]
             generate_second_turns(
-                engine, data, str(second), cfg.max_new_tokens, sharegpt_path=sharegpt_path
+                engine,
+                data,
+                str(second),
+                cfg.max_new_tokens,
+                sharegpt_path=sharegpt_path,
+                temperature=cfg.temperature,
             )
             data.append(str(second))
     finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,10 +90,11 @@ def generate_answers(
     batch_size: int = 64,
     sharegpt_path: str | None = None,
     skip_prompts: int = 0,
+    temperature: float = 0.0,
 ) -> None:
     """Answer `num_prompts` ShareGPT first turns, after the first `skip_prompts`, with the
-    target (greedy) and append `{"id", "input_ids", "output_ids"}` lines to `out_path`, in
-    prompt order; ids already there are skipped."""
+    target (greedy, or sampled at `temperature`) and append `{"id", "input_ids", "output_ids"}`
+    lines to `out_path`, in prompt order; ids already there are skipped."""
     done = _answered_ids(out_path)
     pending: list[tuple[str, list[int]]] = []
     for rid, question in sharegpt_first_turns(num_prompts, sharegpt_path, skip_prompts):
@@ -102,7 +104,7 @@ def generate_answers(
         if len(ids) <= max_prompt_tokens:
             pending.append((rid, ids))
     logger.info("%d prompts to answer (%d already answered)", len(pending), len(done))
-    _answer(engine, pending, out_path, max_new_tokens, batch_size)
+    _answer(engine, pending, out_path, max_new_tokens, batch_size, temperature)
 
 
 def generate_second_turns(
@@ -114,6 +116,7 @@ def generate_second_turns(
     max_prompt_tokens: int = 512,
     batch_size: int = 64,
     sharegpt_path: str | None = None,
+    temperature: float = 0.0,
 ) -> None:
     """Answer the second user turn of the ShareGPT conversations whose first turn the target
     answered in `first_turn_paths` (`generate_answers` output), with the target's own first
@@ -151,7 +154,7 @@ def generate_second_turns(
         if len(ids) <= max_prompt_tokens:
             pending.append((rid, ids))
     logger.info("%d second turns to answer (%d already answered)", len(pending), len(done))
-    _answer(engine, pending, out_path, max_new_tokens, batch_size)
+    _answer(engine, pending, out_path, max_new_tokens, batch_size, temperature)
 
 
 def _chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
@@ -185,13 +188,18 @@ def _answer(
     out_path: str,
     max_new_tokens: int,
     batch_size: int,
+    temperature: float = 0.0,
 ) -> None:
-    """Greedy answers to `pending` (id, prompt ids), appended to `out_path` batch by batch."""
-    params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
+    """Answers to `pending` (id, prompt ids), greedy or sampled at `temperature` with a seed
+    from each id (a rerun draws the same answers), appended to `out_path` batch by batch."""
+    params = {"temperature": temperature, "max_new_tokens": max_new_tokens}
     with Path(out_path).open("a") as f:
         for start in range(0, len(pending), batch_size):
             chunk = pending[start : start + batch_size]
-            outputs = engine.generate(input_ids=[ids for _, ids in chunk], sampling_params=params)
+            outputs = engine.generate(
+                input_ids=[ids for _, ids in chunk],
+                sampling_params=[{**params, "seed": zlib.crc32(rid.encode())} for rid, _ in chunk],
+            )
             for (rid, ids), o in zip(chunk, outputs):
                 f.write(json.dumps({"id": rid, "input_ids": ids, "output_ids": o["output_ids"]}))
                 f.write("\n")
