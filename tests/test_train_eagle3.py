@@ -35,6 +35,7 @@ from spectral.speculative.train_data import (
     generate_second_turns,
     load_samples,
     sharegpt_first_turns,
+    without_prompts_of,
 )
 from spectral.speculative.ttt import ttt_loss
 from tests.conftest import make_tiny_llama
@@ -458,6 +459,21 @@ def test_sharegpt_first_turns_skip_the_first_prompts_and_stop_at_the_cut(tmp_pat
     assert list(sharegpt_first_turns(10, str(path))) == [("a", "one"), ("c", "two"), ("d", "three")]
     assert list(sharegpt_first_turns(1, str(path), skip=1)) == [("c", "two")]
     assert list(sharegpt_first_turns(5, str(path), skip=2)) == [("d", "three")]
+
+
+def test_training_leaves_out_other_answers_to_held_out_prompts() -> None:
+    def chat(prompt: list[int], answer: list[int]) -> Sample:
+        return Sample(prompt + answer, [0] * len(prompt) + [1] * len(answer))
+
+    held_out = [chat([1, 2, 3], [9, 9]), Sample([5, 6], [1, 1])]
+    samples = [
+        chat([1, 2, 3], [7, 8, 4]),  # another answer to a held-out prompt: out
+        chat([1, 2], [3, 9, 9]),  # a prompt that is a prefix of one held out: kept
+        chat([1, 2, 3, 4], [9]),  # one that extends it: kept
+        Sample([5, 6], [1, 1]),  # plain text has no prompt: kept
+    ]
+    assert without_prompts_of(samples, held_out) == samples[1:]
+    assert without_prompts_of(samples, []) == samples
 
 
 class EchoEngine:

@@ -41,6 +41,7 @@ from spectral.speculative.train_data import (
     generate_answers,
     generate_second_turns,
     load_samples,
+    without_prompts_of,
 )
 from spectral.speculative.ttt import ttt_loss
 
@@ -445,12 +446,12 @@ def resolve_device(name: str) -> torch.device:
 def training_files(
     cfg: TrainConfig, make_engine: Callable[[], Any], sharegpt_path: str | None = None
 ) -> list[str]:
-    """The files a run trains on: `cfg.data`, or without it the target's greedy answers to
-    ShareGPT first turns (`work_dir/sharegpt-answers.jsonl`); with `second_turns` also the
-    target's answers to the second user turns of the ShareGPT conversations whose first
-    answers those files hold (`work_dir/sharegpt-second-turns.jsonl`, listed once even when
-    `cfg.data` names it). The engine (`make_engine()`) starts only for a run that generates
-    (no `cfg.data`, or `second_turns`); a rerun appends only what is missing."""
+    """The files a run trains on: `cfg.data`, or without it the target's answers (greedy, or
+    sampled at `cfg.temperature`) to ShareGPT first turns (`work_dir/sharegpt-answers.jsonl`);
+    with `second_turns` also the target's answers to the second user turns of the ShareGPT
+    conversations whose first answers those files hold (`work_dir/sharegpt-second-turns.jsonl`,
+    listed once even when `cfg.data` names it). The engine (`make_engine()`) starts only for a
+    run that generates (no `cfg.data`, or `second_turns`); a rerun appends only what is missing."""
     data = list(cfg.data)
     if data and not cfg.second_turns:
         return data
@@ -508,12 +509,17 @@ def train(cfg: TrainConfig) -> DraftHead:
         return Engine(model_path=cfg.model_path, dtype="auto", max_running_requests=64)
 
     data = training_files(cfg, start_engine)
-    samples = load_samples(data, tokenizer, cfg.max_len)
-    if not samples:
-        raise SystemExit(f"no training samples in {', '.join(data)}")
     held_out = load_samples(cfg.eval_data, tokenizer, cfg.max_len)
     if cfg.eval_data and not held_out:
         raise SystemExit(f"no evaluation samples in {', '.join(cfg.eval_data)}")
+    loaded = load_samples(data, tokenizer, cfg.max_len)
+    samples = without_prompts_of(loaded, held_out)
+    if len(samples) < len(loaded):
+        logger.info(
+            "%d training samples answer held-out prompts: left out", len(loaded) - len(samples)
+        )
+    if not samples:
+        raise SystemExit(f"no training samples in {', '.join(data)}")
 
     head = new_head(target_config, cfg)
     teacher = Teacher(model_dir, head.cfg.aux_layers, torch.bfloat16, device)

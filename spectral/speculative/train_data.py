@@ -235,6 +235,20 @@ def load_samples(paths: list[str], tokenizer, max_len: int) -> list[Sample]:
     return samples
 
 
+def without_prompts_of(samples: list[Sample], held_out: list[Sample]) -> list[Sample]:
+    """`samples` less those answering a prompt of `held_out` (a sample's tokens before its
+    first answer token): another answer to a held-out prompt, e.g. one sampled at a
+    temperature, would have the head scored on a question it trained on. Samples that are all
+    answer (plain text) have no prompt and are kept."""
+
+    def prompt(s: Sample) -> tuple[int, ...]:
+        n = s.loss_mask.index(1) if 1 in s.loss_mask else len(s.loss_mask)
+        return tuple(s.input_ids[:n])
+
+    taken = {prompt(s) for s in held_out} - {()}
+    return [s for s in samples if prompt(s) not in taken]
+
+
 def _sample(row: dict, tokenizer) -> Sample | None:
     if "input_ids" in row and "output_ids" in row:
         prompt, answer = row["input_ids"], row["output_ids"]
