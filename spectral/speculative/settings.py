@@ -25,9 +25,8 @@ DEFAULT_NGRAM_MAX_MATCH = 4
 DEFAULT_MAX_BATCH_SIZE = 1
 # EAGLE/EAGLE3: n-gram trees of up to this many tokens where the request's last tokens repeat
 # earlier ones (0: the head drafts every round). bench/spec.py, 80 MT-Bench first turns at
-# batch 1 with the shipped head: τ 2.21 against 1.97 with the head alone (the head before it,
-# the same session: 2.17 and 1.33x plain decoding, against 1.91 and 1.21x; an earlier head,
-# trees of 4: τ 1.97 on the first 16, against 2.10 with 8).
+# batch 1 with the shipped head: τ 2.25 and 1.31x plain decoding, against 2.03 and 1.21x with
+# the head alone (an earlier head, trees of 4: τ 1.97 on the first 16, against 2.10 with 8).
 DEFAULT_HYBRID_NGRAM = 8
 
 
