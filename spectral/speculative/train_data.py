@@ -188,7 +188,7 @@ def _answer(
     out_path: str,
     max_new_tokens: int,
     batch_size: int,
-    temperature: float = 0.0,
+    temperature: float,
 ) -> None:
     """Answers to `pending` (id, prompt ids), greedy or sampled at `temperature` with a seed
     from each id (a rerun draws the same answers), appended to `out_path` batch by batch."""
