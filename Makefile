@@ -6,7 +6,7 @@ DEV_STAMP := $(VENV)/.spectral-dev-installed
 # On a machine without CUDA, pin the CPU build of torch (an unpinned torch pulls a CUDA build).
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: serve test lint bench clean-venv
+.PHONY: serve test lint bench fuzz clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +25,10 @@ serve: $(STAMP)
 
 test: $(DEV_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# schemathesis against a live server on the default model, longer than make test's bounded run.
+fuzz: $(DEV_STAMP)
+	$(PY) -m tests.fuzz --examples $(or $(EXAMPLES),200)
 
 lint: $(DEV_STAMP)
 	$(PY) -m ruff check spectral tests bench

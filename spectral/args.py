@@ -50,6 +50,13 @@ class ServerArgs:
     log_level: str = "info"
     api_key: str | None = None
     served_model_name: str | None = None
+    # Request limits (what one request may ask for; see RequestLimits)
+    max_request_bytes: int = 16 * 2**20
+    max_request_sequences: int = 256
+    max_stop_strings: int = 32
+    max_stop_length: int = 256
+    max_rid_length: int = 256
+    max_top_logprobs_num: int = 20
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -75,6 +82,16 @@ class ServerArgs:
             raise ValueError(f"num_threads must be >= 1 (got {self.num_threads})")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {self.max_prefill_tokens})")
+        for name in (
+            "max_request_bytes",
+            "max_request_sequences",
+            "max_stop_strings",
+            "max_stop_length",
+            "max_rid_length",
+            "max_top_logprobs_num",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.speculative_algorithm is not None:
             from spectral.speculative.settings import SpecSettings
 
@@ -149,6 +166,14 @@ class ServerArgs:
             "log_level": "debug, info, warning, error",
             "api_key": "require 'Authorization: Bearer <key>' on every endpoint but /health",
             "served_model_name": "the model name the OpenAI API reports (default: model path)",
+            "max_request_bytes": "largest request body accepted (bytes; larger ones get a 413 "
+            "before they are read)",
+            "max_request_sequences": "most sequences one request may start: prompts times n",
+            "max_stop_strings": "most stop strings (and most stop token ids) per request",
+            "max_stop_length": "longest stop string, in characters",
+            "max_rid_length": "longest request id, in characters",
+            "max_top_logprobs_num": "most top logprobs per token (top_logprobs_num, logprobs, "
+            "top_logprobs)",
         }
         for f in fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")

@@ -19,7 +19,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*flags: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+def start_server(
+    *flags: str, timeout: float = 120.0, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """A server with `flags` on a free port (`env`: extra environment variables)."""
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -33,6 +36,7 @@ def start_server(*flags: str, timeout: float = 120.0) -> tuple[subprocess.Popen,
             *flags,
         ],
         start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -109,3 +113,34 @@ def alive(pid: int) -> bool:
         return False
     state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     return state != "Z"
+
+
+def server_processes(proc: subprocess.Popen) -> dict[int, str]:
+    """The server's process and its children: pid -> command line."""
+    return {pid: cmdline(pid) for pid in [proc.pid, *descendants(proc.pid)]}
+
+
+def peak_rss_kib(pid: int) -> int:
+    """The process's peak resident memory so far (VmHWM), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmHWM for process {pid}")
+
+
+def wait_idle_and_accounted(server: str, headers: dict | None = None, timeout: float = 20.0):
+    """Wait until the server is idle with every KV slot free or in the radix cache (none held
+    by a request); return its server info."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = httpx.get(server + "/get_server_info", headers=headers, timeout=10).json()
+        mem = info["memory"]
+        idle = info["requests"] == {"running": 0, "waiting": 0}
+        if (
+            idle
+            and mem["protected_tokens"] == 0
+            and mem["free_tokens"] + mem["evictable_tokens"] == mem["total_tokens"]
+        ):
+            return info
+        assert time.monotonic() < deadline, f"server did not return to idle: {info}"
+        time.sleep(0.2)

@@ -150,13 +150,25 @@ def test_server_info_reports_memory_and_flush_cache_empties_the_radix_cache(engi
     [
         (dict(prompt=""), "prompt is empty"),
         (dict(input_ids=[]), "prompt is empty"),
-        (dict(prompt="x", sampling_params={"max_new_tokens": -1}), "max_new_tokens must be >= 0"),
-        (dict(prompt="x", sampling_params={"temperature": -0.5}), "temperature must be >= 0"),
-        (dict(prompt="x", sampling_params={"top_p": 0.0}), r"top_p must be in \(0, 1\]"),
-        (dict(prompt="x", sampling_params={"top_p": 1.5}), r"top_p must be in \(0, 1\]"),
+        (
+            dict(prompt="x", sampling_params={"max_new_tokens": -1}),
+            "max_new_tokens: Input should be greater than or equal to 0",
+        ),
+        (
+            dict(prompt="x", sampling_params={"temperature": -0.5}),
+            "temperature: Input should be greater than or equal to 0",
+        ),
+        (dict(prompt="x", sampling_params={"top_p": 0.0}), "top_p: Input should be greater than 0"),
+        (dict(prompt="x", sampling_params={"top_p": 1.5}), "top_p: Input should be less than or"),
         (dict(prompt="x", sampling_params={"top_k": 0}), "top_k must be -1"),
-        (dict(prompt="x", sampling_params={"max_new_token": 3}), "unknown sampling parameter"),
-        (dict(prompt="x", sampling_params={"max_new_tokens": "3"}), "must be an integer"),
+        (
+            dict(prompt="x", sampling_params={"max_new_token": 3}),
+            "max_new_token: unknown field; allowed: max_new_tokens, ",
+        ),
+        (
+            dict(prompt="x", sampling_params={"max_new_tokens": "3"}),
+            "max_new_tokens: Input should be a valid integer",
+        ),
         (dict(input_ids=[1, 10**7]), "outside the vocabulary"),
         (dict(prompt="x", input_ids=[1]), "exactly one of"),
     ],

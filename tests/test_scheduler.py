@@ -139,5 +139,92 @@ def test_lpm_puts_the_longest_cached_prefix_first(peaky_model_dir):
     none = greedy_req("none", [5, 6, 7], 1)
     long = greedy_req("long", list(range(10, 55)) + [9], 1)
     s.waiting.extend([none, short, long])
-    assert [r.rid for r in order_waiting(s.waiting, "lpm", s.kv)] == ["long", "short", "none"]
-    assert [r.rid for r in order_waiting(s.waiting, "fcfs", s.kv)] == ["none", "short", "long"]
+    assert [r.rid for r in order_waiting(s.waiting, "lpm", s.kv, [])] == ["long", "short", "none"]
+    assert [r.rid for r in order_waiting(s.waiting, "fcfs", s.kv, [])] == ["none", "short", "long"]
+
+
+def in_group(req: Req, group: str) -> Req:
+    req.group = group
+    return req
+
+
+def test_the_queue_takes_turns_between_groups(peaky_model_dir):
+    s = make_scheduler(peaky_model_dir)
+    running = [in_group(greedy_req(f"a{i}", [5, 6], 1), "A") for i in range(3)]
+    s.waiting.extend(
+        [
+            in_group(greedy_req("a3", [5], 1), "A"),
+            in_group(greedy_req("a4", [5], 1), "A"),
+            in_group(greedy_req("b0", [5], 1), "B"),
+            greedy_req("solo", [5], 1),
+            in_group(greedy_req("b1", [5], 1), "B"),
+        ]
+    )
+    # A has three running: its queued requests wait for B's and solo's first turns.
+    order = [r.rid for r in order_waiting(s.waiting, "fcfs", s.kv, running)]
+    assert order == ["b0", "solo", "b1", "a3", "a4"]
+
+
+def test_a_new_client_gets_a_row_from_a_fan_out_that_holds_them_all(peaky_model_dir, baseline):
+    prompts = mixed_prompts(32)[:7]
+    s = make_scheduler(peaky_model_dir, max_running_requests=4)
+    fan_out = [in_group(r, "fan") for r in fresh(prompts[:6])]
+    for req in fan_out:
+        s.add_request(req)
+    while len(s.running) < 4:
+        s.step()
+    late = fresh(prompts)[6]
+    s.add_request(late)
+    s.step()  # a decode step follows every prefill
+    s.step()
+    assert late in s.running and len(s.running) == 4
+    assert s.stats.retractions == 1
+    while s.has_work:
+        s.step()
+    assert {r.rid: r.output_ids for r in fan_out + [late]} == {
+        r.rid: baseline[r.rid] for r in fan_out + [late]
+    }
+    assert scheduler_leaks(s) == []
+
+
+class FailingWorker:
+    """A worker that raises on every batch holding request `bad` once it has `after` output
+    tokens (a decode row), and runs every other batch."""
+
+    def __init__(self, worker, bad: str, after: int) -> None:
+        self.worker, self.bad, self.after = worker, bad, after
+        self.failures = 0
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def forward(self, batch):
+        for s in batch.sampling:
+            if s.rid == self.bad and len(s.output_ids) >= self.after:
+                self.failures += 1
+                raise RuntimeError("boom")
+        return self.worker.forward(batch)
+
+
+def test_a_worker_failure_on_one_row_fails_only_its_request(peaky_model_dir, baseline):
+    """The batch is split until the failing request is alone; it ends aborted with the error,
+    keeping in the cache only KV computed before the failure, and the others go on with the
+    same outputs as when run alone."""
+    s = make_scheduler(peaky_model_dir)
+    s.worker = FailingWorker(s.worker, "r3", after=3)
+    reqs = fresh(mixed_prompts(32)[:8])
+    outputs = run_all(s, reqs)
+    bad = reqs[3]
+    assert bad.finished_reason.type == "abort" and "boom" in bad.finished_reason.message
+    assert len(bad.output_ids) == 3
+    assert 1 < s.worker.failures <= 4  # halves of at most 8 rows, down to the row alone
+    assert {rid: out for rid, out in outputs.items() if rid != "r3"} == {
+        r.rid: baseline[r.rid] for r in reqs if r.rid != "r3"
+    }
+    assert scheduler_leaks(s) == []
+    # Nothing the failed step wrote reached the radix cache: the same request run again
+    # (through the cached prefix) gives the output it gives alone.
+    s.worker = s.worker.worker
+    again = fresh(mixed_prompts(32)[:8])[3]
+    assert run_all(s, [again]) == {"r3": baseline["r3"]}
+    assert scheduler_leaks(s) == []

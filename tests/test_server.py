@@ -20,6 +20,7 @@ from tests.server_utils import (
     start_fp32_server,
     start_server,
     stop_server,
+    wait_idle_and_accounted,
 )
 
 API_KEY = "test-key"
@@ -128,19 +129,7 @@ def test_native_generate_matches_and_streams(server, engine_fp32, tokenizer):
 
 
 def wait_for_no_leaks(server: str, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = httpx.get(server + "/get_server_info", headers=HEADERS, timeout=10).json()
-        mem = info["memory"]
-        idle = info["requests"] == {"running": 0, "waiting": 0}
-        if (
-            idle
-            and mem["protected_tokens"] == 0
-            and mem["free_tokens"] + mem["evictable_tokens"] == mem["total_tokens"]
-        ):
-            return info
-        assert time.monotonic() < deadline, f"server did not return to idle: {info}"
-        time.sleep(0.2)
+    return wait_idle_and_accounted(server, HEADERS, timeout)
 
 
 def test_32_streaming_clients_with_a_quarter_disconnecting(server):
@@ -193,7 +182,7 @@ def test_32_streaming_clients_with_a_quarter_disconnecting(server):
         ),
         ("/v1/completions", {"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
         ("/v1/completions", {"model": "m", "prompt": "x " * 9000}, "context length is 8192"),
-        ("/generate", {"text": "x", "sampling_params": {"top_p": 0}}, "top_p must be in"),
+        ("/generate", {"text": "x", "sampling_params": {"top_p": 0}}, "top_p: Input should be"),
     ],
 )
 def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server, path, body, message):
@@ -225,6 +214,9 @@ def test_wrong_api_key_is_refused_but_health_is_open(server):
     res = httpx.get(server + "/v1/models", headers={"Authorization": "Bearer nope"}, timeout=10)
     assert res.status_code == 401 and "API key" in res.json()["error"]["message"]
     assert httpx.get(server + "/health", timeout=10).status_code == 200
+    doc = httpx.get(server + "/openapi.json", headers=HEADERS, timeout=10).json()
+    assert "401" in doc["paths"]["/v1/models"]["get"]["responses"]
+    assert "401" not in doc["paths"]["/health"]["get"]["responses"]
 
 
 def test_killing_the_worker_stops_the_server_with_an_error(tiny_model_dir):

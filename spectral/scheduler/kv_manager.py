@@ -95,6 +95,13 @@ class KVManager:
             self.allocator.free(duplicates)
         return bool(duplicates)
 
+    def forget_after(self, req: Req, computed: int) -> None:
+        """Free the request's slots from position `computed` on (their KV was never computed,
+        so the radix cache must not get them)."""
+        if computed < req.seq_len:
+            self.allocator.free(req.kv_slots[computed:])
+            del req.kv_slots[computed:]
+
     def release(self, req: Req) -> None:
         """The request gives up its KV: computed tokens go to the tree (or back to the
         allocator without a tree), the lock and the row are released."""

@@ -8,7 +8,7 @@ one request at a time may be cut into chunks of `chunked_prefill_size`.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from spectral.mem.radix_cache import common_prefix_len
@@ -103,9 +103,19 @@ class PrefillAdder:
         return False
 
 
-def order_waiting(waiting: deque[Req], policy: str, kv: KVManager) -> list[Req]:
-    """fcfs: arrival order. lpm: longest cached prefix first (fcfs for long queues)."""
+def order_waiting(waiting: deque[Req], policy: str, kv: KVManager, running: list[Req]) -> list[Req]:
+    """fcfs: arrival order. lpm: longest cached prefix first (fcfs for long queues). Either
+    way fair between groups: a request whose group has fewer sequences running or queued
+    ahead of it goes first, so one client's fan-out (a batch, n choices) takes turns with
+    everyone else's requests instead of queueing them all behind it."""
     if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE and not kv.tree.disable:
         matched = {id(r): len(kv.tree.match_prefix(r.all_ids)[0]) for r in waiting}
-        return sorted(waiting, key=lambda r: -matched[id(r)])
-    return list(waiting)
+        ordered = sorted(waiting, key=lambda r: -matched[id(r)])
+    else:
+        ordered = list(waiting)
+    share = Counter(r.group_key for r in running)
+    turn = {}
+    for req in ordered:  # the k-th queued request of a group waits for its k-th turn
+        turn[id(req)] = share[req.group_key]
+        share[req.group_key] += 1
+    return sorted(ordered, key=lambda r: turn[id(r)])

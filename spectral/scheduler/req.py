@@ -37,6 +37,9 @@ class Req:
     top_logprobs_num: int = 0
     # With return_logprob: logprobs of the prompt tokens from this position on (-1: none).
     logprob_start_len: int = -1
+    # Requests of one client call (a batch, n choices) share a group; the scheduler shares
+    # its rows fairly between groups. None: a group of its own.
+    group: str | None = None
     output_ids: list[int] = field(default_factory=list)
 
     # KV state, owned from admission until the scheduler releases the request:
@@ -71,6 +74,10 @@ class Req:
     stop_text_cut: int | None = None
     created_at: float = field(default_factory=time.perf_counter)
     finished_at: float | None = None
+
+    @property
+    def group_key(self) -> str:
+        return self.group if self.group is not None else self.rid
 
     @property
     def seq_len(self) -> int:

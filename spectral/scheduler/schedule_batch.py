@@ -111,6 +111,7 @@ class ScheduleBatch:
         p = req.sampling_params
         return RequestSampling(
             params=p,
+            rid=req.rid,
             output_ids=req.output_ids,
             penalty_prompt_ids=req.input_ids if p.repetition_penalty != 1.0 else [],
             return_logprob=req.return_logprob,

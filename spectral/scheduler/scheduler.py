@@ -14,8 +14,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from spectral import faults
 from spectral.forward import ForwardMode
-from spectral.sampling_params import InvalidRequestError
+from spectral.sampling_params import InvalidRequestError, SamplingParams
 from spectral.scheduler.kv_manager import KVManager
 from spectral.scheduler.prefill import PrefillAdder, order_waiting
 from spectral.scheduler.req import FinishReason, Req
@@ -59,6 +60,44 @@ class SchedulerStats:
 
     def to_dict(self) -> dict[str, float]:
         return {**dataclasses.asdict(self), "spec_accept_length": self.spec_accept_length}
+
+
+def check_request(
+    input_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_context_len: int,
+    num_kv_slots: int,
+) -> None:
+    """Raise InvalidRequestError for a request that can never run: an empty or too long
+    prompt, ids outside the vocabulary, parameters out of range, more KV than the pool has.
+    The scheduler checks every request; the server checks before it queues one too."""
+    n = len(input_ids)
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty: give a non-empty text or input_ids")
+    bad = [t for t in input_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"input_ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})", "input_ids"
+        )
+    if n >= max_context_len:
+        raise InvalidRequestError(
+            f"the prompt has {n} tokens; the context length is {max_context_len}, "
+            f"so prompts may have at most {max_context_len - 1}"
+        )
+    params.validate(vocab_size)
+    needed = n + min(params.max_new_tokens, max_context_len - n)
+    if needed > num_kv_slots:
+        raise InvalidRequestError(
+            f"the request needs {needed} tokens of KV cache (prompt {n} + max_new_tokens), "
+            f"the pool holds {num_kv_slots}; lower max_new_tokens or raise --max-total-tokens",
+            "max_new_tokens",
+        )
+
+
+class WorkerLostError(RuntimeError):
+    """The worker is gone (not: it failed on one batch). Nothing can run; the scheduler
+    lets this through instead of failing the batch's requests."""
 
 
 class Scheduler:
@@ -115,27 +154,13 @@ class Scheduler:
 
     def validate(self, req: Req) -> None:
         """Raise InvalidRequestError for a request that can never run. Reads only settings."""
-        n = len(req.input_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty: give a non-empty text or input_ids")
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"input_ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})"
-            )
-        if n >= self.max_context_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens; the context length is {self.max_context_len}, "
-                f"so prompts may have at most {self.max_context_len - 1}"
-            )
-        req.sampling_params.validate(self.vocab_size)
-        needed = n + self.max_output(req)
-        if needed > self.kv.allocator.num_slots:
-            raise InvalidRequestError(
-                f"the request needs {needed} tokens of KV cache (prompt {n} + max_new_tokens), "
-                f"the pool holds {self.kv.allocator.num_slots}; lower max_new_tokens or raise "
-                "--max-total-tokens"
-            )
+        check_request(
+            req.input_ids,
+            req.sampling_params,
+            self.vocab_size,
+            self.max_context_len,
+            self.kv.allocator.num_slots,
+        )
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
@@ -182,14 +207,58 @@ class Scheduler:
         if batch is None:
             return []
         self.last_mode = batch.mode
+        return self._run(batch)
+
+    def _run(self, batch: ScheduleBatch) -> list[Req]:
+        """Forward `batch` and take in its results. When the worker fails on it, the batch is
+        split and run again in halves (a forward only rewrites the same slots) until the
+        requests it fails on are alone; those finish as aborted with the error, the others
+        go on. A speculative round is not rerun (the worker's draft state has moved), so
+        all of its requests fail."""
         banned = {
             req.rid: self._stop_ids(req)
             for req in batch.reqs
             if len(req.output_ids) < req.sampling_params.min_new_tokens
         }
         draft_next = self.spec is not None and self.spec.uses_draft_head
-        result = self.worker.forward(batch.to_worker_batch(banned, draft_next))
+        stale = [req.table_stale_from for req in batch.reqs]
+        try:
+            result = self.worker.forward(batch.to_worker_batch(banned, draft_next))
+        except WorkerLostError:
+            raise
+        except Exception as err:
+            for req, value in zip(batch.reqs, stale):
+                req.table_stale_from = value  # the table rows may not have been written
+            if len(batch.reqs) == 1 or batch.mode == ForwardMode.TARGET_VERIFY:
+                logger.exception("the model worker failed on a batch of %d", len(batch.reqs))
+                for req in batch.reqs:
+                    self._fail(req, batch, faults.failure("model worker", err))
+                return list(batch.reqs)
+            half = len(batch.reqs) // 2
+            return [
+                req
+                for part in (batch.reqs[:half], batch.reqs[half:])
+                for req in self._run(ScheduleBatch(batch.mode, part))
+            ]
         return self._process_result(batch, result)
+
+    def _fail(self, req: Req, batch: ScheduleBatch, message: str) -> None:
+        """Finish `req` as aborted with `message`, keeping in the cache only the KV computed
+        before this batch."""
+        if req.finished:
+            return
+        if batch.mode == ForwardMode.TARGET_VERIFY:
+            computed = req.seq_len
+            self.kv.allocator.free(req.spec_slots)
+            req.spec_slots = []
+        else:
+            computed = min(batch.new_token_range(req)[0], req.seq_len)
+        self.kv.forget_after(req, computed)
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self._finish(req, FinishReason("abort", message=message))
 
     def _next_batch(self) -> ScheduleBatch | None:
         # After a prefill, decode once before the next prefill, so that long prompts
@@ -216,7 +285,10 @@ class Scheduler:
         )
         if self.chunked is not None:
             adder.add_chunked(self.chunked)
-        for req in order_waiting(self.waiting, self.schedule_policy, self.kv):
+        queue = order_waiting(self.waiting, self.schedule_policy, self.kv, self.running)
+        if adder.slots_left <= 0 and queue and self._make_room_for(queue[0]):
+            adder.slots_left += 1
+        for req in queue:
             if adder.new_chunked is not None:
                 break
             if adder.shares_uncached_prefix(req):
@@ -229,6 +301,21 @@ class Scheduler:
             return None
         self.chunked = adder.new_chunked
         return ScheduleBatch(ForwardMode.EXTEND, adder.admitted)
+
+    def _make_room_for(self, req: Req) -> bool:
+        """Every row is taken and `req`'s group has none: retract the newest request of the
+        group holding the most rows, if it holds at least two, so that no client's fan-out
+        keeps another client waiting for a whole generation. Returns whether it did."""
+        groups: dict[str, list[Req]] = {}
+        for other in self.running:
+            groups.setdefault(other.group_key, []).append(other)
+        if req.group_key in groups:
+            return False
+        largest = max(groups.values(), key=len, default=[])
+        if len(largest) < 2:
+            return False
+        self._retract(min(largest, key=lambda r: (len(r.output_ids), -r.created_at)))
+        return True
 
     def _decode_batch(self) -> ScheduleBatch | None:
         """Every running request gets one slot for its newest token; when the pool runs
@@ -291,11 +378,7 @@ class Scheduler:
             self.running,
             key=lambda r: (r.remaining_new_tokens(self.max_output(r)), -len(r.input_ids)),
         )
-        self.running.remove(victim)
-        self.kv.release(victim)
-        victim.retraction_count += 1
-        self.waiting.appendleft(victim)
-        self.stats.retractions += 1
+        self._retract(victim)
         decoded = sum(len(r.output_ids) for r in self.running)
         budget = sum(self.max_output(r) for r in self.running) or 1
         ratio = (decoded + RETRACT_HEADROOM_STEPS * len(self.running)) / budget
@@ -306,73 +389,93 @@ class Scheduler:
             len(victim.all_ids),
         )
 
+    def _retract(self, victim: Req) -> None:
+        """Back to the front of the queue; its computed tokens stay in the radix cache."""
+        self.running.remove(victim)
+        self.kv.release(victim)
+        victim.retraction_count += 1
+        self.waiting.appendleft(victim)
+        self.stats.retractions += 1
+
     def _process_result(self, batch: ScheduleBatch, result: WorkerResult) -> list[Req]:
-        if batch.mode == ForwardMode.TARGET_VERIFY:
-            return self._process_verify(batch, result)
+        """Take in each request's part of `result`; a request whose part fails is finished as
+        aborted with the error, and the others go on."""
+        take = self._take_verify if batch.mode == ForwardMode.TARGET_VERIFY else self._take
         changed: list[Req] = []
         for i, req in enumerate(batch.reqs):
-            if batch.mode == ForwardMode.EXTEND:
-                self.stats.prefill_tokens += req.extend_len
-                if req.wants_input_logprobs:
-                    if not req.input_logprobs:
-                        req.input_logprobs.append(None)  # the first scored token has no context
-                    if result.input_logprobs:
-                        req.input_logprobs.extend(result.input_logprobs[i])
-                if not batch.completes_prefill(req):
-                    continue  # a chunk: its sampled token is meaningless
-                if self.max_output(req) == 0:  # prefilled only: cached, or scored for logprobs
+            try:
+                faults.inject("scheduler", req.rid)
+                if take(batch, result, i, req):
                     changed.append(req)
-                    self._finish(req, FinishReason("length", length=0))
-                    continue
-            req.output_ids.append(result.next_token_ids[i])
-            self.stats.generated_tokens += 1
-            if req.return_logprob:
-                req.output_logprobs.append(result.logprobs[i])
-            if req.top_logprobs_num:
-                req.output_top_logprobs.append(result.top_logprobs[i])
-            changed.append(req)
-            reason = self._check_finish(req)
-            if reason is not None:
-                if req in self.running:
-                    self.running.remove(req)
-                self._finish(req, reason)
-            elif batch.mode == ForwardMode.EXTEND:
-                self.kv.cache_unfinished(req)
-                self.running.append(req)
+            except Exception as err:
+                logger.exception("taking in the result of request %s failed", req.rid)
+                self._fail(req, batch, faults.failure("scheduler", err))
+                changed.append(req)
         return changed
 
-    def _process_verify(self, batch: ScheduleBatch, result: WorkerResult) -> list[Req]:
-        """Append each request's emitted tokens up to the first that finishes it; keep the
-        slots of the root and of the appended tokens but the last, free the rest."""
-        for i, req in enumerate(batch.reqs):
-            slots, req.spec_slots = req.spec_slots, []
-            req.draft_tokens = req.draft_parents = None
-            emitted = result.emitted_ids[i]
-            reason = None
-            appended = 0
-            for j, token in enumerate(emitted):
-                req.output_ids.append(token)
-                appended += 1
-                if req.return_logprob:
-                    req.output_logprobs.append(result.emitted_logprobs[i][j])
-                if req.top_logprobs_num:
-                    req.output_top_logprobs.append(result.emitted_top_logprobs[i][j])
-                reason = self._check_finish(req)
-                if reason is not None:
-                    break
-            kept = [slots[node] for node in result.accepted_nodes[i][:appended]]
-            req.kv_slots.extend(kept)
-            kept_set = set(kept)
-            self.kv.allocator.free([s for s in slots if s not in kept_set])
-            req.spec_verify_ct += 1
-            req.spec_accepted_tokens += appended - 1
-            self.stats.spec_verify_ct += 1
-            self.stats.spec_emitted_tokens += appended
-            self.stats.generated_tokens += appended
-            if reason is not None:
+    def _take(self, batch: ScheduleBatch, result: WorkerResult, i: int, req: Req) -> bool:
+        """Prefill or decode: append the sampled token (not for a prompt chunk) and finish or
+        keep running the request. Returns whether its output changed."""
+        if batch.mode == ForwardMode.EXTEND:
+            self.stats.prefill_tokens += req.extend_len
+            if req.wants_input_logprobs:
+                if not req.input_logprobs:
+                    req.input_logprobs.append(None)  # the first scored token has no context
+                if result.input_logprobs:
+                    req.input_logprobs.extend(result.input_logprobs[i])
+            if not batch.completes_prefill(req):
+                return False  # a chunk: its sampled token is meaningless
+            if self.max_output(req) == 0:  # prefilled only: cached, or scored for logprobs
+                self._finish(req, FinishReason("length", length=0))
+                return True
+        req.output_ids.append(result.next_token_ids[i])
+        self.stats.generated_tokens += 1
+        if req.return_logprob:
+            req.output_logprobs.append(result.logprobs[i])
+        if req.top_logprobs_num:
+            req.output_top_logprobs.append(result.top_logprobs[i])
+        reason = self._check_finish(req)
+        if reason is not None:
+            if req in self.running:
                 self.running.remove(req)
-                self._finish(req, reason)
-        return list(batch.reqs)
+            self._finish(req, reason)
+        elif batch.mode == ForwardMode.EXTEND:
+            self.kv.cache_unfinished(req)
+            self.running.append(req)
+        return True
+
+    def _take_verify(self, batch: ScheduleBatch, result: WorkerResult, i: int, req: Req) -> bool:
+        """A speculative round: append the emitted tokens up to the first that finishes the
+        request; keep the slots of the root and of the appended tokens but the last, free the
+        rest."""
+        req.draft_tokens = req.draft_parents = None
+        emitted = result.emitted_ids[i]
+        reason = None
+        appended = 0
+        for j, token in enumerate(emitted):
+            req.output_ids.append(token)
+            appended += 1
+            if req.return_logprob:
+                req.output_logprobs.append(result.emitted_logprobs[i][j])
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(result.emitted_top_logprobs[i][j])
+            reason = self._check_finish(req)
+            if reason is not None:
+                break
+        slots, req.spec_slots = req.spec_slots, []
+        kept = [slots[node] for node in result.accepted_nodes[i][:appended]]
+        req.kv_slots.extend(kept)
+        kept_set = set(kept)
+        self.kv.allocator.free([s for s in slots if s not in kept_set])
+        req.spec_verify_ct += 1
+        req.spec_accepted_tokens += appended - 1
+        self.stats.spec_verify_ct += 1
+        self.stats.spec_emitted_tokens += appended
+        self.stats.generated_tokens += appended
+        if reason is not None:
+            self.running.remove(req)
+            self._finish(req, reason)
+        return True
 
     def _stop_ids(self, req: Req) -> list[int]:
         ids = list(req.sampling_params.stop_token_ids)

@@ -6,34 +6,39 @@ disconnects mid-stream has its request aborted (the generator's cleanup sends th
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from spectral.sampling_params import InvalidRequestError, SamplingParams
-from spectral.server.http_common import ORJSONResponse, final_state, sse, unless_disconnected
+from spectral.sampling_params import InvalidRequestError, SamplingParams, validation_error
+from spectral.server.http_common import (
+    OrjsonBodyRoute,
+    ORJSONResponse,
+    error_response,
+    event_stream,
+    run_all,
+    sse,
+    unless_disconnected,
+)
 from spectral.server.openai_api import add_openai_routes
-from spectral.server.openai_protocol import error_body
-from spectral.server.tokenizer_manager import TokenizerManager
-
-
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    rid: str | list[str] | None = None
+from spectral.server.protocol import (
+    SSE,
+    AbortRequest,
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    MessageResponse,
+    ModelInfo,
+    RequestLimits,
+    error_body,
+)
+from spectral.server.tokenizer_manager import RequestFailedError, TokenizerManager
 
 
 class ApiKeyMiddleware:
@@ -48,17 +53,8 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"] != "/health":
             headers = dict(scope.get("headers") or [])
             if headers.get(b"authorization") != self.expected:
-                body = orjson.dumps(
-                    error_body("missing or wrong API key: send 'Authorization: Bearer <key>'", 401)
-                )
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 401,
-                        "headers": [(b"content-type", b"application/json")],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
+                message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+                await send_json(send, 401, error_body(message, 401))
                 return
         await self.app(scope, receive, send)
 
@@ -78,44 +74,122 @@ class JsonBodyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(
-    manager: TokenizerManager, served_model: str, info: dict[str, Any], api_key: str | None
-) -> FastAPI:
-    app = FastAPI(default_response_class=ORJSONResponse)
+class BodyLimitMiddleware:
+    """Refuse a body over `limit` bytes with a 413 before reading it (a larger Content-Length)
+    or as soon as it grows past the limit (a chunked upload), reading the rest into nothing
+    so the client gets the answer; a body within the limit is read once and handed on."""
 
-    def error(message: str, status: int = 400) -> ORJSONResponse:
-        return ORJSONResponse(error_body(message, status), status_code=status)
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(receive, send, int(declared), more=True)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            more = msg.get("more_body", False)
+            if size > self.limit:
+                await self._refuse(receive, send, size, more)
+                return
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # from here on: disconnect notices
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, receive: Any, send: Any, size: int, more: bool) -> None:
+        message = (
+            f"the request body has {'at least ' if more else ''}{size} bytes; at most "
+            f"{self.limit} are accepted (--max-request-bytes)"
+        )
+        await send_json(send, 413, error_body(message, 413))
+        while more:
+            msg = await receive()
+            more = msg["type"] == "http.request" and msg.get("more_body", False)
+
+
+async def send_json(send: Any, status: int, body: dict) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": orjson.dumps(body)})
+
+
+def create_app(
+    manager: TokenizerManager,
+    served_model: str,
+    info: dict[str, Any],
+    api_key: str | None,
+    limits: RequestLimits | None = None,
+) -> FastAPI:
+    limits = limits or RequestLimits()
+    app = FastAPI(default_response_class=ORJSONResponse, title="spectral")
+    app.router.route_class = OrjsonBodyRoute
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> ORJSONResponse:
-        problems = []
-        for e in exc.errors():
-            where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
-            problems.append(f"{where or 'body'}: {e.get('msg')}")
-        return error("invalid request: " + "; ".join(problems))
+    async def invalid_body(_: Request, exc: RequestValidationError) -> ORJSONResponse:
+        return error_response(validation_error(list(exc.errors())))
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, exc: InvalidRequestError) -> ORJSONResponse:
-        return error(str(exc))
+        return error_response(exc)
+
+    @app.exception_handler(RequestFailedError)
+    async def failed_request(_: Request, exc: RequestFailedError) -> ORJSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> ORJSONResponse:
+        return ORJSONResponse(
+            error_body(str(exc.detail), exc.status_code),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
 
     app.add_middleware(JsonBodyMiddleware)
+    app.add_middleware(BodyLimitMiddleware, limit=limits.max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     # ---- native API ----------------------------------------------------------------------------
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "serving"}})
     async def health() -> Response:
         return Response(status_code=200)
 
-    @app.get("/health_generate")
+    @app.get(
+        "/health_generate",
+        response_class=Response,
+        responses={200: {"description": "a one-token generation ran"}, **ERRORS},
+    )
     async def health_generate() -> Response:
         params = SamplingParams(max_new_tokens=1)
-        async for _ in manager.generate(manager.tokenize("ping"), params):
+        [ids] = await manager.tokenize("ping")
+        async for _ in manager.generate(ids, params):
             pass
         return Response(status_code=200)
 
-    @app.get("/get_model_info")
+    @app.get("/get_model_info", response_model=ModelInfo, responses=ERRORS)
     async def model_info() -> dict[str, Any]:
         return {
             "model_path": served_model,
@@ -123,79 +197,112 @@ def create_app(
             "context_length": info.get("context_length"),
         }
 
-    @app.get("/get_server_info")
+    @app.get("/get_server_info", response_model=dict[str, Any], responses=ERRORS)
     async def server_info() -> dict[str, Any]:
         return {**info, **(await manager.control("server_info"))}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
     async def metrics() -> Response:
         body = manager.metrics.render(await manager.control("server_info"))
         return Response(body, media_type="text/plain; version=0.0.4")
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", response_model=MessageResponse, responses=ERRORS)
     async def flush_cache() -> ORJSONResponse:
         result = await manager.control("flush_cache")
         if result.get("success"):
             return ORJSONResponse({"message": "Cache flushed."})
-        return error("cannot flush the cache while requests are running or waiting")
+        raise InvalidRequestError("cannot flush the cache while requests are running or waiting")
 
-    @app.post("/abort_request")
-    async def abort_request(body: dict[str, Any]) -> dict[str, Any]:
-        await manager.abort(str(body.get("rid", "")))
+    @app.post("/abort_request", response_model=dict[str, Any], responses=ERRORS)
+    async def abort_request(body: AbortRequest) -> dict[str, Any]:
+        await manager.abort(body.rid)
         return {}
 
-    @app.post("/generate")
+    @app.post(
+        "/generate",
+        response_model=GenerateResponse | list[GenerateResponse],
+        responses={
+            200: SSE,
+            **ERRORS,
+        },
+    )
     async def generate(body: GenerateRequest, request: Request):
-        prompts = _native_prompts(manager, body)
-        params = body.sampling_params
-        param_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(param_list) != len(prompts):
-            raise InvalidRequestError(
-                f"{len(param_list)} sampling_params for {len(prompts)} prompts"
-            )
-        rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
+        params, rids = body.checked(limits)
+        if body.text is not None:
+            prompts = await manager.tokenize(body.text)
+        else:
+            prompts = [body.input_ids] if not body.is_batch else body.input_ids
+        for i, (ids, p, rid) in enumerate(zip(prompts, params, rids)):
+            try:
+                manager.check(ids, p, rid)
+            except InvalidRequestError as err:
+                raise batch_error(err, i, body.is_batch) from None
+        group = manager.new_rid() if body.is_batch else None
         gens = [
             manager.generate(
                 ids,
-                SamplingParams.from_dict(p),
+                p,
                 rid,
                 body.return_logprob,
                 body.top_logprobs_num,
                 body.logprob_start_len,
+                group,
             )
-            for ids, p, rid in zip(prompts, param_list, rids)
+            for ids, p, rid in zip(prompts, params, rids)
         ]
-        single = (
-            body.text is not None
-            and isinstance(body.text, str)
-            or (
-                body.input_ids is not None and body.input_ids and isinstance(body.input_ids[0], int)
-            )
-        )
         if body.stream:
-            if len(gens) != 1:
-                raise InvalidRequestError("stream takes one prompt")
 
             async def events() -> AsyncIterator[bytes]:
                 async for state in gens[0]:
                     yield sse(state.output())
-                yield sse(b"[DONE]")
 
-            return StreamingResponse(events(), media_type="text/event-stream")
-        outs = await unless_disconnected(request, asyncio.gather(*(final_state(g) for g in gens)))
+            return event_stream(events())
+        outs = await unless_disconnected(request, run_all(gens))
         if isinstance(outs, Response):
             return outs
-        return outs[0].output() if single else [o.output() for o in outs]
+        return ORJSONResponse([o.output() for o in outs] if body.is_batch else outs[0].output())
 
-    add_openai_routes(app, manager, served_model)
+    add_openai_routes(app, manager, served_model, limits)
+    app.openapi = lambda: openapi_document(app, bool(api_key))
     return app
 
 
-def _native_prompts(manager: TokenizerManager, body: GenerateRequest) -> list[list[int]]:
-    if (body.text is None) == (body.input_ids is None):
-        raise InvalidRequestError("give exactly one of text or input_ids")
-    if body.text is not None:
-        texts = [body.text] if isinstance(body.text, str) else body.text
-        return [manager.tokenize(t) if t else [] for t in texts]
-    ids = body.input_ids
-    return [list(ids)] if not ids or isinstance(ids[0], int) else [list(x) for x in ids]
+# What every route that takes a request may answer besides its success.
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "the request is invalid (the message says how)"},
+    413: {"model": ErrorResponse, "description": "the request body is too large"},
+    500: {"model": ErrorResponse, "description": "serving the request failed"},
+}
+
+
+def batch_error(err: InvalidRequestError, index: int, is_batch: bool) -> InvalidRequestError:
+    """`err` about the index-th prompt of a batch says which one it is about."""
+    if not is_batch:
+        return err
+    return InvalidRequestError(f"prompt {index}: {err}", err.param)
+
+
+def openapi_document(app: FastAPI, api_key: bool) -> dict[str, Any]:
+    """FastAPI's document, less the 422 answers it adds (validation errors are 400s here), and
+    with the 401 that every route but /health may answer when an API key is set."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        error = {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+        unauthorized = {
+            "description": "missing or wrong API key",
+            "content": {"application/json": error},
+        }
+        for route, path in doc.get("paths", {}).items():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+                if api_key and route != "/health":
+                    operation["responses"]["401"] = unauthorized
+        schemas = doc.get("components", {}).get("schemas", {})
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
+        app.openapi_schema = doc
+    return app.openapi_schema

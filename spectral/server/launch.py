@@ -65,6 +65,7 @@ def launch_server(args: ServerArgs) -> None:
     from transformers import AutoTokenizer
 
     from spectral.server.http_server import create_app
+    from spectral.server.protocol import RequestLimits
     from spectral.server.tokenizer_manager import TokenizerManager
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
@@ -100,7 +101,13 @@ def launch_server(args: ServerArgs) -> None:
                         return
                 await asyncio.sleep(0.2)
 
-        manager = TokenizerManager(tokenizer, ipc_dir, info["context_length"], info["vocab_size"])
+        manager = TokenizerManager(
+            tokenizer,
+            ipc_dir,
+            info["context_length"],
+            info["vocab_size"],
+            info["num_kv_slots"],
+        )
         state["manager"] = manager
         public_args = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
         app = create_app(
@@ -108,6 +115,7 @@ def launch_server(args: ServerArgs) -> None:
             served,
             {"context_length": info["context_length"], "server_args": public_args},
             args.api_key,
+            RequestLimits(args),
         )
         config = uvicorn.Config(
             app,

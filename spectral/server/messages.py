@@ -28,6 +28,7 @@ class TokenizedGenerateReq:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    group: str | None = None  # the client call it is part of (a batch, n choices)
 
 
 @message
@@ -55,10 +56,12 @@ class ControlOut:
 @message
 @dataclass
 class RequestRejected:
-    """The scheduler refused a request (the message says why); no output follows."""
+    """A process refused or failed a request (the message says why): status 400 for a
+    request that can never run, 500 for a failure while serving it. No output follows."""
 
     rid: str
     error: str
+    status: int = 400
 
 
 @message

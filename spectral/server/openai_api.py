@@ -2,43 +2,75 @@
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from spectral.sampling_params import InvalidRequestError, SamplingParams
-from spectral.server.http_common import final_state, sse, unless_disconnected
+from spectral.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from spectral.server.http_common import (
+    ORJSONResponse,
+    event_stream,
+    run_all,
+    sse,
+    unless_disconnected,
+)
 from spectral.server.openai_protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ModelList,
     finish_reason,
     new_id,
     now,
     usage,
 )
+from spectral.server.protocol import SSE, ErrorResponse, RequestLimits
 from spectral.server.tokenizer_manager import ReqState, TokenizerManager
 
+# What the OpenAI routes may answer besides their success (SSE when streaming).
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: SSE,
+    400: {"model": ErrorResponse, "description": "the request is invalid (the message says how)"},
+    413: {"model": ErrorResponse, "description": "the request body is too large"},
+    500: {"model": ErrorResponse, "description": "serving the request failed"},
+}
 
-def add_openai_routes(app: FastAPI, manager: TokenizerManager, served_model: str) -> None:
-    @app.get("/v1/models")
+
+def add_openai_routes(
+    app: FastAPI, manager: TokenizerManager, served_model: str, limits: RequestLimits
+) -> None:
+    @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
         card = {"id": served_model, "object": "model", "created": now(), "owned_by": "spectral"}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    def prepared(
+        prompts: list[list[int]], params: SamplingParams, n: int, top: int, top_param: str
+    ) -> list[tuple[int, list[int], SamplingParams]]:
+        """(choice index, prompt, parameters) of every sequence, each checked before any
+        runs."""
+        limits.check_sequences(len(prompts) * n, f"{len(prompts)} prompts x n={n}", "n")
+        limits.check_sampling(params, "")
+        limits.check_top_logprobs(top, top_param)
+        jobs = [
+            (i * n + k, ids, _seeded(params, k)) for i, ids in enumerate(prompts) for k in range(n)
+        ]
+        for _, ids, p in jobs:
+            manager.check(ids, p, None)
+        return jobs
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
-        prompts = _completion_prompts(manager, body.prompt)
         params = SamplingParams.from_dict(body.sampling_dict(body.max_tokens))
+        prompts = await _completion_prompts(manager, body.prompt)
         top = body.logprobs or 0
         want_logprobs = body.logprobs is not None
-        jobs = [
-            (i * body.n + k, ids, _seeded(params, k))
-            for i, ids in enumerate(prompts)
-            for k in range(body.n)
-        ]
+        jobs = prepared(prompts, params, body.n, top, "logprobs")
+        group = manager.new_rid()
         cid, created = new_id("cmpl"), now()
         model = body.model or served_model
 
@@ -74,7 +106,9 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager, served_model: str
                                 cid, created, model, index, manager.tokenizer.decode(ids), None
                             )
                         )
-                    async for state in manager.generate(ids, p, None, want_logprobs, top):
+                    async for state in manager.generate(
+                        ids, p, None, want_logprobs, top, group=group
+                    ):
                         delta, sent = state.text[sent:], len(state.text)
                         yield sse(
                             _completion_chunk(
@@ -94,62 +128,57 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager, served_model: str
                             cid, "text_completion", created, model, total_prompt, total_completion
                         )
                     )
-                yield sse(b"[DONE]")
 
-            return StreamingResponse(events(), media_type="text/event-stream")
-        states = await unless_disconnected(
-            request,
-            asyncio.gather(
-                *(
-                    final_state(manager.generate(ids, p, None, want_logprobs, top, prompt_start))
-                    for _, ids, p in jobs
-                )
-            ),
-        )
+            return event_stream(events())
+        gens = [
+            manager.generate(ids, p, None, want_logprobs, top, prompt_start, group)
+            for _, ids, p in jobs
+        ]
+        states = await unless_disconnected(request, run_all(gens))
         if isinstance(states, Response):
             return states
         choices = [choice(index, ids, s, s.text) for (index, ids, _), s in zip(jobs, states)]
         prompt_tokens = sum(len(ids) for _, ids, _ in jobs)
         completion_tokens = sum(len(s.output_ids) for s in states)
-        return _envelope(
-            cid,
-            "text_completion",
-            created,
-            model,
-            choices,
-            usage=usage(prompt_tokens, completion_tokens),
+        return ORJSONResponse(
+            _envelope(
+                cid,
+                "text_completion",
+                created,
+                model,
+                choices,
+                usage=usage(prompt_tokens, completion_tokens),
+            )
         )
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        messages = [
-            {"role": m.role if m.role != "developer" else "system", "content": m.text()}
-            for m in body.messages
-        ]
-        ids = manager.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        if hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
         max_tokens = (
             body.max_completion_tokens
             if body.max_completion_tokens is not None
             else body.max_tokens
         )
         params = SamplingParams.from_dict(body.sampling_dict(max_tokens))
+        messages = [
+            {"role": m.role if m.role != "developer" else "system", "content": m.text()}
+            for m in body.messages
+        ]
+        ids = await manager.apply_chat_template(messages)
         top = body.top_logprobs or 0
+        jobs = prepared([ids], params, body.n, top, "top_logprobs")
+        group = manager.new_rid()
         cid, created = new_id("chatcmpl"), now()
         model = body.model or served_model
         if body.stream:
 
             async def events() -> AsyncIterator[bytes]:
                 completion = 0
-                for k in range(body.n):
+                for k, _, p in jobs:
                     sent = 0
                     first = {"role": "assistant", "content": ""}
                     yield sse(_chat_chunk(cid, created, model, k, first, None))
                     async for state in manager.generate(
-                        list(ids), _seeded(params, k), None, body.logprobs, top
+                        ids, p, None, body.logprobs, top, group=group
                     ):
                         delta, sent = state.text[sent:], len(state.text)
                         yield sse(
@@ -174,20 +203,10 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager, served_model: str
                             completion,
                         )
                     )
-                yield sse(b"[DONE]")
 
-            return StreamingResponse(events(), media_type="text/event-stream")
-        states = await unless_disconnected(
-            request,
-            asyncio.gather(
-                *(
-                    final_state(
-                        manager.generate(list(ids), _seeded(params, k), None, body.logprobs, top)
-                    )
-                    for k in range(body.n)
-                )
-            ),
-        )
+            return event_stream(events())
+        gens = [manager.generate(ids, p, None, body.logprobs, top, group=group) for _, _, p in jobs]
+        states = await unless_disconnected(request, run_all(gens))
         if isinstance(states, Response):
             return states
         choices = [
@@ -200,34 +219,33 @@ def add_openai_routes(app: FastAPI, manager: TokenizerManager, served_model: str
             for k, s in enumerate(states)
         ]
         completion_tokens = sum(len(s.output_ids) for s in states)
-        return _envelope(
-            cid,
-            "chat.completion",
-            created,
-            model,
-            choices,
-            usage=usage(len(ids) * body.n, completion_tokens),
+        return ORJSONResponse(
+            _envelope(
+                cid,
+                "chat.completion",
+                created,
+                model,
+                choices,
+                usage=usage(len(ids) * body.n, completion_tokens),
+            )
         )
 
 
 def _seeded(params: SamplingParams, k: int) -> SamplingParams:
-    """The k-th of n choices: a different seed when one was given, so choices differ."""
+    """The k-th of n choices: a different seed when one was given, so choices differ (kept
+    within 64 bits)."""
     if k == 0 or params.seed is None:
         return params
-    from spectral.server.tokenizer_manager import copy_params
+    seed = (params.seed + k - INT64_MIN) % 2**64 + INT64_MIN
+    assert INT64_MIN <= seed <= INT64_MAX
+    return dataclasses.replace(params, seed=seed)
 
-    return copy_params(params, seed=params.seed + k)
 
-
-def _completion_prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
-    if isinstance(prompt, str):
-        return [manager.tokenize(prompt) if prompt else []]
-    if not prompt:
-        raise InvalidRequestError("prompt is empty")
+async def _completion_prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        return await manager.tokenize(prompt, "prompt")
     if isinstance(prompt[0], int):
         return [list(prompt)]
-    if isinstance(prompt[0], str):
-        return [manager.tokenize(p) if p else [] for p in prompt]
     return [list(p) for p in prompt]
 
 

@@ -4,34 +4,58 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from spectral.sampling_params import (
+    Count,
+    Flag,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    Stop,
+    Temperature,
+    Text,
+    TokenId,
+    TopK,
+    TopP,
+    text,
+)
+
+# OpenAI's own ceiling on choices per request (the server's --max-request-sequences may be lower).
+MAX_N = 128
+MAX_MESSAGES = 4096
+MAX_USER_CHARS = 256
+
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Flag = False
 
 
 class CommonSampling(BaseModel):
+    """What both completion routes take; fields OpenAI defines that spectral does not act on
+    (`user`, `logit_bias` left empty, ...) are accepted and ignored, as OpenAI's SDKs send them."""
+
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=16)
-    stream: bool = False
+    model: text(max_length=256) | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: int = Field(1, strict=True, ge=1, le=MAX_N)
+    stream: Flag = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    user: str | None = None
+    stop: Stop | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    user: text(max_length=MAX_USER_CHARS) | None = None
     # SGLang extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    ignore_eos: Flag = False
 
     def sampling_dict(self, max_tokens: int | None) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -51,23 +75,31 @@ class CommonSampling(BaseModel):
         return params
 
 
+Prompt = (
+    Text
+    | Annotated[list[Text], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
+
+
 class CompletionRequest(CommonSampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt: Prompt
+    max_tokens: Count | None = 16
+    echo: Flag = False
+    logprobs: int | None = Field(default=None, strict=True, ge=0, le=20)
 
 
 class ContentPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: Text | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES)] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -76,11 +108,69 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(CommonSampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    logprobs: Flag = False
+    top_logprobs: int | None = Field(default=None, strict=True, ge=0, le=20)
+
+
+# ---- responses (for the OpenAPI document; the routes build plain dicts) ---------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
 
 
 def new_id(prefix: str) -> str:
@@ -104,10 +194,3 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-
-
-def error_body(message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    if status == 401:
-        kind = "authentication_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

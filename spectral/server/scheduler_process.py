@@ -11,6 +11,7 @@ import time
 import zmq
 
 from spectral.args import ServerArgs
+from spectral.faults import failure
 from spectral.models.config import ModelConfig
 from spectral.models.resolve import resolve_model_path
 from spectral.sampling_params import InvalidRequestError
@@ -104,11 +105,16 @@ class SchedulerProcess:
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
+            group=msg.group,
         )
         try:
             self.scheduler.add_request(req)
         except InvalidRequestError as err:
             send_message(self.outbox, RequestRejected(msg.rid, str(err)))
+            return
+        except Exception as err:
+            logger.exception("adding request %s failed", msg.rid)
+            send_message(self.outbox, RequestRejected(msg.rid, failure("scheduler", err), 500))
             return
         self.sent[req.rid] = 0
 
@@ -128,43 +134,53 @@ class SchedulerProcess:
         return {"error": f"unknown control call {name!r}"}
 
     def _emit(self, reqs: list[Req]) -> None:
-        if not reqs:
-            return
+        """Send the news of `reqs` to the detokenizer. A request whose news cannot be put
+        together is aborted and its client told why; the others' news goes out."""
         out = BatchTokenIDOut([], [], [], [], [], [], [], [])
         for req in reqs:
-            start = self.sent.get(req.rid, 0)
-            new = req.output_ids[start:]
-            self.sent[req.rid] = len(req.output_ids)
-            p = req.sampling_params
-            logprobs = []
-            if req.return_logprob:
-                tops = (
-                    req.output_top_logprobs[start:] if req.top_logprobs_num else [None] * len(new)
-                )
-                logprobs = [
-                    [lp, tok, top] for lp, tok, top in zip(req.output_logprobs[start:], new, tops)
-                ]
-            meta = {
-                "prompt_tokens": len(req.input_ids),
-                "completion_tokens": len(req.output_ids),
-                "cached_tokens": req.cached_tokens,
-                **req.spec_meta(),
-            }
-            first = start == 0 and (new or req.finished)
-            if first and req.return_logprob and req.logprob_start_len >= 0:
-                meta["input_token_logprobs"] = req.input_token_logprobs()
-            if req.finished:
-                meta["e2e_latency"] = (req.finished_at or time.perf_counter()) - req.created_at
+            try:
+                self._add_news(out, req)
+            except Exception as err:
+                logger.exception("sending the output of request %s failed", req.rid)
+                self.scheduler.abort(req.rid)
                 self.sent.pop(req.rid, None)
-            out.rids.append(req.rid)
-            out.new_ids.append(new)
-            out.new_logprobs.append(logprobs)
-            out.finished_reasons.append(req.finished_reason.to_dict() if req.finished else None)
-            out.meta.append(meta)
-            out.stop.append(p.stop)
-            out.skip_special_tokens.append(p.skip_special_tokens)
-            out.no_stop_trim.append(p.no_stop_trim)
-        send_message(self.outbox, out)
+                send_message(self.outbox, RequestRejected(req.rid, failure("scheduler", err), 500))
+        if out.rids:
+            send_message(self.outbox, out)
+
+    def _add_news(self, out: BatchTokenIDOut, req: Req) -> None:
+        start = self.sent.get(req.rid, 0)
+        new = req.output_ids[start:]
+        p = req.sampling_params
+        logprobs = []
+        if req.return_logprob:
+            tops = req.output_top_logprobs[start:] if req.top_logprobs_num else [None] * len(new)
+            logprobs = [
+                [lp, tok, top] for lp, tok, top in zip(req.output_logprobs[start:], new, tops)
+            ]
+        meta = {
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            **req.spec_meta(),
+        }
+        first = start == 0 and (new or req.finished)
+        if first and req.return_logprob and req.logprob_start_len >= 0:
+            meta["input_token_logprobs"] = req.input_token_logprobs()
+        if req.finished:
+            meta["e2e_latency"] = (req.finished_at or time.perf_counter()) - req.created_at
+        reason = req.finished_reason.to_dict() if req.finished else None
+        self.sent[req.rid] = len(req.output_ids)
+        if req.finished:
+            self.sent.pop(req.rid, None)
+        out.rids.append(req.rid)
+        out.new_ids.append(new)
+        out.new_logprobs.append(logprobs)
+        out.finished_reasons.append(reason)
+        out.meta.append(meta)
+        out.stop.append(p.stop)
+        out.skip_special_tokens.append(p.skip_special_tokens)
+        out.no_stop_trim.append(p.no_stop_trim)
 
 
 def main() -> None:

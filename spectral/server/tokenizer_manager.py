@@ -5,11 +5,11 @@ the scheduler, and hands each request's outputs (from the detokenizer) to whoeve
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from spectral.sampling_params import InvalidRequestError, SamplingParams
+from spectral.scheduler.scheduler import check_request
 from spectral.server.ipc import arecv_message, asend_message
 from spectral.server.messages import (
     AbortReq,
@@ -27,6 +28,15 @@ from spectral.server.messages import (
     TokenizedGenerateReq,
 )
 from spectral.server.metrics import Metrics
+
+# Threads that tokenize (off the event loop, so that a long prompt stalls no other request).
+TOKENIZER_THREADS = 2
+
+
+class RequestFailedError(Exception):
+    """A request that failed while it was served (a process raised on it): status 500."""
+
+    status = 500
 
 
 @dataclass
@@ -61,10 +71,22 @@ class ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Any, ipc_dir: str, context_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        ipc_dir: str,
+        context_len: int,
+        vocab_size: int,
+        num_kv_slots: int,
+    ) -> None:
         self.tokenizer = tokenizer
         self.context_len = context_len
         self.vocab_size = vocab_size
+        self.num_kv_slots = num_kv_slots
+        # No token stands for more characters than its vocabulary entry has, so a text longer
+        # than this has more tokens than the context holds, whatever it says.
+        self.max_prompt_chars = context_len * max(len(t) for t in tokenizer.get_vocab())
+        self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self.ctx = zmq.asyncio.Context()
         self.to_scheduler = self.ctx.socket(zmq.PUSH)
         self.to_scheduler.connect(f"ipc://{ipc_dir}/scheduler_in")
@@ -99,8 +121,12 @@ class TokenizerManager:
                         )
                         state.first_token_at = state.first_token_at or t
                         state.last_update = t
-                    if msg.finished_reasons[i] is not None:
-                        state.finish_reason = msg.finished_reasons[i]
+                    reason = msg.finished_reasons[i]
+                    if reason is not None and reason["type"] == "abort" and "message" in reason:
+                        state.updates.put_nowait(RequestFailedError(reason["message"]))
+                        continue
+                    if reason is not None:
+                        state.finish_reason = reason
                         self.metrics.observe_finished(
                             state.prompt_tokens, len(state.output_ids), t - state.created
                         )
@@ -108,17 +134,61 @@ class TokenizerManager:
             elif isinstance(msg, RequestRejected):
                 state = self.states.get(msg.rid)
                 if state is not None:
-                    state.updates.put_nowait(InvalidRequestError(msg.error))
+                    error = (
+                        InvalidRequestError(msg.error)
+                        if msg.status == 400
+                        else RequestFailedError(msg.error)
+                    )
+                    state.updates.put_nowait(error)
             elif isinstance(msg, ControlOut):
                 future = self.calls.pop(msg.call_id, None)
                 if future is not None and not future.done():
                     future.set_result(msg.result)
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text)["input_ids"]
+    async def tokenize(self, text: str | list[str], param: str = "text") -> list[list[int]]:
+        """Token ids of each text, computed in a thread; a text too long for the context
+        whatever its tokens is refused before any work."""
+        texts = [text] if isinstance(text, str) else text
+        for i, t in enumerate(texts):
+            if len(t) > self.max_prompt_chars:
+                where = param if isinstance(text, str) else f"{param}.{i}"
+                raise InvalidRequestError(
+                    f"{where} has {len(t)} characters; no text over {self.max_prompt_chars} "
+                    f"fits the context of {self.context_len} tokens",
+                    where,
+                )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self._encode, texts)
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        return [self.tokenizer(t)["input_ids"] if t else [] for t in texts]
+
+    async def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"messages have {chars} characters; no text over {self.max_prompt_chars} fits "
+                f"the context of {self.context_len} tokens",
+                "messages",
+            )
+
+        def render() -> list[int]:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)
+
+        return await asyncio.get_running_loop().run_in_executor(self.pool, render)
 
     def new_rid(self) -> str:
         return f"{uuid.uuid4().hex[:12]}-{next(self._counter)}"
+
+    def check(self, input_ids: list[int], params: SamplingParams, rid: str | None) -> None:
+        """Raise InvalidRequestError for a request that can never run (before it is queued,
+        so that a batch is refused whole and a stream before its headers)."""
+        check_request(input_ids, params, self.vocab_size, self.context_len, self.num_kv_slots)
+        if rid is not None and rid in self.states:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", "rid")
 
     async def generate(
         self,
@@ -128,19 +198,12 @@ class TokenizerManager:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        group: str | None = None,
     ) -> AsyncIterator[ReqState]:
         """Yields the request's state after every update; the last one is finished. Leaving the
-        iteration early (a client that went away) aborts the request."""
-        if not input_ids:
-            raise InvalidRequestError("the prompt is empty: give a non-empty text or input_ids")
-        if len(input_ids) >= self.context_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(input_ids)} tokens; the context length is "
-                f"{self.context_len}, so prompts may have at most {self.context_len - 1}"
-            )
+        iteration early (a client that went away, a sibling that failed) aborts the request."""
+        self.check(input_ids, sampling_params, rid)
         rid = rid or self.new_rid()
-        if rid in self.states:
-            raise InvalidRequestError(f"request id {rid!r} is already in use")
         state = ReqState(rid, len(input_ids))
         self.states[rid] = state
         try:
@@ -153,6 +216,7 @@ class TokenizerManager:
                     return_logprob,
                     top_logprobs_num,
                     logprob_start_len,
+                    group,
                 ),
             )
             while True:
@@ -176,11 +240,3 @@ class TokenizerManager:
         self.calls[call_id] = future
         await asend_message(self.to_scheduler, ControlReq(call_id, name))
         return await asyncio.wait_for(future, timeout)
-
-
-def sampling_params_from(params: dict[str, Any] | None) -> SamplingParams:
-    return SamplingParams.from_dict(dict(params or {}))
-
-
-def copy_params(params: SamplingParams, **changes: Any) -> SamplingParams:
-    return dataclasses.replace(params, **changes)

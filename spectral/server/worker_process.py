@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from spectral.args import ServerArgs
+from spectral.scheduler.scheduler import WorkerLostError
 from spectral.server import messages  # noqa: F401  (registers the message types)
 from spectral.server.child import parse_child_args, spawn_child, wait_for_work
 from spectral.server.ipc import message, recv_message, send_message
@@ -40,11 +41,25 @@ class WorkerReady:
 @message
 @dataclass
 class WorkerFailed:
+    """The worker could not start (the message says why)."""
+
     error: str
 
 
-class WorkerDiedError(RuntimeError):
+@message
+@dataclass
+class StepFailed:
+    """The worker raised on one batch (the message says what); it goes on serving."""
+
+    error: str
+
+
+class WorkerDiedError(WorkerLostError):
     """The worker process is gone; the message says how it ended."""
+
+
+class WorkerStepError(RuntimeError):
+    """The worker failed on one batch; the scheduler fails that batch's requests."""
 
 
 def worker_main(args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
@@ -67,7 +82,13 @@ def worker_main(args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
     )
     parent = os.getppid()
     while wait_for_work(inbox, parent):
-        send_message(outbox, worker.forward(recv_message(inbox)))
+        batch = recv_message(inbox)
+        try:
+            reply = worker.forward(batch)
+        except Exception as err:  # one batch's failure must not end the process
+            logger.exception("the model worker failed on a batch")
+            reply = StepFailed(f"{type(err).__name__}: {err}")
+        send_message(outbox, reply)
 
 
 class RemoteWorker:
@@ -109,7 +130,10 @@ class RemoteWorker:
 
     def forward(self, batch: WorkerBatch) -> WorkerResult:
         send_message(self.batches, batch)
-        return self._receive(READY_TIMEOUT_S)
+        reply = self._receive(READY_TIMEOUT_S)
+        if isinstance(reply, StepFailed):
+            raise WorkerStepError(reply.error)
+        return reply
 
     def close(self) -> None:
         """Stop the worker process (SIGTERM, then SIGKILL) and close the sockets."""

@@ -14,6 +14,7 @@ class RequestSampling:
     """Sampling state of one request for one step."""
 
     params: SamplingParams
+    rid: str = ""  # for error messages (and test fault injection)
     # Tokens generated so far: the step index that seeds a seeded request, and the counts that
     # frequency/presence penalties use. `penalty_prompt_ids` only when a repetition penalty is on.
     output_ids: list[int] = field(default_factory=list)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spectral import faults
 from spectral.worker.io import RequestSampling
 
 
@@ -104,6 +105,8 @@ def request_step_seed(seed: int, step: int) -> int:
 
 def sample(logits: torch.Tensor, sampling: list[RequestSampling]) -> SampleOutput:
     """logits: [B, vocab] float32, one row per request in `sampling`."""
+    for s in sampling:
+        faults.inject("worker", s.rid)
     want_logprobs = any(s.return_logprob or s.top_logprobs_num for s in sampling)
     logprobs_all = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
