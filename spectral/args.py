@@ -57,6 +57,8 @@ class ServerArgs:
     max_stop_length: int = 256
     max_rid_length: int = 256
     max_top_logprobs_num: int = 20
+    # Testing only: stages that fail on purpose (see spectral.faults)
+    fault_injection: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -92,6 +94,10 @@ class ServerArgs:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.fault_injection is not None:
+            from spectral import faults
+
+            faults.parse_stages(self.fault_injection)  # raises on an unknown stage
         if self.speculative_algorithm is not None:
             from spectral.speculative.settings import SpecSettings
 
@@ -174,6 +180,8 @@ class ServerArgs:
             "max_rid_length": "longest request id, in characters",
             "max_top_logprobs_num": "most top logprobs per token (top_logprobs_num, logprobs, "
             "top_logprobs)",
+            "fault_injection": "testing only: stages (detokenizer, scheduler, worker) that fail "
+            "for requests whose id starts with fault-<stage>",
         }
         for f in fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")

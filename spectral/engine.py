@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from spectral import faults
 from spectral.args import ServerArgs
 from spectral.models.config import ModelConfig
 from spectral.models.resolve import resolve_model_path
@@ -34,6 +35,8 @@ class Engine:
 
     def __init__(self, model_path: str = "default", dtype: str = "auto", **kwargs: Any) -> None:
         self.args = ServerArgs.from_kwargs(model_path=model_path, dtype=dtype, **kwargs)
+        if self.args.fault_injection is not None:
+            faults.enable(self.args.fault_injection)
         args = self.args
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)

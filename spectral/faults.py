@@ -1,28 +1,47 @@
 """When a stage fails on one request: what its client is told, and fault injection for tests
 (the stages fail on purpose for chosen requests).
 
-`SPECTRAL_FAULTS` names stages (comma-separated: detokenizer, scheduler, worker); a stage
-named there raises `InjectedFault` while it handles a request whose id starts with
-`fault-<stage>`. Unset (always, outside tests), `inject` is a set lookup that finds nothing.
+`--fault-injection` names stages (comma-separated: detokenizer, scheduler, worker); each of
+the server's processes enables them at start, and a stage named there raises `InjectedFault`
+while it handles a request whose id starts with `fault-<stage>`. Off (always, outside tests),
+`inject` is a lookup in an empty set.
 """
 
 from __future__ import annotations
 
-import os
+FAULT_STAGES = ("detokenizer", "scheduler", "worker")
+_enabled: set[str] = set()
 
-STAGES = frozenset(s for s in os.environ.get("SPECTRAL_FAULTS", "").split(",") if s)
+
+def parse_stages(stages: str | None) -> set[str]:
+    """The stage names of a comma-separated list; ValueError for one that is not a stage."""
+    names = {s for s in (stages or "").split(",") if s}
+    unknown = names - set(FAULT_STAGES)
+    if unknown:
+        raise ValueError(f"unknown fault stages {sorted(unknown)}; known: {FAULT_STAGES}")
+    return names
+
+
+def enable(stages: str | None) -> None:
+    """Make the comma-separated `stages` fail on purpose in this process (None: none)."""
+    _enabled.clear()
+    _enabled.update(parse_stages(stages))
 
 
 class InjectedFault(RuntimeError):
     pass
 
 
+class RemoteError(RuntimeError):
+    """An error raised in another process, carried back as text that names its type."""
+
+
 def inject(stage: str, rid: str) -> None:
-    if stage in STAGES and rid.startswith(f"fault-{stage}"):
+    if stage in _enabled and rid.startswith(f"fault-{stage}"):
         raise InjectedFault(f"fault injected in the {stage} for request {rid}")
 
 
 def failure(stage: str, err: BaseException) -> str:
     """What a client is told when `stage` fails on its request."""
-    why = str(err) if type(err).__name__ == "WorkerStepError" else f"{type(err).__name__}: {err}"
+    why = str(err) if isinstance(err, RemoteError) else f"{type(err).__name__}: {err}"
     return f"the {stage} failed on this request: {why}"

@@ -19,10 +19,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(
-    *flags: str, timeout: float = 120.0, env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen, str]:
-    """A server with `flags` on a free port (`env`: extra environment variables)."""
+def start_server(*flags: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -36,7 +33,6 @@ def start_server(
             *flags,
         ],
         start_new_session=True,
-        env={**os.environ, **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout

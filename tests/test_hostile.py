@@ -48,7 +48,8 @@ def hostile(peaky_model_dir):
         str(MAX_SEQUENCES),
         "--max-request-bytes",
         str(BODY_LIMIT),
-        env={"SPECTRAL_FAULTS": "detokenizer,scheduler,worker"},
+        "--fault-injection",
+        "detokenizer,scheduler,worker",
     )
     before = server_processes(proc)
     yield proc, url

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -230,6 +233,23 @@ def test_killing_the_worker_stops_the_server_with_an_error(tiny_model_dir):
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
         assert proc.wait(timeout=10) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_worker_that_fails_to_start_stops_the_server_with_an_error(tiny_model_dir, tmp_path):
+    broken = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spectral.launch_server", "--model-path", str(broken)],
+        start_new_session=True,
+    )
+    try:
+        assert proc.wait(timeout=120) == 1
+        assert descendants(proc.pid) == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from typing import Any
 
+from spectral import faults
 from spectral.args import ServerArgs
 
 
@@ -42,6 +43,7 @@ def parse_child_args(role: str, *extra_int_flags: str) -> tuple[ServerArgs, argp
         ap.add_argument(flag, type=int, required=True)
     ns = ap.parse_args()
     args = ServerArgs(**json.loads(ns.args_json))
+    faults.enable(args.fault_injection)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role}: %(message)s")
     die_with_parent()
     return args, ns

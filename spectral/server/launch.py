@@ -143,6 +143,7 @@ def launch_server(args: ServerArgs) -> None:
         logger.info("shutting down")
     finally:
         _stop(children)
+        ready_sock.close(0)  # an open socket would keep ctx.term() waiting forever
         ctx.term()
         shutil.rmtree(ipc_dir, ignore_errors=True)
     if exit_code:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from spectral.args import ServerArgs
+from spectral.faults import RemoteError
 from spectral.scheduler.scheduler import WorkerLostError
 from spectral.server import messages  # noqa: F401  (registers the message types)
 from spectral.server.child import parse_child_args, spawn_child, wait_for_work
@@ -58,7 +59,7 @@ class WorkerDiedError(WorkerLostError):
     """The worker process is gone; the message says how it ended."""
 
 
-class WorkerStepError(RuntimeError):
+class WorkerStepError(RemoteError):
     """The worker failed on one batch; the scheduler fails that batch's requests."""
 
 
