@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spectral.forward import ForwardBatch, ForwardMode
 from spectral.kernels.cpu_kernels import cpu_signature, load_cpu_kernels
@@ -32,27 +34,6 @@ def test_kernels_use_the_widest_vector_unit_the_cpu_has():
         pytest.skip("no /proc/cpuinfo flags to compare with")
     want = 512 if "avx512f" in flags else 256 if {"avx2", "fma"} <= flags else 0
     assert kernels.vector_bits() == want
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16])
-@pytest.mark.parametrize("n, k", [(96, 64), (200, 576), (70, 1000), (33, 17)])
-def test_small_m_linear_matches_float32_matmul(dtype, rows, n, k):
-    torch.manual_seed(rows * n + k)
-    x = torch.randn(rows, k).to(dtype)
-    w = torch.randn(n, k).to(dtype)
-    bias = torch.randn(n).to(dtype)
-    expected = x.float() @ w.float().T + bias.float()
-    got = kernels.small_m_linear(x, w, bias)
-    assert got.dtype == dtype and got.shape == (rows, n)
-    assert (got.float() - expected).abs().max().item() <= bf16_tolerance(expected, dtype)
-
-
-def test_small_m_linear_refuses_bad_shapes_with_a_message():
-    with pytest.raises(RuntimeError, match="1 to 16 rows"):
-        kernels.small_m_linear(torch.randn(17, 8), torch.randn(4, 8), None)
-    with pytest.raises(RuntimeError, match="columns"):
-        kernels.small_m_linear(torch.randn(1, 8), torch.randn(4, 9), None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -134,3 +115,57 @@ def test_decode_attention_matches_the_torch_backend(dtype):
     got = run(kernels)
     tol = 1e-5 if dtype == torch.float32 else 2**-6
     assert torch.allclose(got.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def float32_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """How far a float32 dot product of length k may be from the exact one: k units of float32
+    roundoff times the sum of the products' magnitudes (the standard summation bound)."""
+    k = x.shape[1]
+    return k * 2**-24 * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+def check_packed_linear(m: int, n: int, k: int, dtype: torch.dtype, seed: int) -> None:
+    torch.manual_seed(seed)
+    x = torch.randn(m, k).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    exact = x.double() @ w.double().T
+    got = kernels.packed_linear(x, kernels.pack_linear_weight(w), n, None)
+    assert got.dtype == dtype and got.shape == (m, n)
+    error = (got.double() - exact).abs()
+    bound = float32_error_bound(x, w)
+    if dtype == torch.bfloat16:  # then one rounding to bfloat16: half a unit in the last place
+        bound = bound + exact.abs() * 2**-8
+    assert (error <= bound).all(), f"worst excess {(error - bound).max().item()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 16, 17, 31, 64, 65])
+@pytest.mark.parametrize("n, k", [(96, 64), (200, 576), (70, 1000), (33, 17), (1, 1)])
+def test_packed_linear_is_within_float32_error_of_float64(dtype, rows, n, k):
+    check_packed_linear(rows, n, k, dtype, seed=rows * n + k)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    m=st.integers(1, 70),
+    n=st.integers(1, 80),
+    k=st.integers(1, 130),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_packed_linear_holds_for_any_shape(m, n, k, bf16, seed):
+    check_packed_linear(m, n, k, torch.bfloat16 if bf16 else torch.float32, seed)
+
+
+def test_packed_linear_adds_the_bias_and_refuses_mismatches_with_a_message():
+    w, x, bias = torch.randn(40, 24), torch.randn(3, 24), torch.randn(40)
+    packed = kernels.pack_linear_weight(w)
+    width = kernels.packed_panel_width()
+    assert width == 2 * max(kernels.vector_bits(), 256) // 32
+    assert packed.shape == (-(-40 // width), 24, width)
+    got = kernels.packed_linear(x, packed, 40, bias)
+    assert torch.allclose(got, x @ w.T + bias, atol=1e-5)
+    with pytest.raises(RuntimeError, match="columns"):
+        kernels.packed_linear(torch.randn(3, 25), packed, 40, None)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        kernels.packed_linear(x.bfloat16(), packed, 40, None)

@@ -19,9 +19,10 @@ from spectral.cache import DEFAULT_CACHE_DIR
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("small_m_linear.cpp", "fused_ops.cpp")]
-# The most rows of x the small-M matmul takes; larger batches go to torch's GEMM.
-SMALL_M_MAX_ROWS = 16
+SOURCES = [
+    Path(__file__).parent / "cpu" / name
+    for name in ("module.cpp", "fused_ops.cpp", "packed_linear.cpp")
+]
 
 
 @functools.cache
@@ -65,14 +66,3 @@ def cpu_signature() -> str:
         lines = []
     wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
     return "\n".join(wanted) or f"{platform.machine()} {platform.processor()}"
-
-
-def small_m_linear_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        x.device.type == "cpu"
-        and x.dim() == 2
-        and 1 <= x.shape[0] <= SMALL_M_MAX_ROWS
-        and x.dtype == weight.dtype
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and weight.is_contiguous()
-    )

@@ -3,8 +3,8 @@
 Projections are fused at load time (q|k|v into `qkv_proj`, gate|up into `gate_up_proj`) so a
 layer costs four matmuls. Normalisation runs in float32 and rotary embeddings in the model
 dtype, in the same order of operations as transformers, so float32 outputs match it closely.
-Where the worker provides spectral's CPU kernels, norms, rotary and small matmuls run fused;
-the PyTorch code below is their reference and the path everywhere else.
+Where the worker provides spectral's CPU kernels, norms and rotary run fused and matmuls over
+weights packed at load; the PyTorch code below is their reference and the path everywhere else.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from spectral.forward import ForwardBatch
 from spectral.kernels.base import AttentionBackend
-from spectral.kernels.linear import Linear, linear
+from spectral.kernels.linear import Linear, linear, pack_weight
 from spectral.models.config import ModelConfig, rope_inverse_frequencies
 
 
@@ -48,9 +48,12 @@ class RMSNorm(nn.Module):
 
 
 def route_to_cpu_kernels(root: nn.Module, kernels: ModuleType | None) -> None:
-    """Every `Linear` and `RMSNorm` under `root` uses `kernels` (None: plain PyTorch)."""
+    """Every `Linear` and `RMSNorm` under `root` uses `kernels` (None: plain PyTorch); the
+    Linears pack their weights for them."""
     for module in root.modules():
-        if isinstance(module, (Linear, RMSNorm)):
+        if isinstance(module, Linear):
+            module.set_kernels(kernels)
+        elif isinstance(module, RMSNorm):
             module.kernels = kernels
 
 
@@ -162,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.kernels: ModuleType | None = None
+        self.lm_head_packed: torch.Tensor | None = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
@@ -176,9 +180,15 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight
 
     def set_cpu_kernels(self, kernels: ModuleType | None) -> None:
-        """Route norms, rotary and small matmuls through spectral's CPU kernels (None: PyTorch)."""
+        """Route norms, rotary and matmuls through spectral's CPU kernels (None: PyTorch)."""
         self.kernels = kernels
         route_to_cpu_kernels(self, kernels)
+        # Tied to the embedding, the LM head needs a packed copy of its own (lookups read rows).
+        self.lm_head_packed = (
+            pack_weight(self.lm_head_weight, kernels)
+            if self.config.tie_word_embeddings
+            else self.lm_head.packed
+        )
 
     def forward(
         self, batch: ForwardBatch, backend: AttentionBackend
@@ -203,4 +213,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [R, vocab] for the given rows of final hidden states."""
-        return linear(hidden, self.lm_head_weight, kernels=self.kernels).float()
+        return linear(hidden, self.lm_head_weight, None, self.kernels, self.lm_head_packed).float()
