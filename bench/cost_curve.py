@@ -1,7 +1,7 @@
 """What one target forward costs for M = 1..64 new tokens, beside the machine's roof.
 
-Two shapes, for each weight format (dtype) and matmul path (spectral's kernel over packed
-weights, or PyTorch alone):
+Two shapes, for each dtype and weight path (a GGUF model's own blocks through spectral's
+kernels, its dequantized weights packed for them, or PyTorch alone):
 - verify: one request, M new tokens over a prefix of --prefix tokens under a tree mask (a
   chain, the densest tree), logits for every new token: what a speculative round verifies;
 - batch: M requests, one new token each over its own prefix: a decode step of M requests.
@@ -10,7 +10,7 @@ For each: ms per forward (median of --repeats), the ratio to M = 1, and the achi
 and GB/s (weights read once per forward, KV read per new token). The roof is measured in the
 same run: a streaming-read probe (GB/s) and torch's GEMM on a large product (GFLOP/s).
 
-    python bench/cost_curve.py [--dtypes float32,bfloat16] [--kernels packed,off]
+    python bench/cost_curve.py [--dtypes float32,bfloat16] [--kernels gguf,packed,off]
                                [--ms 1,2,4,...] [--prefix 200]
 
 Prints a table per dtype and writes bench/out/cost_curve.json (and cost_curve.png where
@@ -32,7 +32,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spectral.forward import ForwardBatch, ForwardMode  # noqa: E402
-from spectral.models.resolve import resolve_model_path  # noqa: E402
+from spectral.kernels.linear import Linear  # noqa: E402
+from spectral.models.resolve import gguf_source, resolve_model_path  # noqa: E402
 from spectral.worker.model_worker import ModelWorker  # noqa: E402
 
 DEFAULT_MS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -120,7 +121,8 @@ class Shapes:
 
 def forward_work(worker: ModelWorker, shape: str, m: int, prefix: int) -> tuple[float, float]:
     """(FLOP, bytes) of one forward: matmuls over every weight, attention over the prefix, the
-    LM head over every new token (each gets logits); weights read once, KV once per request."""
+    LM head over every new token (each gets logits); weights read once (as the kernels store
+    them), KV once per request."""
     cfg = worker.config
     model = worker.model
     elem = torch.finfo(worker.dtype).bits // 8
@@ -131,8 +133,12 @@ def forward_work(worker: ModelWorker, shape: str, m: int, prefix: int) -> tuple[
     attn_flop = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * attn_keys
     flop = 2 * layer_params * m + 2 * head_params * m + attn_flop  # m rows get logits
     kv_tokens = prefix + m if shape == "verify" else (prefix + 1) * m
-    bytes_read = (layer_params + head_params) * elem + kv_tokens * kv_width * elem
-    return flop, bytes_read
+    packs = [m.packed for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_packed]
+    if all(p is not None for p in packs):  # what the kernels stream: dense or GGUF blocks
+        weight_bytes = sum(p.data.nbytes for p in packs)
+    else:
+        weight_bytes = (layer_params + head_params) * elem
+    return flop, weight_bytes + kv_tokens * kv_width * elem
 
 
 def curve(worker: ModelWorker, ms: list[int], prefix: int, repeats: int) -> dict[str, list[dict]]:
@@ -186,9 +192,10 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32")
     ap.add_argument(
         "--kernels",
-        default="packed,off",
-        help="matmul paths to measure: packed (spectral's kernels, weights packed: the "
-        "default) and off (PyTorch only)",
+        default="gguf,packed,off",
+        help="matmul paths to measure: gguf (a GGUF model's own blocks through spectral's "
+        "kernels: --quantization auto, the default), packed (the dequantized weights packed "
+        "for them: --quantization none), off (PyTorch only: --disable-cpu-kernels)",
     )
     ap.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)))
     ap.add_argument("--prefix", type=int, default=200)
@@ -216,6 +223,7 @@ def main() -> None:
                 max_running_requests=max(ms) + 1,
                 max_context_len=ns.prefix + max(ms) + 1,
                 use_cpu_kernels=kernels != "off",
+                gguf_file=str(gguf_source(ns.model_path)) if kernels == "gguf" else None,
             )
             name = f"{dtype_name}, {kernels}"
             results["runs"][name] = curve(worker, ms, ns.prefix, ns.repeats)

@@ -5,6 +5,7 @@ batches: spectral (continuous batching) against transformers static batching (le
 `generate` over the same prompts). Results also go to bench/out/offline.json.
 
     python bench/offline.py --dtype bfloat16 --num-prompts 8 --max-new-tokens 128 --batches 16,64
+    python bench/offline.py --dtype float32 --baseline-quantization none --skip-transformers
 """
 
 from __future__ import annotations
@@ -103,13 +104,36 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="16,64", help="comma-separated batch sizes")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument(
+        "--quantization", default="auto", help="spectral's --quantization (auto: GGUF blocks)"
+    )
+    ap.add_argument(
+        "--baseline-quantization",
+        default=None,
+        help="also measure spectral at batch 1 with this --quantization (e.g. none), same run",
+    )
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
 
-    engine = Engine(model_path=args.model_path, dtype=args.dtype, max_total_tokens=32768)
+    def make_engine(quantization: str) -> Engine:
+        return Engine(
+            model_path=args.model_path,
+            dtype=args.dtype,
+            max_total_tokens=32768,
+            quantization=quantization,
+        )
+
+    if args.baseline_quantization:
+        base = make_engine(args.baseline_quantization)
+        base_prompts = [chat(base.tokenizer, q) for q in mtbench_first_turns(args.num_prompts)]
+        b1, b_out = spectral_batch1(base, base_prompts, args.max_new_tokens)
+        base.shutdown()
+        print(f"spectral ({args.baseline_quantization:>4}) batch 1 : {b1:7.2f} tok/s")
+    engine = make_engine(args.quantization)
     prompts = [chat(engine.tokenizer, q) for q in mtbench_first_turns(args.num_prompts)]
     results: dict[str, object] = {
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(),
@@ -117,6 +141,18 @@ def main() -> None:
     s1, s_out = spectral_batch1(engine, prompts, args.max_new_tokens)
     results["spectral_batch1_tok_s"] = round(s1, 2)
     print(f"spectral      batch 1 : {s1:7.2f} tok/s")
+    if args.baseline_quantization:
+        same = sum(a == b for a, b in zip(s_out, b_out))
+        results.update(
+            {
+                f"spectral_{args.baseline_quantization}_batch1_tok_s": round(b1, 2),
+                "ratio_to_baseline_quantization": round(s1 / b1, 2),
+            }
+        )
+        print(
+            f"ratio {args.quantization}/{args.baseline_quantization} at batch 1: {s1 / b1:.2f}x "
+            f"({same}/{len(prompts)} outputs identical)"
+        )
     if not args.skip_transformers:
         t1, t_out = transformers_batch1(
             engine.model_dir, getattr(torch, args.dtype), prompts, args.max_new_tokens

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "gguf", "none")
 
 
 @dataclass
@@ -21,6 +22,7 @@ class ServerArgs:
     dtype: str = "auto"
     device: str = "auto"
     context_length: int | None = None
+    quantization: str = "auto"
     # Memory and scheduling
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.25
@@ -63,6 +65,11 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)} "
+                f"(got {self.quantization!r})"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda (got {self.device!r})")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
@@ -140,6 +147,9 @@ class ServerArgs:
             "dtype": "auto (bf16 where native), float32, bfloat16, float16",
             "device": "auto, cpu or cuda",
             "context_length": "override the model's context length",
+            "quantization": "auto or gguf: a GGUF model's Q4_1/Q8_0 blocks are served as they are "
+            "(expanded in registers to the dequantized values; other formats dequantized at "
+            "load), on the CPU with spectral's kernels; none: every weight dequantized",
             "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
             "mem_fraction_static": "fraction of free memory given to the KV pool",
             "max_running_requests": "most requests decoding at once",
@@ -195,7 +205,7 @@ class ServerArgs:
                 flag,
                 type=kind.get(type_name, str),
                 default=default,
-                choices=DTYPES if f.name == "dtype" else None,
+                choices={"dtype": DTYPES, "quantization": QUANTIZATIONS}.get(f.name),
                 help=help_text.get(f.name, ""),
             )
 

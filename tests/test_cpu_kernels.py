@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -169,3 +171,67 @@ def test_packed_linear_adds_the_bias_and_refuses_mismatches_with_a_message():
         kernels.packed_linear(torch.randn(3, 25), packed, 40, None)
     with pytest.raises(RuntimeError, match="dtypes differ"):
         kernels.packed_linear(x.bfloat16(), packed, 40, None)
+
+
+GGUF_TYPES = ["Q4_1", "Q8_0"]
+
+
+def gguf_blocks(n: int, k: int, kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights quantized by gguf: the blocks (uint8 rows) and gguf's dequantization."""
+    rng = np.random.default_rng(seed)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    blocks = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    return torch.from_numpy(blocks), torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+
+
+def expanded(packed: torch.Tensor, kind: str, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weights as the kernel expands them: the identity times them is exactly them."""
+    return kernels.gguf_linear(torch.eye(k, dtype=dtype), packed, kind, n, None).T
+
+
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+@pytest.mark.parametrize("n, k", [(16, 32), (33, 64), (70, 96), (5, 576)])
+def test_gguf_blocks_expand_to_ggufs_own_dequantization(kind, n, k):
+    blocks, reference = gguf_blocks(n, k, kind, seed=n + k)
+    packed = kernels.pack_gguf_weight(blocks, kind, k)
+    assert torch.equal(expanded(packed, kind, n, k, torch.float32), reference)
+    assert torch.equal(expanded(packed, kind, n, k, torch.bfloat16), reference.bfloat16())
+
+
+@pytest.mark.parametrize(
+    "name", ["blk.0.ffn_down.weight", "blk.7.attn_q.weight", "token_embd.weight"]
+)
+def test_the_default_models_blocks_expand_to_ggufs_own_dequantization(name):
+    from spectral.models.resolve import default_model_file
+
+    tensor = next(t for t in gguf.GGUFReader(default_model_file()).tensors if t.name == name)
+    rows = torch.from_numpy(np.array(tensor.data[:200]))
+    k = int(tensor.shape[0])
+    reference = torch.from_numpy(gguf.quants.dequantize(rows.numpy(), tensor.tensor_type))
+    packed = kernels.pack_gguf_weight(rows, tensor.tensor_type.name, k)
+    assert torch.equal(expanded(packed, tensor.tensor_type.name, 200, k, torch.float32), reference)
+
+
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 12, 13, 64])
+def test_gguf_linear_is_within_float32_error_of_float64(kind, dtype, rows):
+    n, k = 50, 160
+    blocks, reference = gguf_blocks(n, k, kind, seed=rows)
+    w = reference.to(dtype)  # what the kernel multiplies by: bf16-rounded weights for bf16
+    x = torch.randn(rows, k).to(dtype)
+    exact = x.double() @ w.double().T
+    got = kernels.gguf_linear(x, kernels.pack_gguf_weight(blocks, kind, k), kind, n, None)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    bound = float32_error_bound(x, w)
+    if dtype == torch.bfloat16:
+        bound = bound + exact.abs() * 2**-8
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_gguf_linear_refuses_what_it_does_not_implement_with_a_message():
+    blocks, _ = gguf_blocks(4, 32, "Q8_0", seed=0)
+    with pytest.raises(RuntimeError, match="Q5_K is not implemented"):
+        kernels.pack_gguf_weight(blocks, "Q5_K", 32)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.pack_gguf_weight(blocks, "Q8_0", 33)

@@ -28,7 +28,7 @@ MAX_SEQUENCES = 24
 MAX_RUNNING = 4
 CONTEXT = 64  # so that whatever a fuzzer asks for is served in a moment
 BODY_LIMIT = 4 * 2**20
-FUZZ_EXAMPLES = 25
+FUZZ_EXAMPLES = 15
 
 
 @pytest.fixture(scope="module")

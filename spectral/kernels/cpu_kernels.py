@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "cpu" / name
-    for name in ("module.cpp", "fused_ops.cpp", "packed_linear.cpp")
+    for name in ("module.cpp", "fused_ops.cpp", "packed_linear.cpp", "quant_linear.cpp")
 ]
 
 

@@ -1,8 +1,10 @@
-"""Linear layers over spectral's CPU matmul: weights packed once for `packed_linear`, which
-serves any number of rows; PyTorch where it cannot (no kernels, another device or dtype)."""
+"""Linear layers over spectral's CPU matmuls: weights packed once, dense (`packed_linear`) or
+as GGUF blocks (`gguf_linear`); either serves any number of rows. PyTorch where neither can
+(no kernels, another device or dtype)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -10,14 +12,37 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def pack_weight(weight: torch.Tensor, kernels: ModuleType | None) -> torch.Tensor | None:
-    """`weight` in the layout `kernels.packed_linear` streams, or None where that kernel cannot
-    serve it (no kernels, not on the CPU, another dtype). A copy: the caller keeps both."""
+@dataclass
+class PackedWeight:
+    """A weight [n, k] in the layout one of the CPU kernels streams: dense (float32 or
+    bfloat16, `gguf_type` None) or GGUF blocks of `gguf_type` (Q4_1, Q8_0), expanded in
+    registers to exactly the values the dequantized weight holds in the model's dtype."""
+
+    data: torch.Tensor
+    n: int
+    gguf_type: str | None = None
+
+    def matmul(self, kernels: ModuleType, x: torch.Tensor, bias: torch.Tensor | None):
+        if self.gguf_type is not None:
+            return kernels.gguf_linear(x, self.data, self.gguf_type, self.n, bias)
+        return kernels.packed_linear(x, self.data, self.n, bias)
+
+    def serves(self, x: torch.Tensor, weight_dtype: torch.dtype) -> bool:
+        if x.dim() != 2:
+            return False
+        if self.gguf_type is not None:
+            return x.dtype in (torch.float32, torch.bfloat16)
+        return x.dtype == weight_dtype
+
+
+def pack_weight(weight: torch.Tensor, kernels: ModuleType | None) -> PackedWeight | None:
+    """`weight` packed for `kernels.packed_linear`, or None where that kernel cannot serve it
+    (no kernels, not on the CPU, another dtype). A copy: the caller keeps both."""
     if kernels is None or weight.device.type != "cpu":
         return None
     if weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    return kernels.pack_linear_weight(weight.detach())
+    return PackedWeight(kernels.pack_linear_weight(weight.detach()), weight.shape[0])
 
 
 def linear(
@@ -25,22 +50,22 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     kernels: ModuleType | None = None,
-    packed: torch.Tensor | None = None,
+    packed: PackedWeight | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T + bias: through `kernels.packed_linear` when `packed` (from `pack_weight`)
-    is given and x suits it, else PyTorch."""
-    if packed is not None and x.dim() == 2 and x.dtype == weight.dtype:
-        return kernels.packed_linear(x, packed, weight.shape[0], bias)
+    """x @ weight.T + bias: through the CPU kernels when `packed` is given and x suits it,
+    else PyTorch."""
+    if packed is not None and packed.serves(x, weight.dtype):
+        return packed.matmul(kernels, x, bias)
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
     """nn.Linear whose `kernels` (None until the worker sets them) serve its matmuls. For
-    inference: the packed copy is made when the kernels are set and does not follow later
-    changes to the weight."""
+    inference: the packed copy is made when the kernels are set (or GGUF blocks are attached)
+    and does not follow later changes to the weight."""
 
     kernels: ModuleType | None = None
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
     def set_kernels(self, kernels: ModuleType | None) -> None:
         self.kernels = kernels

@@ -42,27 +42,36 @@ def default_model_file() -> Path:
     )
 
 
-def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> str:
-    """A HF-format directory for `model_path` (None or "default" means the embedded model)."""
+def gguf_source(model_path: str | None) -> Path | None:
+    """The GGUF file `model_path` names (None or "default": the embedded model's), or None for
+    a HF directory."""
     if model_path in (None, "", DEFAULT_MODEL):
-        return convert_gguf(default_model_file(), cache_dir)
+        return default_model_file()
     path = Path(model_path).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
-            return str(path)
+            return None
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return convert_gguf(ggufs[0], cache_dir)
+            return ggufs[0]
         raise ModelNotFoundError(
             f"{model_path} is a directory without config.json (and not exactly one .gguf file); "
             "give a HF model directory, a .gguf file, or 'default'"
         )
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, cache_dir)
+        return path
     raise ModelNotFoundError(
         f"model path {model_path!r} does not exist; give a HF model directory (config.json + "
         "safetensors + tokenizer), a .gguf file, or 'default' for SmolLM2-135M-Instruct"
     )
+
+
+def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> str:
+    """A HF-format directory for `model_path` (None or "default" means the embedded model)."""
+    source = gguf_source(model_path)
+    if source is None:
+        return str(Path(model_path).expanduser())
+    return convert_gguf(source, cache_dir)
 
 
 def _cache_key(gguf: Path) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from spectral.args import ServerArgs
-from spectral.models.resolve import resolve_model_path
+from spectral.models.resolve import gguf_source, resolve_model_path
 from spectral.worker.model_worker import ModelWorker
 from spectral.worker.spec_worker import SpeculativeWorker
 
@@ -32,8 +32,12 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
     dtype, device = args.resolved_dtype(), args.resolved_device()
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
+    gguf_file = gguf_source(args.model_path) if args.quantization != "none" else None
+    if args.quantization == "gguf" and gguf_file is None:
+        raise ValueError(f"--quantization gguf needs a GGUF model ({args.model_path} is not one)")
     worker = ModelWorker(
         resolve_model_path(args.model_path, args.model_cache_dir),
+        gguf_file=str(gguf_file) if gguf_file is not None else None,
         dtype=dtype,
         device=device,
         max_total_tokens=args.max_total_tokens,

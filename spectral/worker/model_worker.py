@@ -12,6 +12,7 @@ from spectral.kernels.cpu_kernels import load_cpu_kernels
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.models.config import ModelConfig
+from spectral.models.gguf_native import attach_gguf_blocks
 from spectral.models.loader import load_model
 from spectral.worker.io import WorkerBatch, WorkerResult
 from spectral.worker.sampler import sample
@@ -43,15 +44,23 @@ class ModelWorker:
         mem_fraction_static: float = 0.25,
         attention_backend: str = "auto",
         use_cpu_kernels: bool = True,
+        gguf_file: str | None = None,
     ) -> None:
         """The KV pool holds `max_total_tokens` tokens, or what `mem_fraction_static` of the
-        memory still free after loading the weights allows."""
+        memory still free after loading the weights allows. With `gguf_file` (the file
+        `model_dir` was converted from) and the CPU kernels, its blocks are served natively."""
         self.device = device
         self.dtype = dtype
         self.model, self.config = load_model(model_dir, dtype, device)
         cfg: ModelConfig = self.config
         kernels = load_cpu_kernels() if device == "cpu" and use_cpu_kernels else None
         self.model.set_cpu_kernels(kernels)
+        if gguf_file is not None:
+            if kernels is None:
+                logger.info("GGUF weights served dequantized (no CPU kernels on %s)", device)
+            else:
+                attached = attach_gguf_blocks(self.model, cfg, gguf_file, kernels)
+                logger.info("GGUF blocks served natively for %d weight matrices", attached)
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
         if max_total_tokens is None:
             max_total_tokens = int(free_memory_bytes(device) * mem_fraction_static) // per_token

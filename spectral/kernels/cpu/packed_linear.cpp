@@ -2,11 +2,10 @@
 //
 // Packed layout: the output columns in panels of kNR (two vector registers); panel p holds, for
 // every k, the kNR weights of its columns side by side: packed[p][k][c] = w[p * kNR + c][k]
-// (zero past the last column). The micro-kernel keeps a tile of kMR rows x kNR columns of the
-// output in registers; per k it loads the panel's kNR weights once (two vectors) and multiplies
-// them by kMR broadcast values of x. So each weight is read once per kMR rows of x (once in all
-// for a decode step of one request), nothing is summed across lanes, and a panel stays in the
-// cache while every block of rows passes over it. Threads split the panels.
+// (zero past the last column). The micro-kernel (panel_tile.h) keeps a tile of kMR rows x kNR
+// columns of the output in registers, so each weight is read once per kMR rows of x (once in
+// all for a decode step of one request), nothing is summed across lanes, and a panel stays in
+// the cache while every block of rows passes over it. Threads split the panels.
 //
 // Weights are float32 or bfloat16 (widened in registers; products of two bfloat16 values are
 // exact in float32); x is used in float32; sums are float32 in order of k; the result has the
@@ -17,81 +16,17 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "vec.h"
+#include "panel_tile.h"
 
 namespace {
 
-#if defined(SPECTRAL_VEC)
-using spectral_cpu::Vec;
-constexpr int64_t kLanes = Vec::kWidth;
-// Output rows per tile: 2 accumulators each, plus two weight vectors and one broadcast, within
-// the 16 (AVX2) or 32 (AVX-512) vector registers.
-constexpr int kMR = Vec::kWidth == 16 ? 12 : 6;
-#else
-constexpr int64_t kLanes = 8;
-constexpr int kMR = 4;
-#endif
-constexpr int64_t kNR = 2 * kLanes;
-
-inline void put(float* out, int64_t i, float v) { out[i] = v; }
-inline void put(at::BFloat16* out, int64_t i, float v) { out[i] = static_cast<at::BFloat16>(v); }
-
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) { return spectral_cpu::bf16_to_float(v); }
-
-// The R x kNR tile of out for rows x[0..R) (row stride k) over one panel, into tile[R][kNR].
-template <int R, typename W>
-void tile(const float* x, int64_t k, const W* panel, float* out) {
-#if defined(SPECTRAL_VEC)
-  Vec::R lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = Vec::zero();
-  for (int64_t i = 0; i < k; ++i) {
-    const Vec::R w0 = Vec::load(panel + i * kNR);
-    const Vec::R w1 = Vec::load(panel + i * kNR + kLanes);
-    for (int r = 0; r < R; ++r) {
-      const Vec::R xb = Vec::set1(x[r * k + i]);
-      lo[r] = Vec::fma(xb, w0, lo[r]);
-      hi[r] = Vec::fma(xb, w1, hi[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    Vec::store(out + r * kNR, lo[r]);
-    Vec::store(out + r * kNR + kLanes, hi[r]);
-  }
-#else
-  for (int r = 0; r < R; ++r) {
-    for (int64_t c = 0; c < kNR; ++c) {
-      float acc = 0.f;
-      for (int64_t i = 0; i < k; ++i) acc += x[r * k + i] * widen(panel[i * kNR + c]);
-      out[r * kNR + c] = acc;
-    }
-  }
-#endif
-}
-
-template <typename W, int R = kMR>
-void tile_rows(int rows, const float* x, int64_t k, const W* panel, float* out) {
-  if constexpr (R > 1) {
-    if (rows < R) return tile_rows<W, R - 1>(rows, x, k, panel, out);
-  }
-  tile<R, W>(x, k, panel, out);
-}
+using namespace spectral_cpu;
 
 template <typename W, typename O>
 void run(const float* x, int64_t m, int64_t k, const W* packed, int64_t n, O* out) {
   const int64_t panels = (n + kNR - 1) / kNR;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) float buf[kMR * kNR];
-    for (int64_t p = p0; p < p1; ++p) {
-      const W* panel = packed + p * k * kNR;
-      const int64_t j0 = p * kNR, cols = std::min(kNR, n - j0);
-      for (int64_t q0 = 0; q0 < m; q0 += kMR) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMR, m - q0));
-        tile_rows<W>(rows, x + q0 * k, k, panel, buf);
-        for (int r = 0; r < rows; ++r)
-          for (int64_t c = 0; c < cols; ++c) put(out, (q0 + r) * n + j0 + c, buf[r * kNR + c]);
-      }
-    }
+    for (int64_t p = p0; p < p1; ++p) panel_rows(x, m, k, packed + p * k * kNR, n, p * kNR, out);
   });
 }
 

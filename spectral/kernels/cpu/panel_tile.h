@@ -1,0 +1,83 @@
+// The register tile both matmuls share: an R x kNR tile of the output for R rows of x over one
+// panel of kNR output columns whose weights lie side by side per input (panel[k][kNR]). Per
+// input it loads the panel's kNR weights once (two vectors) and multiplies them by R broadcast
+// values of x; sums are float32 in order of k.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "vec.h"
+
+namespace spectral_cpu {
+
+#if defined(SPECTRAL_VEC)
+constexpr int64_t kLanes = Vec::kWidth;
+// Output rows per tile: 2 accumulators each, plus two weight vectors and one broadcast, within
+// the 16 (AVX2) or 32 (AVX-512) vector registers.
+constexpr int kMR = Vec::kWidth == 16 ? 12 : 6;
+#else
+constexpr int64_t kLanes = 8;
+constexpr int kMR = 4;
+#endif
+constexpr int64_t kNR = 2 * kLanes;
+
+inline void put(float* out, int64_t i, float v) { out[i] = v; }
+inline void put(c10::BFloat16* out, int64_t i, float v) { out[i] = static_cast<c10::BFloat16>(v); }
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_float(v); }
+
+// The R x kNR tile of out for rows x[0..R) (row stride k) over one panel, into out[R][kNR].
+template <int R, typename W>
+void tile(const float* x, int64_t k, const W* panel, float* out) {
+#if defined(SPECTRAL_VEC)
+  Vec::R lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = Vec::zero();
+  for (int64_t i = 0; i < k; ++i) {
+    const Vec::R w0 = Vec::load(panel + i * kNR);
+    const Vec::R w1 = Vec::load(panel + i * kNR + kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec::R xb = Vec::set1(x[r * k + i]);
+      lo[r] = Vec::fma(xb, w0, lo[r]);
+      hi[r] = Vec::fma(xb, w1, hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    Vec::store(out + r * kNR, lo[r]);
+    Vec::store(out + r * kNR + kLanes, hi[r]);
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < kNR; ++c) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < k; ++i) acc += x[r * k + i] * widen(panel[i * kNR + c]);
+      out[r * kNR + c] = acc;
+    }
+  }
+#endif
+}
+
+template <typename W, int R = kMR>
+void tile_rows(int rows, const float* x, int64_t k, const W* panel, float* out) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<W, R - 1>(rows, x, k, panel, out);
+  }
+  tile<R, W>(x, k, panel, out);
+}
+
+// Every block of rows of x over one panel; columns [j0, j0 + cols) of out (row stride n).
+template <typename W, typename O>
+void panel_rows(const float* x, int64_t m, int64_t k, const W* panel, int64_t n, int64_t j0,
+                O* out) {
+  alignas(64) float buf[kMR * kNR];
+  const int64_t cols = std::min(kNR, n - j0);
+  for (int64_t q0 = 0; q0 < m; q0 += kMR) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMR, m - q0));
+    tile_rows<W>(rows, x + q0 * k, k, panel, buf);
+    for (int r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) put(out, (q0 + r) * n + j0 + c, buf[r * kNR + c]);
+  }
+}
+
+}  // namespace spectral_cpu

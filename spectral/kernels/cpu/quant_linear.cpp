@@ -1,0 +1,303 @@
+// y = x @ w.T (+ bias) over GGUF blocks kept as they are (4 or 8 bits a weight), expanded in
+// registers: Q4_1 (w = d * q + m, q in 0..15) and Q8_0 (w = d * q, q in -128..127), 32 weights
+// of one row a block, fp16 d and m.
+//
+// Packed layout, as packed_linear's (panels of kNR output columns, one micro-kernel), per panel
+// and per block of 32 inputs: the kNR columns' d (and m) as float32, then their quants side by
+// side per input: Q4_1 in 16 rows of kNR bytes, byte c of row j holding column c's quant of
+// input j (low nibble) and of input j + 16 (high nibble), as GGUF pairs them; Q8_0 in 32 rows of
+// kNR int8. d * q is exact in float32 (11 by at most 8 significant bits), so the expanded weight
+// (one fused multiply-add with m) is bit-equal to gguf's own dequantization in float32, and with
+// `round_bf16` it is rounded to bfloat16 first, bit-equal to dequantize-then-cast.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "panel_tile.h"
+
+namespace {
+
+using namespace spectral_cpu;
+
+constexpr int64_t kBlock = 32;
+constexpr int kQ4_1 = 0, kQ8_0 = 1;
+constexpr int64_t kQ4_1Bytes = 20, kQ8_0Bytes = 34;  // a GGUF block
+
+// Bytes of one packed block of a panel: scales (and mins), then quants.
+constexpr int64_t packed_block_bytes(int kind) {
+  return kind == kQ4_1 ? kNR * 8 + 16 * kNR : kNR * 4 + 32 * kNR;
+}
+
+float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+float round_to_bf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+#if defined(SPECTRAL_VEC)
+// kLanes quants starting at p widened to float32: unsigned bytes, or signed.
+#if SPECTRAL_VEC == 512
+inline Vec::R widen_u8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+inline Vec::R widen_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+// Low and high nibbles of kNR bytes, each as two vectors of kLanes floats.
+inline void nibbles(const uint8_t* p, Vec::R lo[2], Vec::R hi[2]) {
+  const __m256i b = _mm256_loadu_si256((const __m256i*)p);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i l = _mm256_and_si256(b, mask), h = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+  lo[0] = widen_u8(_mm256_castsi256_si128(l));
+  lo[1] = widen_u8(_mm256_extracti128_si256(l, 1));
+  hi[0] = widen_u8(_mm256_castsi256_si128(h));
+  hi[1] = widen_u8(_mm256_extracti128_si256(h, 1));
+}
+inline Vec::R round_bf16(Vec::R v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF0000u)));
+}
+#else
+inline Vec::R widen_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+inline Vec::R widen_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+inline void nibbles(const uint8_t* p, Vec::R lo[2], Vec::R hi[2]) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i l = _mm_and_si128(b, mask), h = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  lo[0] = widen_u8(l);
+  lo[1] = widen_u8(_mm_srli_si128(l, 8));
+  hi[0] = widen_u8(h);
+  hi[1] = widen_u8(_mm_srli_si128(h, 8));
+}
+inline Vec::R round_bf16(Vec::R v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(0xFFFF0000u)));
+}
+#endif
+
+// acc[r] += x[r][i] * w for the R rows of the tile (w: two vectors, the panel's columns).
+template <int R>
+inline void accumulate(Vec::R lo[R], Vec::R hi[R], const float* x, int64_t k, int64_t i,
+                       Vec::R w0, Vec::R w1) {
+  for (int r = 0; r < R; ++r) {
+    const Vec::R xb = Vec::set1(x[r * k + i]);
+    lo[r] = Vec::fma(xb, w0, lo[r]);
+    hi[r] = Vec::fma(xb, w1, hi[r]);
+  }
+}
+#endif
+
+// Calls use(i, w) for every input i of the panel, w its kNR expanded weights (two vectors, or
+// a kNR array without a vector unit).
+template <int Kind, typename Use>
+inline void expand(const uint8_t* panel, int64_t k, bool bf16, Use&& use) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = panel + b * packed_block_bytes(Kind);
+    const float* d = reinterpret_cast<const float*>(blk);
+    const int64_t i0 = b * kBlock;
+#if defined(SPECTRAL_VEC)
+    const Vec::R d0 = Vec::load(d), d1 = Vec::load(d + kLanes);
+    if constexpr (Kind == kQ4_1) {
+      const Vec::R m0 = Vec::load(d + kNR), m1 = Vec::load(d + kNR + kLanes);
+      const uint8_t* q = blk + kNR * 8;
+      for (int64_t j = 0; j < 16; ++j) {
+        Vec::R ql[2], qh[2];
+        nibbles(q + j * kNR, ql, qh);
+        Vec::R w0 = Vec::fma(d0, ql[0], m0), w1 = Vec::fma(d1, ql[1], m1);
+        if (bf16) w0 = round_bf16(w0), w1 = round_bf16(w1);
+        use(i0 + j, w0, w1);
+        w0 = Vec::fma(d0, qh[0], m0), w1 = Vec::fma(d1, qh[1], m1);
+        if (bf16) w0 = round_bf16(w0), w1 = round_bf16(w1);
+        use(i0 + j + 16, w0, w1);
+      }
+    } else {
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + kNR * 4);
+      for (int64_t j = 0; j < kBlock; ++j) {
+        Vec::R w0 = Vec::fma(d0, widen_i8(q + j * kNR), Vec::zero());
+        Vec::R w1 = Vec::fma(d1, widen_i8(q + j * kNR + kLanes), Vec::zero());
+        if (bf16) w0 = round_bf16(w0), w1 = round_bf16(w1);
+        use(i0 + j, w0, w1);
+      }
+    }
+#else
+    for (int64_t j = 0; j < kBlock; ++j) {
+      float w[kNR];
+      for (int64_t c = 0; c < kNR; ++c) {
+        if constexpr (Kind == kQ4_1) {
+          const uint8_t byte = blk[kNR * 8 + (j % 16) * kNR + c];
+          const float q = static_cast<float>(j < 16 ? byte & 0x0F : byte >> 4);
+          w[c] = std::fma(d[c], q, d[kNR + c]);
+        } else {
+          w[c] = d[c] * static_cast<float>(reinterpret_cast<const int8_t*>(blk + kNR * 4)[j * kNR + c]);
+        }
+        if (bf16) w[c] = round_to_bf16(w[c]);
+      }
+      use(i0 + j, w);
+    }
+#endif
+  }
+}
+
+// The R x kNR tile over one packed panel, into out[R][kNR], expanding each weight once.
+template <int Kind, int R>
+void tile(const float* x, int64_t k, const uint8_t* panel, bool bf16, float* out) {
+#if defined(SPECTRAL_VEC)
+  Vec::R lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = Vec::zero();
+  expand<Kind>(panel, k, bf16, [&](int64_t i, Vec::R w0, Vec::R w1) {
+    accumulate<R>(lo, hi, x, k, i, w0, w1);
+  });
+  for (int r = 0; r < R; ++r) {
+    Vec::store(out + r * kNR, lo[r]);
+    Vec::store(out + r * kNR + kLanes, hi[r]);
+  }
+#else
+  for (int r = 0; r < R * kNR; ++r) out[r] = 0.f;
+  expand<Kind>(panel, k, bf16, [&](int64_t i, const float* w) {
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < kNR; ++c) out[r * kNR + c] += x[r * k + i] * w[c];
+  });
+#endif
+}
+
+// The panel's weights expanded into dense[k][kNR] (float32), for many rows of x.
+template <int Kind>
+void expand_panel(const uint8_t* panel, int64_t k, bool bf16, float* dense) {
+#if defined(SPECTRAL_VEC)
+  expand<Kind>(panel, k, bf16, [&](int64_t i, Vec::R w0, Vec::R w1) {
+    Vec::store(dense + i * kNR, w0);
+    Vec::store(dense + i * kNR + kLanes, w1);
+  });
+#else
+  expand<Kind>(panel, k, bf16, [&](int64_t i, const float* w) {
+    for (int64_t c = 0; c < kNR; ++c) dense[i * kNR + c] = w[c];
+  });
+#endif
+}
+
+template <int Kind, int R = kMR>
+void tile_rows(int rows, const float* x, int64_t k, const uint8_t* panel, bool bf16, float* out) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<Kind, R - 1>(rows, x, k, panel, bf16, out);
+  }
+  tile<Kind, R>(x, k, panel, bf16, out);
+}
+
+// One row block: each weight expanded as the tile uses it (read once from memory). More rows:
+// each panel expanded once into a float32 buffer that every row block then reads.
+template <int Kind, typename O>
+void run(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, bool bf16,
+         O* out) {
+  const int64_t panels = (n + kNR - 1) / kNR, panel_bytes = (k / kBlock) * packed_block_bytes(Kind);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float buf[kMR * kNR];
+    std::vector<float> dense(m > kMR ? k * kNR : 0);
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* panel = packed + p * panel_bytes;
+      const int64_t j0 = p * kNR, cols = std::min(kNR, n - j0);
+      if (m > kMR) {
+        expand_panel<Kind>(panel, k, bf16, dense.data());
+        panel_rows(x, m, k, dense.data(), n, j0, out);
+        continue;
+      }
+      tile_rows<Kind>(static_cast<int>(m), x, k, panel, bf16, buf);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < cols; ++c) put(out, r * n + j0 + c, buf[r * kNR + c]);
+    }
+  });
+}
+
+int kind_of(const std::string& name) {
+  if (name == "Q4_1") return kQ4_1;
+  if (name == "Q8_0") return kQ8_0;
+  TORCH_CHECK(false, "GGUF block type ", name, " is not implemented (Q4_1, Q8_0 are)");
+}
+
+}  // namespace
+
+// blocks: uint8 [n, k / 32 * block bytes], a GGUF tensor's rows as stored.
+torch::Tensor pack_gguf_weight(const torch::Tensor& blocks, const std::string& type, int64_t k) {
+  const int kind = kind_of(type);
+  const int64_t block_bytes = kind == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8, "uint8 [n, bytes] rows");
+  TORCH_CHECK(k % kBlock == 0, "k must be a multiple of 32 (got ", k, ")");
+  const int64_t n = blocks.size(0), nblocks = k / kBlock;
+  TORCH_CHECK(blocks.size(1) == nblocks * block_bytes, "rows of ", blocks.size(1),
+              " bytes hold no ", k, " weights of ", type);
+  const torch::Tensor src = blocks.contiguous();
+  const uint8_t* in = src.data_ptr<uint8_t>();
+  const int64_t panels = (n + kNR - 1) / kNR, out_block = packed_block_bytes(kind);
+  torch::Tensor packed = torch::zeros({panels * nblocks * out_block}, blocks.options());
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t b = 0; b < nblocks; ++b) {
+        uint8_t* dst = out + (p * nblocks + b) * out_block;
+        float* d = reinterpret_cast<float*>(dst);
+        for (int64_t c = 0; c < kNR && p * kNR + c < n; ++c) {
+          const uint8_t* blk = in + (p * kNR + c) * nblocks * block_bytes + b * block_bytes;
+          uint16_t h;
+          std::memcpy(&h, blk, 2);
+          d[c] = half_to_float(h);
+          if (kind == kQ4_1) {
+            std::memcpy(&h, blk + 2, 2);
+            d[kNR + c] = half_to_float(h);
+            for (int64_t j = 0; j < 16; ++j) dst[kNR * 8 + j * kNR + c] = blk[4 + j];
+          } else {
+            for (int64_t j = 0; j < kBlock; ++j) dst[kNR * 4 + j * kNR + c] = blk[2 + j];
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const std::string& type, int64_t n, const c10::optional<torch::Tensor>& bias) {
+  const int kind = kind_of(type);
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0, "x has ", k, " columns, not a multiple of 32");
+  const int64_t panels = (n + kNR - 1) / kNR;
+  TORCH_CHECK(packed.numel() == panels * (k / kBlock) * packed_block_bytes(kind),
+              "packed weights are not ", n, " x ", k, " of ", type, " from pack_gguf_weight");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "float32 or bfloat16 x");
+  const bool bf16 = dtype == torch::kBFloat16;
+  torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+  torch::Tensor out = torch::empty({m, n}, x.options());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (m > 0) {
+    if (kind == kQ4_1) {
+      if (bf16) run<kQ4_1>(xf.data_ptr<float>(), m, k, w, n, true, out.data_ptr<at::BFloat16>());
+      else run<kQ4_1>(xf.data_ptr<float>(), m, k, w, n, false, out.data_ptr<float>());
+    } else {
+      if (bf16) run<kQ8_0>(xf.data_ptr<float>(), m, k, w, n, true, out.data_ptr<at::BFloat16>());
+      else run<kQ8_0>(xf.data_ptr<float>(), m, k, w, n, false, out.data_ptr<float>());
+    }
+  }
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
+void register_quant_linear(pybind11::module& m) {
+  m.def("pack_gguf_weight", &pack_gguf_weight,
+        "a GGUF tensor's rows of Q4_1 or Q8_0 blocks in the panel layout gguf_linear streams");
+  m.def("gguf_linear", &gguf_linear,
+        "x @ w.T (+ bias) over packed GGUF blocks, expanded in registers (rounded to bfloat16 "
+        "for a bfloat16 x)");
+}
