@@ -68,8 +68,11 @@ class Linear(nn.Linear):
     packed: PackedWeight | None = None
 
     def set_kernels(self, kernels: ModuleType | None) -> None:
+        """Serve matmuls through `kernels`, packing the weight for them unless a packed form
+        (GGUF blocks) is attached already."""
         self.kernels = kernels
-        self.packed = pack_weight(self.weight, kernels)
+        if kernels is None or self.packed is None:
+            self.packed = pack_weight(self.weight, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.kernels, self.packed)

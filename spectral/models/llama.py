@@ -183,12 +183,14 @@ class LlamaForCausalLM(nn.Module):
         """Route norms, rotary and matmuls through spectral's CPU kernels (None: PyTorch)."""
         self.kernels = kernels
         route_to_cpu_kernels(self, kernels)
-        # Tied to the embedding, the LM head needs a packed copy of its own (lookups read rows).
-        self.lm_head_packed = (
-            pack_weight(self.lm_head_weight, kernels)
-            if self.config.tie_word_embeddings
-            else self.lm_head.packed
-        )
+        # Tied to the embedding, the LM head needs a packed copy of its own (lookups read rows);
+        # GGUF blocks attached before stay.
+        if kernels is None or self.lm_head_packed is None:
+            self.lm_head_packed = (
+                pack_weight(self.lm_head_weight, kernels)
+                if self.config.tie_word_embeddings
+                else self.lm_head.packed
+            )
 
     def forward(
         self, batch: ForwardBatch, backend: AttentionBackend

@@ -54,13 +54,13 @@ class ModelWorker:
         self.model, self.config = load_model(model_dir, dtype, device)
         cfg: ModelConfig = self.config
         kernels = load_cpu_kernels() if device == "cpu" and use_cpu_kernels else None
-        self.model.set_cpu_kernels(kernels)
         if gguf_file is not None:
             if kernels is None:
                 logger.info("GGUF weights served dequantized (no CPU kernels on %s)", device)
             else:
                 attached = attach_gguf_blocks(self.model, cfg, gguf_file, kernels)
                 logger.info("GGUF blocks served natively for %d weight matrices", attached)
+        self.model.set_cpu_kernels(kernels)  # packs only what has no GGUF blocks
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
         if max_total_tokens is None:
             max_total_tokens = int(free_memory_bytes(device) * mem_fraction_static) // per_token
