@@ -29,7 +29,7 @@ def remote(peaky_model_dir):
         log_level="warning",
     )
     with tempfile.TemporaryDirectory() as ipc_dir:
-        worker = RemoteWorker(args, ipc_dir, config.max_context_len)
+        worker = RemoteWorker(args, ipc_dir, config.max_context_len).wait_ready()
         yield worker, config
         worker.close()
 

@@ -62,15 +62,10 @@ def _stop(children: dict[str, subprocess.Popen]) -> None:
 
 
 def launch_server(args: ServerArgs) -> None:
-    from transformers import AutoTokenizer
-
-    from spectral.server.http_server import create_app
-    from spectral.server.protocol import RequestLimits
-    from spectral.server.tokenizer_manager import TokenizerManager
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    # Converted (once) before the children start, so that they find it; they start before this
+    # process imports the HTTP stack and loads its tokenizer, which overlaps their start-up.
     model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
     ipc_dir = tempfile.mkdtemp(prefix="spectral-")  # mode 0700
     ctx = zmq.Context()
     ready_sock = ctx.socket(zmq.PULL)
@@ -81,6 +76,13 @@ def launch_server(args: ServerArgs) -> None:
     }
     exit_code = 0
     try:
+        from transformers import AutoTokenizer
+
+        from spectral.server.http_server import create_app
+        from spectral.server.protocol import RequestLimits
+        from spectral.server.tokenizer_manager import TokenizerManager
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
         info = _wait_ready(ready_sock, children)["scheduler"]
         ready_sock.close(0)
         served = args.served_model_name or args.model_path

@@ -41,6 +41,8 @@ class SchedulerProcess:
         model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
         config = ModelConfig.from_pretrained(model_dir)
         self.context_len = args.context_length or config.max_context_len
+        # The worker loads while this process loads its tokenizer.
+        self.worker = RemoteWorker(args, ipc_dir, self.context_len)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
         eos = set(config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
@@ -50,7 +52,7 @@ class SchedulerProcess:
         self.inbox.bind(f"ipc://{ipc_dir}/scheduler_in")
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.connect(f"ipc://{ipc_dir}/detokenizer_in")
-        self.worker = RemoteWorker(args, ipc_dir, self.context_len)
+        self.worker.wait_ready()
         self.scheduler = Scheduler(
             self.worker,
             tokenizer,

@@ -93,7 +93,9 @@ def worker_main(args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
 
 
 class RemoteWorker:
-    """`forward(WorkerBatch) -> WorkerResult` against a worker process it starts and owns."""
+    """`forward(WorkerBatch) -> WorkerResult` against a worker process it starts and owns.
+    The process starts at construction; `wait_ready()` (before the first forward) waits for it
+    to load, so the caller can do its own start-up meanwhile."""
 
     def __init__(self, args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
         self.ctx = zmq.Context()
@@ -108,12 +110,16 @@ class RemoteWorker:
         )
         self.batches = self.ctx.socket(zmq.PUSH)
         self.batches.connect(f"ipc://{ipc_dir}/worker_in")
+
+    def wait_ready(self) -> RemoteWorker:
+        """Wait until the worker has loaded (RuntimeError if it failed to); returns self."""
         ready = self._receive(READY_TIMEOUT_S)
         if isinstance(ready, WorkerFailed):
             self.close()
             raise RuntimeError(f"the model worker failed to start: {ready.error}")
         self.ready: WorkerReady = ready
         self.num_kv_slots = ready.num_kv_slots
+        return self
 
     def _receive(self, timeout_s: float):
         deadline = time.monotonic() + timeout_s
