@@ -201,8 +201,11 @@ class TokenizerManager:
         group: str | None = None,
     ) -> AsyncIterator[ReqState]:
         """Yields the request's state after every update; the last one is finished. Leaving the
-        iteration early (a client that went away, a sibling that failed) aborts the request."""
-        self.check(input_ids, sampling_params, rid)
+        iteration early (a client that went away, a sibling that failed) aborts the request.
+        The caller has run `check` on it (every element of a batch before any starts); the
+        scheduler checks again and rejects what got past."""
+        if rid is not None and rid in self.states:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", "rid")
         rid = rid or self.new_rid()
         state = ReqState(rid, len(input_ids))
         self.states[rid] = state

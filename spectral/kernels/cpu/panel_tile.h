@@ -66,17 +66,24 @@ void tile_rows(int rows, const float* x, int64_t k, const W* panel, float* out) 
   tile<R, W>(x, k, panel, out);
 }
 
-// Every block of rows of x over one panel; columns [j0, j0 + cols) of out (row stride n).
+// Rows [q0, q0 + rows) of a tile buffer (row stride kNR) into columns [j0, j0 + kNR) of out
+// (row stride n), the ones that exist.
+template <typename O>
+inline void store_tile(const float* buf, int rows, int64_t q0, int64_t n, int64_t j0, O* out) {
+  const int64_t cols = std::min(kNR, n - j0);
+  for (int r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) put(out, (q0 + r) * n + j0 + c, buf[r * kNR + c]);
+}
+
+// Every block of rows of x over one panel; columns [j0, j0 + kNR) of out (row stride n).
 template <typename W, typename O>
 void panel_rows(const float* x, int64_t m, int64_t k, const W* panel, int64_t n, int64_t j0,
                 O* out) {
   alignas(64) float buf[kMR * kNR];
-  const int64_t cols = std::min(kNR, n - j0);
   for (int64_t q0 = 0; q0 < m; q0 += kMR) {
     const int rows = static_cast<int>(std::min<int64_t>(kMR, m - q0));
     tile_rows<W>(rows, x + q0 * k, k, panel, buf);
-    for (int r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) put(out, (q0 + r) * n + j0 + c, buf[r * kNR + c]);
+    store_tile(buf, rows, q0, n, j0, out);
   }
 }
 

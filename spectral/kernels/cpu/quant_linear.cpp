@@ -207,15 +207,13 @@ void run(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
     std::vector<float> dense(m > kMR ? k * kNR : 0);
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = packed + p * panel_bytes;
-      const int64_t j0 = p * kNR, cols = std::min(kNR, n - j0);
       if (m > kMR) {
         expand_panel<Kind>(panel, k, bf16, dense.data());
-        panel_rows(x, m, k, dense.data(), n, j0, out);
-        continue;
+        panel_rows(x, m, k, dense.data(), n, p * kNR, out);
+      } else {
+        tile_rows<Kind>(static_cast<int>(m), x, k, panel, bf16, buf);
+        store_tile(buf, static_cast<int>(m), 0, n, p * kNR, out);
       }
-      tile_rows<Kind>(static_cast<int>(m), x, k, panel, bf16, buf);
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t c = 0; c < cols; ++c) put(out, r * n + j0 + c, buf[r * kNR + c]);
     }
   });
 }
