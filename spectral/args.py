@@ -142,14 +142,16 @@ class ServerArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help_text = {
             "model_path": "HF model directory, a .gguf file, or 'default' (SmolLM2-135M-Instruct)",
-            "model_cache_dir": "where converted GGUF models are kept (default ~/.cache/spectral)",
+            "model_cache_dir": "where a GGUF's config and tokenizer are extracted, once "
+            "(default ~/.cache/spectral)",
             "tokenizer_path": "tokenizer directory (default: the model's)",
             "dtype": "auto (bf16 where native), float32, bfloat16, float16",
             "device": "auto, cpu or cuda",
             "context_length": "override the model's context length",
-            "quantization": "auto or gguf: a GGUF model's Q4_1/Q8_0 blocks are served as they are "
-            "(expanded in registers to the dequantized values; other formats dequantized at "
-            "load), on the CPU with spectral's kernels; none: every weight dequantized",
+            "quantization": "auto or gguf: a GGUF model's Q4_0/Q4_1/Q8_0 blocks are served as "
+            "they are (expanded in registers to the dequantized values; other formats "
+            "dequantized at load), on the CPU with spectral's kernels; none: every weight "
+            "dequantized",
             "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
             "mem_fraction_static": "fraction of free memory given to the KV pool",
             "max_running_requests": "most requests decoding at once",

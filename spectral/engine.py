@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from spectral import faults
 from spectral.args import ServerArgs
 from spectral.models.config import ModelConfig
-from spectral.models.resolve import resolve_model_path
+from spectral.models.resolve import model_files_dir
 from spectral.sampling_params import InvalidRequestError, SamplingParams
 from spectral.scheduler.req import Req
 from spectral.scheduler.scheduler import Scheduler
@@ -40,7 +40,7 @@ class Engine:
         args = self.args
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)
-        self.model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
+        self.model_dir = model_files_dir(args.model_path, args.model_cache_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or self.model_dir)
         config = ModelConfig.from_pretrained(self.model_dir)
         self.context_len = args.context_length or config.max_context_len

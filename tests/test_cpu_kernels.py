@@ -28,10 +28,13 @@ def bf16_tolerance(reference: torch.Tensor, dtype: torch.dtype) -> float:
     return scale * (1e-5 if dtype == torch.float32 else 2**-7)
 
 
+def cpu_flags() -> set[str]:
+    line = next((ln for ln in cpu_signature().splitlines() if ln.startswith("flags")), "")
+    return set(line.split()[1:])
+
+
 def test_kernels_use_the_widest_vector_unit_the_cpu_has():
-    flags = set(
-        next((ln for ln in cpu_signature().splitlines() if ln.startswith("flags")), "").split()
-    )
+    flags = cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags to compare with")
     want = 512 if "avx512f" in flags else 256 if {"avx2", "fma"} <= flags else 0
@@ -126,12 +129,14 @@ def float32_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return k * 2**-24 * (x.double().abs() @ w.double().abs().T) + 1e-30
 
 
-def check_packed_linear(m: int, n: int, k: int, dtype: torch.dtype, seed: int) -> None:
+def check_packed_linear(
+    m: int, n: int, k: int, dtype: torch.dtype, seed: int, build=kernels
+) -> None:
     torch.manual_seed(seed)
     x = torch.randn(m, k).to(dtype)
     w = torch.randn(n, k).to(dtype)
     exact = x.double() @ w.double().T
-    got = kernels.packed_linear(x, kernels.pack_linear_weight(w), n, None)
+    got = build.packed_linear(x, build.pack_linear_weight(w), n, None)
     assert got.dtype == dtype and got.shape == (m, n)
     error = (got.double() - exact).abs()
     bound = float32_error_bound(x, w)
@@ -173,7 +178,7 @@ def test_packed_linear_adds_the_bias_and_refuses_mismatches_with_a_message():
         kernels.packed_linear(x.bfloat16(), packed, 40, None)
 
 
-GGUF_TYPES = ["Q4_1", "Q8_0"]
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
 
 def gguf_blocks(n: int, k: int, kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,18 +189,24 @@ def gguf_blocks(n: int, k: int, kind: str, seed: int) -> tuple[torch.Tensor, tor
     return torch.from_numpy(blocks), torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
 
 
-def expanded(packed: torch.Tensor, kind: str, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+def expanded(
+    packed: torch.Tensor, kind: str, n: int, k: int, dtype: torch.dtype, build=kernels
+) -> torch.Tensor:
     """The weights as the kernel expands them: the identity times them is exactly them."""
-    return kernels.gguf_linear(torch.eye(k, dtype=dtype), packed, kind, n, None).T
+    return build.gguf_linear(torch.eye(k, dtype=dtype), packed, kind, n, None).T
+
+
+def check_gguf_expansion(kind: str, n: int, k: int, build=kernels) -> None:
+    blocks, reference = gguf_blocks(n, k, kind, seed=n + k)
+    packed = build.pack_gguf_weight(blocks, kind, k)
+    assert torch.equal(expanded(packed, kind, n, k, torch.float32, build), reference)
+    assert torch.equal(expanded(packed, kind, n, k, torch.bfloat16, build), reference.bfloat16())
 
 
 @pytest.mark.parametrize("kind", GGUF_TYPES)
 @pytest.mark.parametrize("n, k", [(16, 32), (33, 64), (70, 96), (5, 576)])
 def test_gguf_blocks_expand_to_ggufs_own_dequantization(kind, n, k):
-    blocks, reference = gguf_blocks(n, k, kind, seed=n + k)
-    packed = kernels.pack_gguf_weight(blocks, kind, k)
-    assert torch.equal(expanded(packed, kind, n, k, torch.float32), reference)
-    assert torch.equal(expanded(packed, kind, n, k, torch.bfloat16), reference.bfloat16())
+    check_gguf_expansion(kind, n, k)
 
 
 @pytest.mark.parametrize(
@@ -216,12 +227,16 @@ def test_the_default_models_blocks_expand_to_ggufs_own_dequantization(name):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 6, 7, 12, 13, 64])
 def test_gguf_linear_is_within_float32_error_of_float64(kind, dtype, rows):
+    check_gguf_linear(kind, dtype, rows)
+
+
+def check_gguf_linear(kind: str, dtype: torch.dtype, rows: int, build=kernels) -> None:
     n, k = 50, 160
     blocks, reference = gguf_blocks(n, k, kind, seed=rows)
     w = reference.to(dtype)  # what the kernel multiplies by: bf16-rounded weights for bf16
     x = torch.randn(rows, k).to(dtype)
     exact = x.double() @ w.double().T
-    got = kernels.gguf_linear(x, kernels.pack_gguf_weight(blocks, kind, k), kind, n, None)
+    got = build.gguf_linear(x, build.pack_gguf_weight(blocks, kind, k), kind, n, None)
     assert got.dtype == dtype and got.shape == (rows, n)
     bound = float32_error_bound(x, w)
     if dtype == torch.bfloat16:
@@ -231,7 +246,26 @@ def test_gguf_linear_is_within_float32_error_of_float64(kind, dtype, rows):
 
 def test_gguf_linear_refuses_what_it_does_not_implement_with_a_message():
     blocks, _ = gguf_blocks(4, 32, "Q8_0", seed=0)
-    with pytest.raises(RuntimeError, match="Q5_K is not implemented"):
+    with pytest.raises(RuntimeError, match=r"Q5_K is not implemented \(Q4_0, Q4_1, Q8_0 are\)"):
         kernels.pack_gguf_weight(blocks, "Q5_K", 32)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.pack_gguf_weight(blocks, "Q8_0", 33)
+
+
+# The same sources built for narrower vector units than the CPU's: the scalar loops (what a CPU
+# without AVX2 runs) always, the AVX2 path where the CPU has AVX-512.
+NARROWER = {"scalar": 0, **({"avx2": 256} if "avx512f" in cpu_flags() else {})}
+
+
+@pytest.mark.parametrize("isa", sorted(NARROWER))
+def test_narrower_builds_hold_to_the_same_references(isa):
+    build = load_cpu_kernels(isa)
+    assert build is not None and build.vector_bits() == NARROWER[isa]
+    for dtype in DTYPES:
+        for rows in (1, 5, 13, 64):
+            for n, k in ((33, 17), (70, 96)):
+                check_packed_linear(rows, n, k, dtype, seed=rows + n, build=build)
+            for kind in GGUF_TYPES:
+                check_gguf_linear(kind, dtype, rows, build=build)
+    for kind in GGUF_TYPES:
+        check_gguf_expansion(kind, 33, 64, build=build)

@@ -1,6 +1,7 @@
-"""The default model served from its GGUF blocks (--quantization auto): every weight matrix
-expands to exactly the dequantized weights (gguf's own dequantization, then the model dtype),
-and greedy decoding equals transformers' on the dequantized model (float32)."""
+"""The default model read straight from its GGUF: served from its blocks (--quantization auto)
+every weight matrix and embedding row expands to exactly transformers' dequantized weights
+(gguf's own dequantization, then the model dtype), dequantized at load (none) every parameter
+equals them, and greedy decoding from the blocks equals transformers' (float32)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 
 from spectral.kernels.cpu_kernels import load_cpu_kernels
 from spectral.kernels.linear import Linear
-from spectral.models.gguf_native import attach_gguf_blocks
-from spectral.models.loader import load_model
-from spectral.models.resolve import default_model_file
+from spectral.models.config import ModelConfig
+from spectral.models.gguf_native import load_gguf_model
+from spectral.models.loader import build_model, load_model
+from spectral.models.resolve import default_model_file, model_files_dir
 from tests.test_generate_greedy import GREEDY, PROMPTS, hf_greedy
 
 kernels = load_cpu_kernels()  # needs a C++ compiler, as the project does
@@ -40,35 +42,73 @@ def expanded(packed, k: int, dtype: torch.dtype) -> torch.Tensor:
     return packed.matmul(kernels, torch.eye(k, dtype=dtype), None).T
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_weight_matrix_expands_to_the_dequantized_weights(default_model_dir, dtype):
-    model, config = load_model(default_model_dir, dtype)
-    attached = attach_gguf_blocks(model, config, default_model_file(), kernels)
+def from_gguf(dtype: torch.dtype, native_kernels) -> tuple[torch.nn.Module, int]:
+    config = ModelConfig.from_pretrained(model_files_dir("default"))
+    model = build_model(config, dtype)
+    served = load_gguf_model(default_model_file(), model, config, native_kernels)
     model.set_cpu_kernels(kernels)
+    return model, served
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_weight_expands_to_transformers_dequantized_weights(default_model_dir, dtype):
+    """The oracle: transformers' own GGUF conversion (gguf's dequantization), in `dtype`."""
+    reference, config = load_model(default_model_dir, dtype)
+    model, served = from_gguf(dtype, kernels)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert attached == len(linears) + 1  # and the LM head
-    for module in linears:
-        assert module.packed.gguf_type == "Q4_1"
-        assert torch.equal(expanded(module.packed, module.in_features, dtype), module.weight)
+    assert served == len(linears) + 1  # and the LM head
+    expected = dict(reference.named_parameters())
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            assert module.packed.gguf_type == "Q4_1"
+            assert module.weight.numel() == 0  # no dense copy beside the blocks
+            weight = expected[f"{name}.weight"]
+            assert torch.equal(expanded(module.packed, module.in_features, dtype), weight)
+    for name, param in model.named_parameters():
+        if param.numel():
+            assert torch.equal(param, expected[name]), name
     head = model.lm_head_packed
     assert head.gguf_type == "Q8_0"
     rows = torch.eye(config.hidden_size, dtype=dtype)
-    assert torch.equal(head.matmul(kernels, rows, None).T, model.lm_head_weight)
+    assert torch.equal(head.matmul(kernels, rows, None).T, reference.lm_head_weight)
+    # The embedding is looked up from the Q8_0 blocks: every row, exactly.
+    ids = torch.arange(config.vocab_size)
+    assert not hasattr(model.embed_tokens, "weight")
+    assert torch.equal(model.embed(ids.view(2, -1)).view(len(ids), -1), reference.embed(ids))
+
+
+def test_a_gguf_dequantized_at_load_equals_transformers_conversion(default_model_dir):
+    """--quantization none reads the GGUF too, dequantizing every weight as transformers does."""
+    reference, _ = load_model(default_model_dir, torch.float32)
+    model, served = from_gguf(torch.float32, None)
+    assert served == 0
+    got = dict(model.named_parameters())
+    assert got.keys() == dict(reference.named_parameters()).keys()
+    for name, param in reference.named_parameters():
+        assert torch.equal(got[name], param), name
 
 
 @pytest.fixture(scope="module")
-def native_engine():
+def native_engine(tmp_path_factory):
     from spectral import Engine
 
-    engine = Engine(model_path="default", dtype="float32", max_total_tokens=4096)
+    cache = tmp_path_factory.mktemp("model-cache")
+    engine = Engine(
+        model_path="default", dtype="float32", max_total_tokens=4096, model_cache_dir=str(cache)
+    )
+    engine.cache_dir = cache
     yield engine
     engine.shutdown()
 
 
-def test_the_engine_serves_the_default_models_blocks(native_engine):
+def test_the_engine_serves_the_default_models_blocks_without_converting_it(native_engine):
     model = native_engine.worker.model
     assert model.layers[0].mlp.down_proj.packed.gguf_type == "Q4_1"
     assert model.lm_head_packed.gguf_type == "Q8_0"
+    # Only the config and tokenizer were extracted into the cache: no dequantized weights.
+    (extracted,) = native_engine.cache_dir.iterdir()
+    assert (extracted / "config.json").is_file() and (extracted / "tokenizer.json").is_file()
+    assert not list(extracted.glob("*.safetensors"))
 
 
 def test_greedy_from_the_blocks_equals_transformers_on_20_prompts(

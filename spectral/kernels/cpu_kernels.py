@@ -19,30 +19,42 @@ from spectral.cache import DEFAULT_CACHE_DIR
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [
-    Path(__file__).parent / "cpu" / name
-    for name in ("module.cpp", "fused_ops.cpp", "packed_linear.cpp", "quant_linear.cpp")
+KERNEL_DIR = Path(__file__).parent / "cpu"
+MATMUL_SOURCES = [
+    KERNEL_DIR / name for name in ("module.cpp", "packed_linear.cpp", "quant_linear.cpp")
 ]
+SOURCES = [*MATMUL_SOURCES, KERNEL_DIR / "fused_ops.cpp"]
+
+# Builds of the same sources: the widest vector unit the CPU has (what the runtime uses), and
+# narrower ones of the matmuls alone that tests hold to the same references (AVX2 on an
+# AVX-512 CPU, the scalar loops), compiled at -O1 to cost the test suite less time.
+ISA_FLAGS = {
+    "native": ["-O3"],
+    "avx2": ["-O1", "-mno-avx512f", "-DSPECTRAL_MATMULS_ONLY"],
+    "scalar": ["-O1", "-DSPECTRAL_SCALAR", "-DSPECTRAL_MATMULS_ONLY"],
+}
 
 
 @functools.cache
-def load_cpu_kernels() -> ModuleType | None:
-    digest = hashlib.sha256()
-    for src in [*SOURCES, Path(__file__).parent / "cpu" / "vec.h"]:
-        digest.update(src.read_bytes())
+def load_cpu_kernels(isa: str = "native") -> ModuleType | None:
+    """The kernels built for `isa` (a key of ISA_FLAGS), or None where they cannot be built."""
+    digest = hashlib.sha256(isa.encode())
+    for src in sorted(p for p in KERNEL_DIR.iterdir() if p.is_file()):
+        digest.update(src.name.encode() + src.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(cpu_signature().encode())  # -march=native: a build runs only on its own CPU
     build_dir = DEFAULT_CACHE_DIR / "kernels" / digest.hexdigest()[:16]
     build_dir.mkdir(parents=True, exist_ok=True)
+    name = "spectral_cpu_kernels" if isa == "native" else f"spectral_cpu_kernels_{isa}"
     try:
         from torch.utils.cpp_extension import load
 
-        if not (build_dir / "spectral_cpu_kernels.so").exists():
+        if not (build_dir / f"{name}.so").exists():
             logger.info("compiling spectral's CPU kernels (once per machine, ~30 s)")
         module = load(
-            name="spectral_cpu_kernels",
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            name=name,
+            sources=[str(s) for s in (SOURCES if isa == "native" else MATMUL_SOURCES)],
+            extra_cflags=["-march=native", "-fopenmp", *ISA_FLAGS[isa]],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
@@ -50,7 +62,7 @@ def load_cpu_kernels() -> ModuleType | None:
     except Exception as err:  # a missing compiler or ninja must not stop the runtime
         logger.warning("CPU kernels unavailable, using PyTorch matmuls (%s)", err)
         return None
-    if module.vector_bits() == 0:
+    if isa == "native" and module.vector_bits() == 0:
         logger.warning(
             "CPU kernels built without AVX2 or AVX-512: their scalar loops are slower than "
             "PyTorch's; --disable-cpu-kernels runs the PyTorch references"

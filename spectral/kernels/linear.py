@@ -15,7 +15,7 @@ from torch import nn
 @dataclass
 class PackedWeight:
     """A weight [n, k] in the layout one of the CPU kernels streams: dense (float32 or
-    bfloat16, `gguf_type` None) or GGUF blocks of `gguf_type` (Q4_1, Q8_0), expanded in
+    bfloat16, `gguf_type` None) or GGUF blocks of `gguf_type` (Q4_0, Q4_1, Q8_0), expanded in
     registers to exactly the values the dequantized weight holds in the model's dtype."""
 
     data: torch.Tensor
@@ -27,12 +27,12 @@ class PackedWeight:
             return kernels.gguf_linear(x, self.data, self.gguf_type, self.n, bias)
         return kernels.packed_linear(x, self.data, self.n, bias)
 
-    def serves(self, x: torch.Tensor, weight_dtype: torch.dtype) -> bool:
-        if x.dim() != 2:
+    def serves(self, x: torch.Tensor) -> bool:
+        if x.dim() != 2 or x.device.type != "cpu":
             return False
         if self.gguf_type is not None:
             return x.dtype in (torch.float32, torch.bfloat16)
-        return x.dtype == weight_dtype
+        return x.dtype == self.data.dtype
 
 
 def pack_weight(weight: torch.Tensor, kernels: ModuleType | None) -> PackedWeight | None:
@@ -54,8 +54,14 @@ def linear(
 ) -> torch.Tensor:
     """x @ weight.T + bias: through the CPU kernels when `packed` is given and x suits it,
     else PyTorch."""
-    if packed is not None and packed.serves(x, weight.dtype):
+    if packed is not None and packed.serves(x):
         return packed.matmul(kernels, x, bias)
+    if weight.numel() == 0:  # kept only as GGUF blocks (spectral.models.gguf_native)
+        raise ValueError(
+            f"this weight is kept only as GGUF blocks, which serve 2-D float32 or bfloat16 "
+            f"inputs on the CPU (got {x.dtype}, {x.dim()}-D, on {x.device}); load the model "
+            "with --quantization none to serve others"
+        )
     return F.linear(x, weight, bias)
 
 

@@ -1,11 +1,12 @@
-"""Serve a GGUF model's own blocks: each Linear of the model (and the LM head) gets the GGUF
-tensors it was built from, packed for `gguf_linear`, in place of its dense packed copy.
+"""Build a model straight from a GGUF file, its blocks served as they are where the kernels can.
 
-The dense weights come from the same file (dequantized once into the HF cache directory), so
-the blocks must expand to exactly them: the same rows in the same order. The model fuses q|k|v
-and gate|up; GGUF stores q and k with their rows permuted for interleaved rotary (llama.cpp's
-converter), which is undone here on whole rows of blocks, as transformers does on floats.
-Formats the kernels do not implement keep the dense path (a log line says which).
+Each Linear (and the LM head) whose GGUF tensors are all in a format `gguf_linear` expands gets
+them packed in place of a dense weight; the token embedding is looked up from its own blocks;
+everything else (norms, formats the kernels do not implement, or every weight with `native`
+off) is dequantized by gguf's own code into the model's dtype, the values transformers' GGUF
+loader produces. The model fuses q|k|v and gate|up; a Llama GGUF stores q and k with their
+rows permuted for interleaved rotary (llama.cpp's converter), which is undone here on whole
+rows of blocks, as transformers does on floats.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from spectral.kernels.linear import Linear, PackedWeight
+from spectral.kernels.linear import PackedWeight
 from spectral.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 # The block formats gguf_linear expands.
-NATIVE_TYPES = ("Q4_1", "Q8_0")
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# Architectures whose converter permuted the q and k rows.
+PERMUTED_QK = ("llama", "mistral")
 
 # Our fused Linear (under `layers.{i}.`) and the GGUF tensors of its rows, in order.
 LAYER_LINEARS = {
@@ -34,6 +37,7 @@ LAYER_LINEARS = {
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
     "mlp.down_proj": ("ffn_down",),
 }
+LAYER_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
 def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -43,50 +47,115 @@ def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
     return rows[order]
 
 
-def attach_gguf_blocks(
-    model: nn.Module, config: ModelConfig, path: str | Path, kernels: ModuleType
+def dequantize(tensor: gguf.ReaderTensor, rows: np.ndarray | None = None) -> torch.Tensor:
+    """float32 values of a GGUF tensor (or of its block rows `rows`), by gguf's own code."""
+    data = np.asarray(tensor.data if rows is None else rows)
+    values = gguf.quants.dequantize(data, tensor.tensor_type)
+    return torch.from_numpy(np.require(values, requirements=["C", "W"]))  # float formats: a copy
+
+
+class BlockEmbedding(nn.Module):
+    """A token embedding looked up from its GGUF block rows: only the rows asked for are
+    dequantized (by gguf), to exactly the values the dequantized table holds, then cast."""
+
+    def __init__(self, tensor: gguf.ReaderTensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tensor = tensor
+        self.rows = torch.from_numpy(np.array(tensor.data))  # [vocab, bytes a row], in memory
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1).cpu()
+        values = dequantize(self.tensor, self.rows[flat].numpy()).to(self.dtype)
+        return values.view(*input_ids.shape, -1).to(input_ids.device)
+
+
+def load_gguf_model(
+    path: str | Path,
+    model: nn.Module,
+    config: ModelConfig,
+    kernels: ModuleType | None,
 ) -> int:
-    """Give every Linear of `model` whose GGUF tensors are all in a native format the packed
-    blocks (and the LM head, as `model.lm_head_packed`). Returns how many were attached."""
-    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
-    skipped: set[str] = set()
+    """Fill `model` (built empty, in its dtype, on the CPU) from the GGUF file at `path`. With
+    `kernels`, weights in NATIVE_TYPES stay blocks (their dense parameters are emptied) and a
+    block-format token embedding is looked up in place; without, everything is dequantized.
+    Returns how many weight matrices are served as blocks."""
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "llama"
+    permuted = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+    if arch not in PERMUTED_QK:
+        permuted = {}
+    dtype = next(model.parameters()).dtype
+    dequantized: set[str] = set()
+    native = 0
 
-    def blocks(name: str, num_heads: int | None = None) -> tuple[np.ndarray, str] | None:
-        tensor = tensors.get(name)
-        if tensor is None:
-            return None
-        kind = tensor.tensor_type.name
-        if kind not in NATIVE_TYPES:
-            skipped.add(kind)
-            return None
-        rows = np.asarray(tensor.data)
-        return (unpermute_rows(rows, num_heads) if num_heads else rows), kind
+    def tensor(name: str) -> gguf.ReaderTensor:
+        if name not in tensors:
+            raise ValueError(f"{path}: the GGUF has no tensor {name!r}")
+        return tensors[name]
 
-    def packed(parts: list[tuple[np.ndarray, str] | None], k: int) -> PackedWeight | None:
-        if any(p is None for p in parts) or len({kind for _, kind in parts}) != 1:
+    def rows_of(name: str) -> np.ndarray:
+        """The tensor's rows (blocks, or values for float formats), q and k unpermuted."""
+        parts = name.split(".")
+        heads = permuted.get(parts[2]) if parts[0] == "blk" else None
+        rows = np.asarray(tensor(name).data)
+        return unpermute_rows(rows, heads) if heads else rows
+
+    def fill(param: torch.Tensor, names: list[str]) -> None:
+        """Dequantize the tensors `names` into consecutive rows of `param`."""
+        offset = 0
+        for name in names:
+            t = tensor(name)
+            dequantized.add(t.tensor_type.name)
+            values = dequantize(t, rows_of(name)).reshape(-1, *param.shape[1:])
+            param.data[offset : offset + values.shape[0]].copy_(values)
+            offset += values.shape[0]
+
+    def blocks(names: list[str], k: int) -> PackedWeight | None:
+        kinds = {tensor(n).tensor_type.name for n in names}
+        if kernels is None or len(kinds) != 1 or not kinds <= set(NATIVE_TYPES):
             return None
-        rows = np.concatenate([r for r, _ in parts])
-        kind = parts[0][1]
+        rows = np.concatenate([rows_of(n) for n in names])
+        kind = kinds.pop()
         data = kernels.pack_gguf_weight(torch.from_numpy(rows), kind, k)
         return PackedWeight(data, rows.shape[0], kind)
 
-    heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
-    attached = 0
+    def linear(module: nn.Module, names: list[str]) -> bool:
+        """Serve `module` from its blocks (its dense weight emptied) or fill it; True if blocks."""
+        packed = blocks(names, module.in_features)
+        if packed is not None:
+            module.packed = packed
+            module.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        else:
+            fill(module.weight, names)
+        if module.bias is not None:
+            fill(module.bias, [n.replace(".weight", ".bias") for n in names])
+        return packed is not None
+
     for i, layer in enumerate(model.layers):
         for ours, theirs in LAYER_LINEARS.items():
-            module: Linear = layer.get_submodule(ours)
-            parts = [blocks(f"blk.{i}.{t}.weight", heads.get(t)) for t in theirs]
-            weight = packed(parts, module.in_features)
-            if weight is not None:
-                module.packed = weight
-                attached += 1
-    head_name = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
-    head = packed([blocks(head_name)], config.hidden_size)
-    if head is not None:
-        model.lm_head_packed = head
-        if not config.tie_word_embeddings:
-            model.lm_head.packed = head
-        attached += 1
-    if skipped:
-        logger.info("GGUF formats %s are served dequantized", ", ".join(sorted(skipped)))
-    return attached
+            native += linear(layer.get_submodule(ours), [f"blk.{i}.{t}.weight" for t in theirs])
+        for ours, theirs in LAYER_NORMS.items():
+            fill(layer.get_submodule(ours).weight, [f"blk.{i}.{theirs}.weight"])
+    fill(model.norm.weight, ["output_norm.weight"])
+
+    if config.tie_word_embeddings:
+        model.lm_head_packed = blocks(["token_embd.weight"], config.hidden_size)
+        native += model.lm_head_packed is not None
+    else:
+        native += linear(model.lm_head, ["output.weight"])
+        model.lm_head_packed = model.lm_head.packed
+    # The embedding's dense table is needed only by a tied LM head not served from blocks.
+    if kernels is not None and (model.lm_head_packed is not None or not config.tie_word_embeddings):
+        model.embed_tokens = BlockEmbedding(tensor("token_embd.weight"), dtype)
+    else:
+        fill(model.embed_tokens.weight, ["token_embd.weight"])
+    if kernels is not None and dequantized - {"F32", "F16", "BF16"}:
+        logger.info(
+            "GGUF formats %s are served dequantized (native: %s)",
+            ", ".join(sorted(dequantized - {"F32", "F16", "BF16"})),
+            ", ".join(NATIVE_TYPES),
+        )
+    return native

@@ -18,7 +18,7 @@ from torch import nn
 
 from spectral.forward import ForwardBatch
 from spectral.kernels.base import AttentionBackend
-from spectral.kernels.linear import Linear, linear, pack_weight
+from spectral.kernels.linear import Linear, pack_weight
 from spectral.models.config import ModelConfig, rope_inverse_frequencies
 
 
@@ -175,9 +175,14 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        """The dense LM head (absent where only GGUF blocks of it are kept)."""
         if self.config.tie_word_embeddings:
             return self.embed_tokens.weight
         return self.lm_head.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of `input_ids` (from GGUF blocks where the model keeps those)."""
+        return self.embed_tokens(input_ids)
 
     def set_cpu_kernels(self, kernels: ModuleType | None) -> None:
         """Route norms, rotary and matmuls through spectral's CPU kernels (None: PyTorch)."""
@@ -215,4 +220,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [R, vocab] for the given rows of final hidden states."""
-        return linear(hidden, self.lm_head_weight, None, self.kernels, self.lm_head_packed).float()
+        packed = self.lm_head_packed
+        if packed is not None and packed.serves(hidden):
+            return packed.matmul(self.kernels, hidden, None).float()
+        return F.linear(hidden, self.lm_head_weight).float()

@@ -1,4 +1,5 @@
-"""Build a model from a HF directory: read safetensors by name, fuse projections, check shapes."""
+"""Build a model from a HF directory: read safetensors by name, fuse projections, check shapes.
+(A GGUF file is read by spectral.models.gguf_native.)"""
 
 from __future__ import annotations
 
@@ -55,10 +56,8 @@ def _target(config: ModelConfig, name: str) -> tuple[str, slice | None]:
     return f"layers.{layer}.{rest}", None
 
 
-def load_model(
-    model_dir: str, dtype: torch.dtype, device: str = "cpu"
-) -> tuple[nn.Module, ModelConfig]:
-    config = ModelConfig.from_pretrained(model_dir)
+def build_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
+    """The model for `config` with uninitialised weights of `dtype` on `device`."""
     cls = ARCHITECTURES.get(config.architecture)
     if cls is None:
         raise ValueError(
@@ -69,6 +68,15 @@ def load_model(
         model = cls(config)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = RotaryEmbedding(config).to(device)
+    return model
+
+
+def load_model(
+    model_dir: str, dtype: torch.dtype, device: str = "cpu"
+) -> tuple[nn.Module, ModelConfig]:
+    """The model of a HF directory (config.json and safetensors), in `dtype` on `device`."""
+    config = ModelConfig.from_pretrained(model_dir)
+    model = build_model(config, dtype, device)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
 

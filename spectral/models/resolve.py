@@ -1,7 +1,10 @@
-"""Turn a `model_path` into a HF-format directory: the embedded default, a HF dir or a GGUF file.
+"""Turn a `model_path` (the embedded default, a HF dir or a GGUF file) into the directories
+spectral and transformers read.
 
-A GGUF file is converted once (dequantized to float32) into a cache directory, so later loads
-read safetensors in seconds.
+spectral serves a GGUF from the file itself and needs only its config and tokenizer, extracted
+once into a cache directory. transformers (the tests' oracle, the draft-head trainer, the
+benchmarks' baselines) needs a HF directory with weights: the GGUF is dequantized to float32
+into the same cache directory once.
 """
 
 from __future__ import annotations
@@ -67,51 +70,93 @@ def gguf_source(model_path: str | None) -> Path | None:
 
 
 def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> str:
-    """A HF-format directory for `model_path` (None or "default" means the embedded model)."""
+    """A HF-format directory with weights for `model_path` (None or "default" means the
+    embedded model): a GGUF is dequantized into the cache once. What transformers needs;
+    spectral itself reads a GGUF's weights from the file (`model_files_dir` is enough)."""
     source = gguf_source(model_path)
     if source is None:
         return str(Path(model_path).expanduser())
     return convert_gguf(source, cache_dir)
 
 
-def _cache_key(gguf: Path) -> str:
+def model_files_dir(model_path: str | None, cache_dir: str | None = None) -> str:
+    """A directory with `model_path`'s config and tokenizer (a HF directory is its own; a
+    GGUF's are extracted into the cache once, seconds, without its weights)."""
+    source = gguf_source(model_path)
+    if source is None:
+        return str(Path(model_path).expanduser())
+    return extract_gguf(source, cache_dir)
+
+
+def _cache_dir(gguf: Path, cache_dir: str | None) -> Path:
+    root = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
     stat = gguf.stat()
     digest = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    return f"{gguf.stem}-{digest.hexdigest()[:12]}"
+    return root / f"{gguf.stem}-{digest.hexdigest()[:12]}"
+
+
+def _publish(target: Path, write) -> None:
+    """Run `write(staging)` in a fresh directory beside `target`, then move what it wrote into
+    `target` file by file (config.json last): readers see whole files or none."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        write(staging)
+        target.mkdir(exist_ok=True)
+        files = sorted(staging.iterdir(), key=lambda f: f.name == "config.json")
+        for f in files:
+            os.replace(f, target / f.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def extract_gguf(gguf: Path, cache_dir: str | None = None) -> str:
+    """The config and tokenizer of `gguf` in a cache directory, extracted once."""
+    target = _cache_dir(gguf, cache_dir)
+    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+        return str(target)
+    from transformers import AutoConfig, AutoTokenizer
+
+    def write(staging: Path) -> None:
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(
+            staging
+        )
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(staging)
+
+    _publish(target, write)
+    return str(target)
 
 
 def convert_gguf(gguf: Path, cache_dir: str | None = None) -> str:
     """Dequantize `gguf` into a HF directory under the cache dir, once; return that directory."""
-    root = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
-    target = root / _cache_key(gguf)
-    if (target / "config.json").is_file():
+    target = _cache_dir(gguf, cache_dir)
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return str(target)
-    root.mkdir(parents=True, exist_ok=True)
 
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tqdm(total=3, desc=f"converting {gguf.name} (once)", unit="step") as bar:
-        bar.set_postfix_str("tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        bar.update()
-        bar.set_postfix_str("weights")
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        bar.update()
-        bar.set_postfix_str("saving")
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=root))
-        try:
+    def write(staging: Path) -> None:
+        with tqdm(total=3, desc=f"converting {gguf.name} (once)", unit="step") as bar:
+            bar.set_postfix_str("tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            bar.update()
+            bar.set_postfix_str("weights")
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            )
+            bar.update()
+            bar.set_postfix_str("saving")
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
-            os.replace(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        bar.update()
+            bar.update()
+
+    _publish(target, write)
     return str(target)

@@ -12,7 +12,7 @@ import zmq
 from spectral import faults
 from spectral.args import ServerArgs
 from spectral.faults import failure
-from spectral.models.resolve import resolve_model_path
+from spectral.models.resolve import model_files_dir
 from spectral.server.child import parse_child_args, wait_for_work
 from spectral.server.detokenizer import IncrementalDetokenizer
 from spectral.server.ipc import recv_message, send_message
@@ -30,7 +30,7 @@ def detokenizer_main(args: ServerArgs, ipc_dir: str) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
-        args.tokenizer_path or resolve_model_path(args.model_path, args.model_cache_dir)
+        args.tokenizer_path or model_files_dir(args.model_path, args.model_cache_dir)
     )
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)

@@ -19,7 +19,7 @@ import uvicorn
 import zmq
 
 from spectral.args import ServerArgs
-from spectral.models.resolve import resolve_model_path
+from spectral.models.resolve import model_files_dir
 from spectral.server.child import spawn_child
 from spectral.server.ipc import recv_message
 from spectral.server.messages import ProcessReady
@@ -65,7 +65,7 @@ def launch_server(args: ServerArgs) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     # Converted (once) before the children start, so that they find it; they start before this
     # process imports the HTTP stack and loads its tokenizer, which overlaps their start-up.
-    model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
+    model_dir = model_files_dir(args.model_path, args.model_cache_dir)
     ipc_dir = tempfile.mkdtemp(prefix="spectral-")  # mode 0700
     ctx = zmq.Context()
     ready_sock = ctx.socket(zmq.PULL)

@@ -13,7 +13,7 @@ import zmq
 from spectral.args import ServerArgs
 from spectral.faults import failure
 from spectral.models.config import ModelConfig
-from spectral.models.resolve import resolve_model_path
+from spectral.models.resolve import model_files_dir
 from spectral.sampling_params import InvalidRequestError
 from spectral.scheduler.req import Req
 from spectral.scheduler.scheduler import Scheduler
@@ -38,7 +38,7 @@ class SchedulerProcess:
         from transformers import AutoTokenizer
 
         self.args = args
-        model_dir = resolve_model_path(args.model_path, args.model_cache_dir)
+        model_dir = model_files_dir(args.model_path, args.model_cache_dir)
         config = ModelConfig.from_pretrained(model_dir)
         self.context_len = args.context_length or config.max_context_len
         # The worker loads while this process loads its tokenizer.

@@ -20,6 +20,7 @@ The head does not know where its keys and values live: `forward` takes an `atten
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -202,8 +203,8 @@ class DraftHead(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
-        self.embed_weight: torch.Tensor | None = None
-        self.target_lm_head: torch.Tensor | None = None
+        self.embed: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.target_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def layer(self) -> DraftLayer:
@@ -213,10 +214,18 @@ class DraftHead(nn.Module):
         """Small matmuls and norms through spectral's CPU kernels (inference only)."""
         route_to_cpu_kernels(self, kernels)
 
-    def set_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """Share the target's embedding (and, for EAGLE-1, its LM head); they are not saved."""
-        self.embed_weight = embed_weight
-        self.target_lm_head = lm_head_weight
+    def set_target(
+        self,
+        embed: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
+        logits: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> None:
+        """Share the target's embedding (and, for EAGLE-1, its LM head), as weights or as the
+        target's own functions (ids -> embeddings, hidden -> float32 logits); not saved."""
+        self.embed = embed if callable(embed) else functools.partial(F.embedding, weight=embed)
+        if logits is None or callable(logits):
+            self.target_logits = logits
+        else:
+            self.target_logits = lambda hidden: F.linear(hidden, logits).float()
 
     def forward(
         self,
@@ -247,7 +256,7 @@ class DraftHead(nn.Module):
         """(attention input, residual, cos, sin) of the decoder layer."""
         cfg = self.cfg
         layer = self.layer
-        emb = F.embedding(input_ids, self.embed_weight).to(features.dtype)
+        emb = self.embed(input_ids).to(features.dtype)
         if cfg.kind == "eagle3":
             if features.shape[-1] != cfg.hidden_size:
                 features = self.fc(features)
@@ -264,7 +273,7 @@ class DraftHead(nn.Module):
         """Float32 logits over the draft vocabulary (EAGLE-1: the target's vocabulary)."""
         if self.cfg.kind == "eagle3":
             return self.lm_head(self.norm(hidden)[0]).float()
-        return F.linear(hidden, self.target_lm_head).float()
+        return self.target_logits(hidden)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.cfg.kind == "eagle3":

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from spectral.args import ServerArgs
-from spectral.models.resolve import gguf_source, resolve_model_path
+from spectral.models.resolve import gguf_source, model_files_dir
 from spectral.worker.model_worker import ModelWorker
 from spectral.worker.spec_worker import SpeculativeWorker
 
@@ -32,12 +32,13 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
     dtype, device = args.resolved_dtype(), args.resolved_device()
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
-    gguf_file = gguf_source(args.model_path) if args.quantization != "none" else None
+    gguf_file = gguf_source(args.model_path)
     if args.quantization == "gguf" and gguf_file is None:
         raise ValueError(f"--quantization gguf needs a GGUF model ({args.model_path} is not one)")
     worker = ModelWorker(
-        resolve_model_path(args.model_path, args.model_cache_dir),
+        model_files_dir(args.model_path, args.model_cache_dir),
         gguf_file=str(gguf_file) if gguf_file is not None else None,
+        gguf_native=args.quantization != "none",
         dtype=dtype,
         device=device,
         max_total_tokens=args.max_total_tokens,
@@ -66,7 +67,7 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
             dtype=dtype,
             device=device,
         )
-        head.set_target(worker.model.embed_tokens.weight, worker.model.lm_head_weight)
+        head.set_target(worker.model.embed, worker.model.compute_logits)
         head.set_cpu_kernels(worker.model.kernels)
         drafter = EagleDrafter(
             head, worker.num_kv_slots, worker.req_to_token, spec.topk, spec.num_steps, dtype, device

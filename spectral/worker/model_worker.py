@@ -12,8 +12,8 @@ from spectral.kernels.cpu_kernels import load_cpu_kernels
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.models.config import ModelConfig
-from spectral.models.gguf_native import attach_gguf_blocks
-from spectral.models.loader import load_model
+from spectral.models.gguf_native import load_gguf_model
+from spectral.models.loader import build_model, load_model
 from spectral.worker.io import WorkerBatch, WorkerResult
 from spectral.worker.sampler import sample
 
@@ -45,21 +45,29 @@ class ModelWorker:
         attention_backend: str = "auto",
         use_cpu_kernels: bool = True,
         gguf_file: str | None = None,
+        gguf_native: bool = True,
     ) -> None:
         """The KV pool holds `max_total_tokens` tokens, or what `mem_fraction_static` of the
-        memory still free after loading the weights allows. With `gguf_file` (the file
-        `model_dir` was converted from) and the CPU kernels, its blocks are served natively."""
+        memory still free after loading the weights allows. With `gguf_file`, the weights come
+        from that file (`model_dir` holds its config): with `gguf_native` and the CPU kernels
+        its blocks are served as they are, else dequantized at load."""
         self.device = device
         self.dtype = dtype
-        self.model, self.config = load_model(model_dir, dtype, device)
-        cfg: ModelConfig = self.config
         kernels = load_cpu_kernels() if device == "cpu" and use_cpu_kernels else None
-        if gguf_file is not None:
-            if kernels is None:
+        if gguf_file is None:
+            self.model, self.config = load_model(model_dir, dtype, device)
+        else:
+            self.config = ModelConfig.from_pretrained(model_dir)
+            self.model = build_model(self.config, dtype, "cpu")
+            native = gguf_native and dtype in (torch.float32, torch.bfloat16)
+            if native and kernels is None:
                 logger.info("GGUF weights served dequantized (no CPU kernels on %s)", device)
-            else:
-                attached = attach_gguf_blocks(self.model, cfg, gguf_file, kernels)
-                logger.info("GGUF blocks served natively for %d weight matrices", attached)
+            served = load_gguf_model(
+                gguf_file, self.model, self.config, kernels if native else None
+            )
+            logger.info("GGUF blocks served as they are for %d weight matrices", served)
+            self.model.to(device)
+        cfg: ModelConfig = self.config
         self.model.set_cpu_kernels(kernels)  # packs only what has no GGUF blocks
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
         if max_total_tokens is None:

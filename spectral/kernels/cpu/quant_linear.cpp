@@ -1,6 +1,8 @@
 // y = x @ w.T (+ bias) over GGUF blocks kept as they are (4 or 8 bits a weight), expanded in
-// registers: Q4_1 (w = d * q + m, q in 0..15) and Q8_0 (w = d * q, q in -128..127), 32 weights
-// of one row a block, fp16 d and m.
+// registers: Q4_1 (w = d * q + m, q in 0..15), Q4_0 (w = d * (q - 8)) and Q8_0 (w = d * q, q in
+// -128..127), 32 weights of one row a block, fp16 d and m. Q4_0 is packed as Q4_1 with
+// m = -8 d: d * q and 8 d are exact in float32 and so is their difference, so the one fused
+// multiply-add gives d * (q - 8) exactly.
 //
 // Packed layout, as packed_linear's (panels of kNR output columns, one micro-kernel), per panel
 // and per block of 32 inputs: the kNR columns' d (and m) as float32, then their quants side by
@@ -24,8 +26,14 @@ namespace {
 using namespace spectral_cpu;
 
 constexpr int64_t kBlock = 32;
-constexpr int kQ4_1 = 0, kQ8_0 = 1;
-constexpr int64_t kQ4_1Bytes = 20, kQ8_0Bytes = 34;  // a GGUF block
+constexpr int kQ4_1 = 0, kQ8_0 = 1;  // the packed layouts
+
+// A GGUF block type as stored and the packed layout it becomes.
+struct Format {
+  int kind;
+  int64_t block_bytes;  // one GGUF block
+  bool has_min;         // Q4_1: fp16 m after d; Q4_0: m = -8 d
+};
 
 // Bytes of one packed block of a panel: scales (and mins), then quants.
 constexpr int64_t packed_block_bytes(int kind) {
@@ -218,18 +226,22 @@ void run(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
   });
 }
 
-int kind_of(const std::string& name) {
-  if (name == "Q4_1") return kQ4_1;
-  if (name == "Q8_0") return kQ8_0;
-  TORCH_CHECK(false, "GGUF block type ", name, " is not implemented (Q4_1, Q8_0 are)");
+Format format_of(const std::string& name) {
+  if (name == "Q4_0") return {kQ4_1, 18, false};
+  if (name == "Q4_1") return {kQ4_1, 20, true};
+  if (name == "Q8_0") return {kQ8_0, 34, false};
+  TORCH_CHECK(false, "GGUF block type ", name, " is not implemented (Q4_0, Q4_1, Q8_0 are)");
 }
+
+int kind_of(const std::string& name) { return format_of(name).kind; }
 
 }  // namespace
 
 // blocks: uint8 [n, k / 32 * block bytes], a GGUF tensor's rows as stored.
 torch::Tensor pack_gguf_weight(const torch::Tensor& blocks, const std::string& type, int64_t k) {
-  const int kind = kind_of(type);
-  const int64_t block_bytes = kind == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  const Format format = format_of(type);
+  const int kind = format.kind;
+  const int64_t block_bytes = format.block_bytes;
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8, "uint8 [n, bytes] rows");
   TORCH_CHECK(k % kBlock == 0, "k must be a multiple of 32 (got ", k, ")");
   const int64_t n = blocks.size(0), nblocks = k / kBlock;
@@ -251,9 +263,10 @@ torch::Tensor pack_gguf_weight(const torch::Tensor& blocks, const std::string& t
           std::memcpy(&h, blk, 2);
           d[c] = half_to_float(h);
           if (kind == kQ4_1) {
-            std::memcpy(&h, blk + 2, 2);
-            d[kNR + c] = half_to_float(h);
-            for (int64_t j = 0; j < 16; ++j) dst[kNR * 8 + j * kNR + c] = blk[4 + j];
+            const int64_t quants = format.has_min ? 4 : 2;
+            if (format.has_min) std::memcpy(&h, blk + 2, 2);
+            d[kNR + c] = format.has_min ? half_to_float(h) : -8.f * d[c];
+            for (int64_t j = 0; j < 16; ++j) dst[kNR * 8 + j * kNR + c] = blk[quants + j];
           } else {
             for (int64_t j = 0; j < kBlock; ++j) dst[kNR * 4 + j * kNR + c] = blk[2 + j];
           }
@@ -294,7 +307,8 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 void register_quant_linear(pybind11::module& m) {
   m.def("pack_gguf_weight", &pack_gguf_weight,
-        "a GGUF tensor's rows of Q4_1 or Q8_0 blocks in the panel layout gguf_linear streams");
+        "a GGUF tensor's rows of Q4_0, Q4_1 or Q8_0 blocks in the panel layout gguf_linear "
+        "streams");
   m.def("gguf_linear", &gguf_linear,
         "x @ w.T (+ bias) over packed GGUF blocks, expanded in registers (rounded to bfloat16 "
         "for a bfloat16 x)");

