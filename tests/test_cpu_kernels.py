@@ -269,3 +269,82 @@ def test_narrower_builds_hold_to_the_same_references(isa):
                 check_gguf_linear(kind, dtype, rows, build=build)
     for kind in GGUF_TYPES:
         check_gguf_expansion(kind, 33, 64, build=build)
+
+
+class CountingLayer:
+    """Stands in for a kernels.DecoderLayer and counts its calls."""
+
+    def __init__(self, fused) -> None:
+        self.fused, self.calls = fused, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.fused.forward(*args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ["decode", "tree"])
+def test_the_fused_decoder_layer_equals_the_layer_op_by_op(tiny_model_dir, dtype, shape):
+    """Each layer as one kernel call (decode steps and tree verification) against the same
+    layer run op by op through the same kernels and PyTorch glue; and it really ran."""
+    from spectral.worker.model_worker import ModelWorker
+
+    worker = ModelWorker(
+        tiny_model_dir,
+        dtype=dtype,
+        device="cpu",
+        max_total_tokens=512,
+        max_running_requests=4,
+        max_context_len=128,
+    )
+    table, lens = worker.req_to_token, [7, 12, 30]
+    rows = list(range(len(lens)))
+    slots = iter(range(1, 512))
+    for row, n in zip(rows, lens):
+        table.write(row, 0, [next(slots) for _ in range(n + 4)])
+        prefill = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=torch.randint(3, 1000, (n,)),
+            positions=torch.arange(n),
+            out_cache_loc=table.table[row, :n].clone(),
+            req_pool_indices=torch.tensor([row]),
+            prefix_lens=[0],
+            extend_lens=[n],
+        )
+        worker.forward_logits(prefill)
+    if shape == "decode":
+        new, custom = [1, 1, 1], None
+        mode = ForwardMode.DECODE
+    else:  # a 4-node tree (root, two children, a grandchild) on one request
+        rows, lens, new = [2], [30], [4]
+        custom = torch.tensor(
+            [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool
+        ).flatten()
+        mode = ForwardMode.TARGET_VERIFY
+    loc = torch.cat([table.table[r, n : n + e] for r, n, e in zip(rows, lens, new)])
+
+    def run() -> torch.Tensor:
+        batch = ForwardBatch(
+            mode=mode,
+            input_ids=torch.tensor([5, 9, 11, 13][: sum(new)]),
+            positions=torch.cat([torch.arange(n, n + e) for n, e in zip(lens, new)]),
+            out_cache_loc=loc,
+            req_pool_indices=torch.tensor(rows),
+            prefix_lens=lens,
+            extend_lens=new,
+            custom_mask=custom,
+            logits_rows="all" if custom is not None else "last",
+        )
+        return worker.forward_logits(batch)
+
+    layers = worker.model.layers
+    counting = [CountingLayer(layer.fused) for layer in layers]
+    for layer, c in zip(layers, counting):
+        layer.fused = c
+    fused = run()
+    assert [c.calls for c in counting] == [1] * len(layers)
+    for layer in layers:
+        layer.fused = None
+    op_by_op = run()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(fused, op_by_op, rtol=tol, atol=tol * op_by_op.abs().max().item())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -40,6 +41,22 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the batch's new tokens. Returns [T, H * D]."""
+
+    def decode_kernel_inputs(self, batch: ForwardBatch) -> DecodeKernelInputs | None:
+        """Where this forward's attention is the CPU kernels' decode_attention over the KV pool
+        (which a fused decoder layer can then run itself), what it reads; else None."""
+        return None
+
+
+@dataclass(frozen=True)
+class DecodeKernelInputs:
+    """What decode_attention reads, besides each layer's q: every new token's row of KV slots
+    (`kv_indices` [T, L], valid up to `seq_lens` [T]), the pool and the softmax scale."""
+
+    kv_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    kv_pool: KVPool
+    scaling: float
 
 
 def create_attention_backend(

@@ -23,7 +23,7 @@ KERNEL_DIR = Path(__file__).parent / "cpu"
 MATMUL_SOURCES = [
     KERNEL_DIR / name for name in ("module.cpp", "packed_linear.cpp", "quant_linear.cpp")
 ]
-SOURCES = [*MATMUL_SOURCES, KERNEL_DIR / "fused_ops.cpp"]
+SOURCES = [*MATMUL_SOURCES, KERNEL_DIR / "fused_ops.cpp", KERNEL_DIR / "decoder_layer.cpp"]
 
 # Builds of the same sources: the widest vector unit the CPU has (what the runtime uses), and
 # narrower ones of the matmuls alone that tests hold to the same references (AVX2 on an

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from spectral.forward import ForwardBatch
-from spectral.kernels.base import AttentionBackend
+from spectral.kernels.base import AttentionBackend, DecodeKernelInputs
 
 
 @dataclass
@@ -120,6 +120,12 @@ class TorchAttentionBackend(AttentionBackend):
             lens[start : start + n] = prefix + custom.sum(dim=1)
             start += n
         return TorchAttnMetadata([], kv_indices, lens)
+
+    def decode_kernel_inputs(self, batch: ForwardBatch) -> DecodeKernelInputs | None:
+        meta: TorchAttnMetadata = batch.attn_metadata
+        if meta.kv_indices is None:
+            return None
+        return DecodeKernelInputs(meta.kv_indices, meta.seq_lens, self.kv_pool, self.scaling)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spectral.forward import ForwardBatch
-from spectral.kernels.base import AttentionBackend
+from spectral.kernels.base import AttentionBackend, DecodeKernelInputs
 from spectral.kernels.linear import Linear, pack_weight
 from spectral.models.config import ModelConfig, rope_inverse_frequencies
 
@@ -96,12 +96,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 @dataclass
 class LayerContext:
-    """What every layer of one forward shares."""
+    """What every layer of one forward shares. `decode` is set where attention runs through
+    the CPU kernels' decode_attention: then each layer may run as one fused kernel call."""
 
     batch: ForwardBatch
     backend: AttentionBackend
     rotary: RotaryEmbedding
     kernels: ModuleType | None
+    decode: DecodeKernelInputs | None = None
 
 
 class LlamaAttention(nn.Module):
@@ -149,11 +151,58 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
+    fused = None  # the layer as one CPU-kernel call (kernels.DecoderLayer), where it can be
+
+    def fuse(self, kernels: ModuleType | None) -> None:
+        """Build the one-call form of this layer over its packed weights (after they are
+        packed), where every matmul has them and the kernels provide it."""
+        linears = (
+            self.self_attn.qkv_proj,
+            self.self_attn.o_proj,
+            self.mlp.gate_up_proj,
+            self.mlp.down_proj,
+        )
+        self.fused = None
+        if kernels is None or any(m.packed is None for m in linears):
+            return
+        packed = [
+            kernels.PackedLinear(m.packed.data, m.packed.gguf_type or "", m.packed.n, m.bias)
+            for m in linears
+        ]
+        attn = self.self_attn
+        self.fused = kernels.DecoderLayer(
+            self.input_layernorm.weight,
+            self.post_attention_layernorm.weight,
+            self.input_layernorm.eps,
+            *packed,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            self.mlp.intermediate_size,
+        )
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: LayerContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm residual block in fused form: takes and returns (delta, residual), whose sum
         is the hidden state (with residual None, x alone is)."""
+        decode = ctx.decode
+        if decode is not None and self.fused is not None and x.dtype == decode.kv_pool.dtype:
+            layer, batch = self.self_attn.layer_id, ctx.batch
+            delta, residual = self.fused.forward(
+                x,
+                residual,
+                batch.positions,
+                ctx.rotary.cos,
+                ctx.rotary.sin,
+                decode.kv_pool.k[layer],
+                decode.kv_pool.v[layer],
+                batch.out_cache_loc,
+                decode.kv_indices,
+                decode.seq_lens,
+                decode.scaling,
+            )
+            return delta, residual
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
@@ -188,6 +237,8 @@ class LlamaForCausalLM(nn.Module):
         """Route norms, rotary and matmuls through spectral's CPU kernels (None: PyTorch)."""
         self.kernels = kernels
         route_to_cpu_kernels(self, kernels)
+        for layer in self.layers:
+            layer.fuse(kernels)
         # Tied to the embedding, the LM head needs a packed copy of its own (lookups read rows);
         # GGUF blocks attached before stay.
         if kernels is None or self.lm_head_packed is None:
@@ -206,6 +257,8 @@ class LlamaForCausalLM(nn.Module):
         before the final norm), the same indexing as transformers' `output_hidden_states`.
         """
         ctx = LayerContext(batch, backend, self.rotary, self.kernels)
+        if self.kernels is not None:
+            ctx.decode = backend.decode_kernel_inputs(batch)
         x = self.embed_tokens(batch.input_ids)
         residual: torch.Tensor | None = None
         captured: list[torch.Tensor] = []

@@ -6,10 +6,12 @@
 void register_fused_ops(pybind11::module& m);
 void register_packed_linear(pybind11::module& m);
 void register_quant_linear(pybind11::module& m);
+void register_decoder_layer(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if !defined(SPECTRAL_MATMULS_ONLY)  // a test build of the matmuls alone
   register_fused_ops(m);
+  register_decoder_layer(m);
 #endif
   register_packed_linear(m);
   register_quant_linear(m);

@@ -28,24 +28,41 @@ inline void put(c10::BFloat16* out, int64_t i, float v) { out[i] = static_cast<c
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) { return bf16_to_float(v); }
 
+// Sets of accumulators a tile of R rows spreads consecutive inputs over (summed at the end):
+// with few rows, one set's multiply-adds would wait on one another.
+template <int R>
+constexpr int accumulator_sets() {
+  return R <= 3 ? 2 : 1;
+}
+
 // The R x kNR tile of out for rows x[0..R) (row stride k) over one panel, into out[R][kNR].
 template <int R, typename W>
 void tile(const float* x, int64_t k, const W* panel, float* out) {
 #if defined(SPECTRAL_VEC)
-  Vec::R lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = Vec::zero();
-  for (int64_t i = 0; i < k; ++i) {
+  constexpr int kSets = accumulator_sets<R>();
+  Vec::R lo[kSets][R], hi[kSets][R];
+  for (int s = 0; s < kSets; ++s)
+    for (int r = 0; r < R; ++r) lo[s][r] = hi[s][r] = Vec::zero();
+  auto step = [&](int64_t i, Vec::R* l, Vec::R* h) {
     const Vec::R w0 = Vec::load(panel + i * kNR);
     const Vec::R w1 = Vec::load(panel + i * kNR + kLanes);
     for (int r = 0; r < R; ++r) {
       const Vec::R xb = Vec::set1(x[r * k + i]);
-      lo[r] = Vec::fma(xb, w0, lo[r]);
-      hi[r] = Vec::fma(xb, w1, hi[r]);
+      l[r] = Vec::fma(xb, w0, l[r]);
+      h[r] = Vec::fma(xb, w1, h[r]);
     }
-  }
+  };
+  int64_t i = 0;
+  for (; i + kSets <= k; i += kSets)
+    for (int s = 0; s < kSets; ++s) step(i + s, lo[s], hi[s]);
+  for (; i < k; ++i) step(i, lo[0], hi[0]);
   for (int r = 0; r < R; ++r) {
-    Vec::store(out + r * kNR, lo[r]);
-    Vec::store(out + r * kNR + kLanes, hi[r]);
+    for (int s = 1; s < kSets; ++s) {
+      lo[0][r] = Vec::add(lo[0][r], lo[s][r]);
+      hi[0][r] = Vec::add(hi[0][r], hi[s][r]);
+    }
+    Vec::store(out + r * kNR, lo[0][r]);
+    Vec::store(out + r * kNR + kLanes, hi[0][r]);
   }
 #else
   for (int r = 0; r < R; ++r) {

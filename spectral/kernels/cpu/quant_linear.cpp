@@ -107,8 +107,10 @@ inline void accumulate(Vec::R lo[R], Vec::R hi[R], const float* x, int64_t k, in
 }
 #endif
 
-// Calls use(i, w) for every input i of the panel, w its kNR expanded weights (two vectors, or
-// a kNR array without a vector unit).
+// Calls use(i, w, half) for every input i of the panel, w its kNR expanded weights (two
+// vectors, or a kNR array without a vector unit); `half` (0 or 1, a constant at each call)
+// alternates between consecutive calls, so a caller can spread its sums over two sets of
+// accumulators.
 template <int Kind, typename Use>
 inline void expand(const uint8_t* panel, int64_t k, bool bf16, Use&& use) {
   const int64_t blocks = k / kBlock;
@@ -126,18 +128,24 @@ inline void expand(const uint8_t* panel, int64_t k, bool bf16, Use&& use) {
         nibbles(q + j * kNR, ql, qh);
         Vec::R w0 = Vec::fma(d0, ql[0], m0), w1 = Vec::fma(d1, ql[1], m1);
         if (bf16) w0 = round_bf16(w0), w1 = round_bf16(w1);
-        use(i0 + j, w0, w1);
+        use(i0 + j, w0, w1, 0);
         w0 = Vec::fma(d0, qh[0], m0), w1 = Vec::fma(d1, qh[1], m1);
         if (bf16) w0 = round_bf16(w0), w1 = round_bf16(w1);
-        use(i0 + j + 16, w0, w1);
+        use(i0 + j + 16, w0, w1, 1);
       }
     } else {
       const int8_t* q = reinterpret_cast<const int8_t*>(blk + kNR * 4);
-      for (int64_t j = 0; j < kBlock; ++j) {
-        Vec::R w0 = Vec::fma(d0, widen_i8(q + j * kNR), Vec::zero());
-        Vec::R w1 = Vec::fma(d1, widen_i8(q + j * kNR + kLanes), Vec::zero());
+      auto weights = [&](int64_t j, Vec::R& w0, Vec::R& w1) {
+        w0 = Vec::fma(d0, widen_i8(q + j * kNR), Vec::zero());
+        w1 = Vec::fma(d1, widen_i8(q + j * kNR + kLanes), Vec::zero());
         if (bf16) w0 = round_bf16(w0), w1 = round_bf16(w1);
-        use(i0 + j, w0, w1);
+      };
+      for (int64_t j = 0; j < kBlock; j += 2) {
+        Vec::R w0, w1;
+        weights(j, w0, w1);
+        use(i0 + j, w0, w1, 0);
+        weights(j + 1, w0, w1);
+        use(i0 + j + 1, w0, w1, 1);
       }
     }
 #else
@@ -153,28 +161,35 @@ inline void expand(const uint8_t* panel, int64_t k, bool bf16, Use&& use) {
         }
         if (bf16) w[c] = round_to_bf16(w[c]);
       }
-      use(i0 + j, w);
+      use(i0 + j, w, static_cast<int>(j & 1));
     }
 #endif
   }
 }
 
-// The R x kNR tile over one packed panel, into out[R][kNR], expanding each weight once.
+// The R x kNR tile over one packed panel, into out[R][kNR], expanding each weight once;
+// alternate inputs go to accumulator_sets<R>() sets of accumulators.
 template <int Kind, int R>
 void tile(const float* x, int64_t k, const uint8_t* panel, bool bf16, float* out) {
 #if defined(SPECTRAL_VEC)
-  Vec::R lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = Vec::zero();
-  expand<Kind>(panel, k, bf16, [&](int64_t i, Vec::R w0, Vec::R w1) {
-    accumulate<R>(lo, hi, x, k, i, w0, w1);
+  constexpr int kSets = accumulator_sets<R>();
+  Vec::R lo[kSets][R], hi[kSets][R];
+  for (int s = 0; s < kSets; ++s)
+    for (int r = 0; r < R; ++r) lo[s][r] = hi[s][r] = Vec::zero();
+  expand<Kind>(panel, k, bf16, [&](int64_t i, Vec::R w0, Vec::R w1, int half) {
+    accumulate<R>(lo[half % kSets], hi[half % kSets], x, k, i, w0, w1);
   });
   for (int r = 0; r < R; ++r) {
-    Vec::store(out + r * kNR, lo[r]);
-    Vec::store(out + r * kNR + kLanes, hi[r]);
+    if constexpr (kSets == 2) {
+      lo[0][r] = Vec::add(lo[0][r], lo[1][r]);
+      hi[0][r] = Vec::add(hi[0][r], hi[1][r]);
+    }
+    Vec::store(out + r * kNR, lo[0][r]);
+    Vec::store(out + r * kNR + kLanes, hi[0][r]);
   }
 #else
   for (int r = 0; r < R * kNR; ++r) out[r] = 0.f;
-  expand<Kind>(panel, k, bf16, [&](int64_t i, const float* w) {
+  expand<Kind>(panel, k, bf16, [&](int64_t i, const float* w, int) {
     for (int r = 0; r < R; ++r)
       for (int64_t c = 0; c < kNR; ++c) out[r * kNR + c] += x[r * k + i] * w[c];
   });
@@ -185,12 +200,12 @@ void tile(const float* x, int64_t k, const uint8_t* panel, bool bf16, float* out
 template <int Kind>
 void expand_panel(const uint8_t* panel, int64_t k, bool bf16, float* dense) {
 #if defined(SPECTRAL_VEC)
-  expand<Kind>(panel, k, bf16, [&](int64_t i, Vec::R w0, Vec::R w1) {
+  expand<Kind>(panel, k, bf16, [&](int64_t i, Vec::R w0, Vec::R w1, int) {
     Vec::store(dense + i * kNR, w0);
     Vec::store(dense + i * kNR + kLanes, w1);
   });
 #else
-  expand<Kind>(panel, k, bf16, [&](int64_t i, const float* w) {
+  expand<Kind>(panel, k, bf16, [&](int64_t i, const float* w, int) {
     for (int64_t c = 0; c < kNR; ++c) dense[i * kNR + c] = w[c];
   });
 #endif
@@ -206,10 +221,70 @@ void tile_rows(int rows, const float* x, int64_t k, const uint8_t* panel, bool b
 
 // One row block: each weight expanded as the tile uses it (read once from memory). More rows:
 // each panel expanded once into a float32 buffer that every row block then reads.
+#if defined(SPECTRAL_VEC)
+// One float32 row over one panel without expanding the weights: per block, d * sum(x q) plus
+// m * sum(x) (`xsum`, per block). The same sum as over the expanded weights, in another order;
+// for a one-hot x it is exactly the expanded weight (d * q is exact, one rounding adds m).
+// Saves the expanding multiply-add per weight, which at one row is a fifth of the work.
+template <int Kind>
+void row_tile(const float* x, int64_t k, const uint8_t* panel, const float* xsum, float* out) {
+  Vec::R t0 = Vec::zero(), t1 = Vec::zero();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* blk = panel + b * packed_block_bytes(Kind);
+    const float* d = reinterpret_cast<const float*>(blk);
+    const float* xb = x + b * kBlock;
+    // Two sets of sums (alternate inputs), so that their multiply-adds overlap.
+    Vec::R s00 = Vec::zero(), s01 = Vec::zero(), s10 = Vec::zero(), s11 = Vec::zero();
+    if constexpr (Kind == kQ4_1) {
+      const uint8_t* q = blk + kNR * 8;
+      for (int64_t j = 0; j < 16; ++j) {
+        Vec::R ql[2], qh[2];
+        nibbles(q + j * kNR, ql, qh);
+        const Vec::R xl = Vec::set1(xb[j]), xh = Vec::set1(xb[j + 16]);
+        s00 = Vec::fma(xl, ql[0], s00), s01 = Vec::fma(xl, ql[1], s01);
+        s10 = Vec::fma(xh, qh[0], s10), s11 = Vec::fma(xh, qh[1], s11);
+      }
+    } else {
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + kNR * 4);
+      for (int64_t j = 0; j < kBlock; j += 2) {
+        const Vec::R xl = Vec::set1(xb[j]), xh = Vec::set1(xb[j + 1]);
+        s00 = Vec::fma(xl, widen_i8(q + j * kNR), s00);
+        s01 = Vec::fma(xl, widen_i8(q + j * kNR + kLanes), s01);
+        s10 = Vec::fma(xh, widen_i8(q + (j + 1) * kNR), s10);
+        s11 = Vec::fma(xh, widen_i8(q + (j + 1) * kNR + kLanes), s11);
+      }
+    }
+    t0 = Vec::fma(Vec::load(d), Vec::add(s00, s10), t0);
+    t1 = Vec::fma(Vec::load(d + kLanes), Vec::add(s01, s11), t1);
+    if constexpr (Kind == kQ4_1) {
+      const Vec::R xs = Vec::set1(xsum[b]);
+      t0 = Vec::fma(Vec::load(d + kNR), xs, t0);
+      t1 = Vec::fma(Vec::load(d + kNR + kLanes), xs, t1);
+    }
+  }
+  Vec::store(out, t0);
+  Vec::store(out + kLanes, t1);
+}
+#endif
+
 template <int Kind, typename O>
 void run(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, bool bf16,
          O* out) {
   const int64_t panels = (n + kNR - 1) / kNR, panel_bytes = (k / kBlock) * packed_block_bytes(Kind);
+#if defined(SPECTRAL_VEC)
+  if (m == 1 && !bf16) {  // bfloat16 needs each weight expanded, to round it
+    std::vector<float> xsum(k / kBlock, 0.f);
+    for (int64_t i = 0; i < k; ++i) xsum[i / kBlock] += x[i];
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      alignas(64) float buf[kNR];
+      for (int64_t p = p0; p < p1; ++p) {
+        row_tile<Kind>(x, k, packed + p * panel_bytes, xsum.data(), buf);
+        store_tile(buf, 1, 0, n, p * kNR, out);
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) float buf[kMR * kNR];
     std::vector<float> dense(m > kMR ? k * kNR : 0);

@@ -1,0 +1,145 @@
+// One whole Llama decoder layer in a single call, for the steps whose attention runs through
+// decode_attention (decode steps and tree verification): the same kernels, in the same order,
+// as LlamaDecoderLayer.forward over the CPU kernels, without a trip through Python and torch's
+// dispatcher between them (about 10 us each on a small CPU, some 25 per layer).
+//
+//   residual, h = add_rms_norm(x, residual)        (residual += x, in place)
+//   qkv = h @ Wqkv;  rotary on q and k, in place;  k, v written to their KV slots
+//   attn = decode_attention(q, pool)                (each row over its kv_indices)
+//   residual, h = add_rms_norm(attn @ Wo, residual)
+//   return (silu(gate) * up) @ Wdown, residual     (gate | up = h @ Wgate_up)
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const std::string& type, int64_t n,
+                          const c10::optional<torch::Tensor>& bias);
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                            const c10::optional<torch::Tensor>& bias);
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                        const c10::optional<torch::Tensor>& residual,
+                                        const torch::Tensor& weight, double eps);
+void rotary_inplace(torch::Tensor& x, int64_t heads, int64_t dim, const torch::Tensor& cos,
+                    const torch::Tensor& sin, const torch::Tensor& positions);
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf,
+                               const torch::Tensor& v_buf, const torch::Tensor& kv_indices,
+                               const torch::Tensor& seq_lens, double scale);
+
+namespace {
+
+// A weight packed for one of the matmul kernels: GGUF blocks of `kind`, or dense ("" kind).
+struct PackedLinear {
+  torch::Tensor data;
+  std::string kind;
+  int64_t n;
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    return kind.empty() ? packed_linear(x, data, n, bias) : gguf_linear(x, data, kind, n, bias);
+  }
+};
+
+template <typename T>
+float to_float(T v) {
+  return static_cast<float>(v);
+}
+
+// out[t][i] = silu(gu[t][i]) * gu[t][size + i], each product rounded to T as torch's
+// F.silu(gate) * up rounds it (silu to T, then the product to T).
+template <typename T>
+void silu_mul_impl(const T* gu, T* out, int64_t tokens, int64_t size) {
+  at::parallel_for(0, tokens, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* g = gu + t * 2 * size;
+      const T* u = g + size;
+      T* o = out + t * size;
+      for (int64_t i = 0; i < size; ++i) {
+        const float x = to_float(g[i]);
+        const T silu = static_cast<T>(x / (1.f + std::exp(-x)));
+        o[i] = static_cast<T>(to_float(silu) * to_float(u[i]));
+      }
+    }
+  });
+}
+
+struct DecoderLayer {
+  torch::Tensor input_norm, post_norm;
+  double eps;
+  PackedLinear qkv, o, gate_up, down;
+  int64_t heads, kv_heads, head_dim, intermediate;
+
+  std::vector<torch::Tensor> forward(const torch::Tensor& x,
+                                     const c10::optional<torch::Tensor>& residual,
+                                     const torch::Tensor& positions, const torch::Tensor& cos,
+                                     const torch::Tensor& sin, const torch::Tensor& k_buf,
+                                     const torch::Tensor& v_buf, const torch::Tensor& out_loc,
+                                     const torch::Tensor& kv_indices,
+                                     const torch::Tensor& seq_lens, double scale) const {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [tokens, hidden]");
+    TORCH_CHECK(k_buf.scalar_type() == x.scalar_type() && k_buf.is_contiguous() &&
+                    v_buf.is_contiguous(),
+                "the KV pool must be contiguous and of x's dtype");
+    TORCH_CHECK(out_loc.scalar_type() == torch::kInt64 && out_loc.numel() == x.size(0),
+                "one int64 KV slot per token");
+    std::vector<torch::Tensor> normed = add_rms_norm(x, residual, input_norm, eps);
+    torch::Tensor res = normed[1];
+    torch::Tensor qkv_out = qkv(normed[0]);
+    rotary_inplace(qkv_out, heads + kv_heads, head_dim, cos, sin, positions);
+    write_kv(qkv_out, k_buf, v_buf, out_loc.contiguous());
+    const int64_t tokens = x.size(0);
+    torch::Tensor q = qkv_out.narrow(1, 0, heads * head_dim).view({tokens, heads, head_dim});
+    torch::Tensor attn = decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, scale);
+    normed = add_rms_norm(o(attn.view({tokens, heads * head_dim})), res, post_norm, eps);
+    torch::Tensor gu = gate_up(normed[0]);
+    torch::Tensor act = torch::empty({tokens, intermediate}, x.options());
+    AT_DISPATCH_SWITCH(x.scalar_type(), "silu_mul",
+                       AT_DISPATCH_CASE(torch::kFloat32, [&] {
+                         silu_mul_impl<float>(gu.data_ptr<float>(), act.data_ptr<float>(), tokens,
+                                              intermediate);
+                       }) AT_DISPATCH_CASE(torch::kBFloat16, [&] {
+                         silu_mul_impl<at::BFloat16>(gu.data_ptr<at::BFloat16>(),
+                                                     act.data_ptr<at::BFloat16>(), tokens,
+                                                     intermediate);
+                       }));
+    return {down(act), res};
+  }
+
+  // k and v of every token (after q in each row of qkv) into their slots of the pool.
+  void write_kv(const torch::Tensor& qkv_out, const torch::Tensor& k_buf,
+                const torch::Tensor& v_buf, const torch::Tensor& out_loc) const {
+    const int64_t width = kv_heads * head_dim, slots = k_buf.size(0);
+    const int64_t bytes = width * qkv_out.element_size(), row = qkv_out.stride(0);
+    const auto* src = static_cast<const char*>(qkv_out.data_ptr());
+    auto* kd = static_cast<char*>(k_buf.data_ptr());
+    auto* vd = static_cast<char*>(v_buf.data_ptr());
+    const int64_t* loc = out_loc.data_ptr<int64_t>();
+    const int64_t esize = qkv_out.element_size();
+    for (int64_t t = 0; t < qkv_out.size(0); ++t) {
+      TORCH_CHECK(loc[t] >= 0 && loc[t] < slots, "KV slot ", loc[t], " is out of the pool");
+      const char* r = src + t * row * esize;
+      std::memcpy(kd + loc[t] * bytes, r + heads * head_dim * esize, bytes);
+      std::memcpy(vd + loc[t] * bytes, r + (heads * head_dim + width) * esize, bytes);
+    }
+  }
+};
+
+}  // namespace
+
+void register_decoder_layer(pybind11::module& m) {
+  pybind11::class_<PackedLinear>(m, "PackedLinear")
+      .def(pybind11::init<torch::Tensor, std::string, int64_t, c10::optional<torch::Tensor>>(),
+           "a weight packed for gguf_linear (kind Q4_0, Q4_1, Q8_0) or packed_linear (kind '')");
+  pybind11::class_<DecoderLayer>(m, "DecoderLayer")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, double, PackedLinear, PackedLinear,
+                          PackedLinear, PackedLinear, int64_t, int64_t, int64_t, int64_t>(),
+           "(input_norm, post_norm, eps, qkv, o, gate_up, down, heads, kv_heads, head_dim, "
+           "intermediate)")
+      .def("forward", &DecoderLayer::forward,
+           "(x, residual, positions, cos, sin, k_buf, v_buf, out_loc, kv_indices, seq_lens, "
+           "scale) -> [delta, residual]: the layer over decode_attention");
+}
