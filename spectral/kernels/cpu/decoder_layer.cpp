@@ -11,7 +11,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -44,29 +43,6 @@ struct PackedLinear {
   }
 };
 
-template <typename T>
-float to_float(T v) {
-  return static_cast<float>(v);
-}
-
-// out[t][i] = silu(gu[t][i]) * gu[t][size + i], each product rounded to T as torch's
-// F.silu(gate) * up rounds it (silu to T, then the product to T).
-template <typename T>
-void silu_mul_impl(const T* gu, T* out, int64_t tokens, int64_t size) {
-  at::parallel_for(0, tokens, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const T* g = gu + t * 2 * size;
-      const T* u = g + size;
-      T* o = out + t * size;
-      for (int64_t i = 0; i < size; ++i) {
-        const float x = to_float(g[i]);
-        const T silu = static_cast<T>(x / (1.f + std::exp(-x)));
-        o[i] = static_cast<T>(to_float(silu) * to_float(u[i]));
-      }
-    }
-  });
-}
-
 struct DecoderLayer {
   torch::Tensor input_norm, post_norm;
   double eps;
@@ -95,18 +71,9 @@ struct DecoderLayer {
     torch::Tensor q = qkv_out.narrow(1, 0, heads * head_dim).view({tokens, heads, head_dim});
     torch::Tensor attn = decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, scale);
     normed = add_rms_norm(o(attn.view({tokens, heads * head_dim})), res, post_norm, eps);
-    torch::Tensor gu = gate_up(normed[0]);
-    torch::Tensor act = torch::empty({tokens, intermediate}, x.options());
-    AT_DISPATCH_SWITCH(x.scalar_type(), "silu_mul",
-                       AT_DISPATCH_CASE(torch::kFloat32, [&] {
-                         silu_mul_impl<float>(gu.data_ptr<float>(), act.data_ptr<float>(), tokens,
-                                              intermediate);
-                       }) AT_DISPATCH_CASE(torch::kBFloat16, [&] {
-                         silu_mul_impl<at::BFloat16>(gu.data_ptr<at::BFloat16>(),
-                                                     act.data_ptr<at::BFloat16>(), tokens,
-                                                     intermediate);
-                       }));
-    return {down(act), res};
+    // torch's own (vectorised) silu and product, as the op-by-op layer computes them.
+    const std::vector<torch::Tensor> gate_and_up = gate_up(normed[0]).split(intermediate, 1);
+    return {down(at::silu(gate_and_up[0]).mul_(gate_and_up[1])), res};
   }
 
   // k and v of every token (after q in each row of qkv) into their slots of the pool.
