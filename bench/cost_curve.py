@@ -126,7 +126,10 @@ def forward_work(worker: ModelWorker, shape: str, m: int, prefix: int) -> tuple[
     cfg = worker.config
     model = worker.model
     elem = torch.finfo(worker.dtype).bits // 8
-    layer_params = sum(p.numel() for name, p in model.named_parameters() if "layers." in name)
+    # Weights by shape: a Linear served from GGUF blocks keeps no dense parameter.
+    layer_params = sum(
+        m.in_features * m.out_features for m in model.layers.modules() if isinstance(m, Linear)
+    ) + sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
     head_params = cfg.vocab_size * cfg.hidden_size
     kv_width = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
     attn_keys = (prefix + (m + 1) / 2) * m if shape == "verify" else (prefix + 1) * m

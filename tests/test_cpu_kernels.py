@@ -230,18 +230,55 @@ def test_gguf_linear_is_within_float32_error_of_float64(kind, dtype, rows):
     check_gguf_linear(kind, dtype, rows)
 
 
-def check_gguf_linear(kind: str, dtype: torch.dtype, rows: int, build=kernels) -> None:
-    n, k = 50, 160
-    blocks, reference = gguf_blocks(n, k, kind, seed=rows)
+def block_offsets(blocks: torch.Tensor, kind: str, k: int) -> torch.Tensor:
+    """|m| of every weight's block ([n, k]; Q4_0's m is -8d, Q8_0 has none)."""
+    n, per_block = blocks.shape[0], blocks.shape[1] // (k // 32)
+    raw = blocks.view(n, k // 32, per_block)
+    if kind == "Q8_0":
+        return torch.zeros(n, k)
+    if kind == "Q4_1":
+        m = raw[..., 2:4].contiguous().view(torch.float16).float().abs()
+    else:
+        m = 8 * raw[..., 0:2].contiguous().view(torch.float16).float().abs()
+    return m.repeat_interleave(32, dim=1).view(n, k)
+
+
+def check_gguf_matmul(x: torch.Tensor, blocks, reference, kind: str, n: int, build=kernels):
+    """gguf_linear within float32's error of the float64 product with the expanded weights.
+    One float32 row may sum d * sum(x q) + m * sum(x) per block, whose terms are bounded by
+    |w| + 2|m|, not |w|: the bound uses that."""
+    dtype, k = x.dtype, x.shape[1]
     w = reference.to(dtype)  # what the kernel multiplies by: bf16-rounded weights for bf16
-    x = torch.randn(rows, k).to(dtype)
     exact = x.double() @ w.double().T
     got = build.gguf_linear(x, build.pack_gguf_weight(blocks, kind, k), kind, n, None)
-    assert got.dtype == dtype and got.shape == (rows, n)
-    bound = float32_error_bound(x, w)
+    assert got.dtype == dtype and got.shape == (x.shape[0], n)
+    bound = float32_error_bound(x, w.abs() + 2 * block_offsets(blocks, kind, k).to(dtype))
     if dtype == torch.bfloat16:
         bound = bound + exact.abs() * 2**-8
     assert ((got.double() - exact).abs() <= bound).all()
+
+
+def check_gguf_linear(kind: str, dtype: torch.dtype, rows: int, build=kernels) -> None:
+    n, k = 50, 160
+    blocks, reference = gguf_blocks(n, k, kind, seed=rows)
+    check_gguf_matmul(torch.randn(rows, k).to(dtype), blocks, reference, kind, n, build)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 70),
+    n=st.integers(1, 70),
+    blocks=st.integers(1, 6),
+    kind=st.sampled_from(GGUF_TYPES),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_gguf_linear_holds_for_any_shape(m, n, blocks, kind, bf16, seed):
+    k = 32 * blocks
+    weights, reference = gguf_blocks(n, k, kind, seed)
+    torch.manual_seed(seed)
+    x = torch.randn(m, k).to(torch.bfloat16 if bf16 else torch.float32)
+    check_gguf_matmul(x, weights, reference, kind, n)
 
 
 def test_gguf_linear_refuses_what_it_does_not_implement_with_a_message():
