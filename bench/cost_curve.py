@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spectral.forward import ForwardBatch, ForwardMode  # noqa: E402
 from spectral.kernels.linear import Linear  # noqa: E402
-from spectral.models.resolve import gguf_source, resolve_model_path  # noqa: E402
+from spectral.models.resolve import gguf_source, model_files_dir  # noqa: E402
 from spectral.worker.model_worker import ModelWorker  # noqa: E402
 
 DEFAULT_MS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -205,7 +205,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ns = ap.parse_args()
     ms = [int(m) for m in ns.ms.split(",")]
-    model_dir = resolve_model_path(ns.model_path)
+    model_dir = model_files_dir(ns.model_path)
+    gguf = gguf_source(ns.model_path)
     results: dict = {
         "machine": {
             "threads": torch.get_num_threads(),
@@ -226,7 +227,8 @@ def main() -> None:
                 max_running_requests=max(ms) + 1,
                 max_context_len=ns.prefix + max(ms) + 1,
                 use_cpu_kernels=kernels != "off",
-                gguf_file=str(gguf_source(ns.model_path)) if kernels == "gguf" else None,
+                gguf_file=str(gguf) if gguf is not None else None,
+                gguf_native=kernels == "gguf",
             )
             name = f"{dtype_name}, {kernels}"
             results["runs"][name] = curve(worker, ms, ns.prefix, ns.repeats)

@@ -24,25 +24,35 @@ from data import chat, mtbench_first_turns  # noqa: E402
 from spectral import Engine  # noqa: E402
 from spectral.models.resolve import resolve_model_path  # noqa: E402
 
+Prompt = str | list[int]  # text, or token ids
+
+
+def inputs(prompts: Prompt | list[Prompt]) -> dict:
+    """Engine.generate's argument for text or token ids, one prompt or a batch."""
+    first = prompts[0] if isinstance(prompts, list) else prompts
+    return {"input_ids": prompts} if isinstance(first, (int, list)) else {"prompt": prompts}
+
 
 def spectral_batch1(
-    engine: Engine, prompts: list[str], new_tokens: int
+    engine: Engine, prompts: list[Prompt], new_tokens: int
 ) -> tuple[float, list[list[int]]]:
+    """(tokens/s, outputs) of the prompts one after another, after a short warm-up."""
     params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    engine.generate(prompts[0], {**params, "max_new_tokens": 8})  # warm-up
+    engine.generate(**inputs(prompts[0]), sampling_params={**params, "max_new_tokens": 8})
     outputs, tokens, start = [], 0, time.perf_counter()
     for p in prompts:
-        out = engine.generate(p, params)
+        out = engine.generate(**inputs(p), sampling_params=params)
         outputs.append(out["output_ids"])
         tokens += len(out["output_ids"])
     return tokens / (time.perf_counter() - start), outputs
 
 
-def spectral_batched(engine: Engine, prompts: list[str], new_tokens: int) -> float:
+def spectral_batched(engine: Engine, prompts: list[Prompt], new_tokens: int) -> float:
+    """Aggregate tokens/s of the prompts submitted at once, from an empty prefix cache."""
     params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
     engine.flush_cache()
     start = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    outs = engine.generate(**inputs(prompts), sampling_params=params)
     return sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - start)
 
 

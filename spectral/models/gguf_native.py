@@ -63,6 +63,7 @@ class BlockEmbedding(nn.Module):
         self.tensor = tensor
         self.rows = torch.from_numpy(np.array(tensor.data))  # [vocab, bytes a row], in memory
         self.dtype = dtype
+        self.weight = torch.empty(0, dtype=dtype)  # no dense table (as a Linear's from blocks)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1).cpu()

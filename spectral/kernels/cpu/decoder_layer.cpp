@@ -9,7 +9,6 @@
 //   residual, h = add_rms_norm(attn @ Wo, residual)
 //   return (silu(gate) * up) @ Wdown, residual     (gate | up = h @ Wgate_up)
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <cstring>
 #include <string>
@@ -79,18 +78,17 @@ struct DecoderLayer {
   // k and v of every token (after q in each row of qkv) into their slots of the pool.
   void write_kv(const torch::Tensor& qkv_out, const torch::Tensor& k_buf,
                 const torch::Tensor& v_buf, const torch::Tensor& out_loc) const {
-    const int64_t width = kv_heads * head_dim, slots = k_buf.size(0);
-    const int64_t bytes = width * qkv_out.element_size(), row = qkv_out.stride(0);
+    const int64_t esize = qkv_out.element_size(), slots = k_buf.size(0);
+    const int64_t bytes = kv_heads * head_dim * esize, q_bytes = heads * head_dim * esize;
     const auto* src = static_cast<const char*>(qkv_out.data_ptr());
     auto* kd = static_cast<char*>(k_buf.data_ptr());
     auto* vd = static_cast<char*>(v_buf.data_ptr());
     const int64_t* loc = out_loc.data_ptr<int64_t>();
-    const int64_t esize = qkv_out.element_size();
     for (int64_t t = 0; t < qkv_out.size(0); ++t) {
       TORCH_CHECK(loc[t] >= 0 && loc[t] < slots, "KV slot ", loc[t], " is out of the pool");
-      const char* r = src + t * row * esize;
-      std::memcpy(kd + loc[t] * bytes, r + heads * head_dim * esize, bytes);
-      std::memcpy(vd + loc[t] * bytes, r + (heads * head_dim + width) * esize, bytes);
+      const char* row = src + t * qkv_out.stride(0) * esize;
+      std::memcpy(kd + loc[t] * bytes, row + q_bytes, bytes);
+      std::memcpy(vd + loc[t] * bytes, row + q_bytes + bytes, bytes);
     }
   }
 };

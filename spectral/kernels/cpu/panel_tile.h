@@ -35,6 +35,32 @@ constexpr int accumulator_sets() {
   return R <= 3 ? 2 : 1;
 }
 
+#if defined(SPECTRAL_VEC)
+// lo[r] | hi[r] += x[r][i] * (w0 | w1) for the R rows of a tile (row stride k of x).
+template <int R>
+inline void accumulate(Vec::R* lo, Vec::R* hi, const float* x, int64_t k, int64_t i, Vec::R w0,
+                       Vec::R w1) {
+  for (int r = 0; r < R; ++r) {
+    const Vec::R xb = Vec::set1(x[r * k + i]);
+    lo[r] = Vec::fma(xb, w0, lo[r]);
+    hi[r] = Vec::fma(xb, w1, hi[r]);
+  }
+}
+
+// The S sets of a tile's sums added up and stored into out[R][kNR].
+template <int R, int S>
+inline void store_sums(Vec::R (&lo)[S][R], Vec::R (&hi)[S][R], float* out) {
+  for (int r = 0; r < R; ++r) {
+    for (int s = 1; s < S; ++s) {
+      lo[0][r] = Vec::add(lo[0][r], lo[s][r]);
+      hi[0][r] = Vec::add(hi[0][r], hi[s][r]);
+    }
+    Vec::store(out + r * kNR, lo[0][r]);
+    Vec::store(out + r * kNR + kLanes, hi[0][r]);
+  }
+}
+#endif
+
 // The R x kNR tile of out for rows x[0..R) (row stride k) over one panel, into out[R][kNR].
 template <int R, typename W>
 void tile(const float* x, int64_t k, const W* panel, float* out) {
@@ -43,27 +69,15 @@ void tile(const float* x, int64_t k, const W* panel, float* out) {
   Vec::R lo[kSets][R], hi[kSets][R];
   for (int s = 0; s < kSets; ++s)
     for (int r = 0; r < R; ++r) lo[s][r] = hi[s][r] = Vec::zero();
-  auto step = [&](int64_t i, Vec::R* l, Vec::R* h) {
-    const Vec::R w0 = Vec::load(panel + i * kNR);
-    const Vec::R w1 = Vec::load(panel + i * kNR + kLanes);
-    for (int r = 0; r < R; ++r) {
-      const Vec::R xb = Vec::set1(x[r * k + i]);
-      l[r] = Vec::fma(xb, w0, l[r]);
-      h[r] = Vec::fma(xb, w1, h[r]);
-    }
+  auto step = [&](int64_t i, int s) {
+    accumulate<R>(lo[s], hi[s], x, k, i, Vec::load(panel + i * kNR),
+                  Vec::load(panel + i * kNR + kLanes));
   };
   int64_t i = 0;
   for (; i + kSets <= k; i += kSets)
-    for (int s = 0; s < kSets; ++s) step(i + s, lo[s], hi[s]);
-  for (; i < k; ++i) step(i, lo[0], hi[0]);
-  for (int r = 0; r < R; ++r) {
-    for (int s = 1; s < kSets; ++s) {
-      lo[0][r] = Vec::add(lo[0][r], lo[s][r]);
-      hi[0][r] = Vec::add(hi[0][r], hi[s][r]);
-    }
-    Vec::store(out + r * kNR, lo[0][r]);
-    Vec::store(out + r * kNR + kLanes, hi[0][r]);
-  }
+    for (int s = 0; s < kSets; ++s) step(i + s, s);
+  for (; i < k; ++i) step(i, 0);
+  store_sums<R, kSets>(lo, hi, out);
 #else
   for (int r = 0; r < R; ++r) {
     for (int64_t c = 0; c < kNR; ++c) {
