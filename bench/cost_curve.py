@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from spectral.forward import ForwardBatch, ForwardMode  # noqa: E402
 from spectral.kernels.linear import Linear  # noqa: E402
 from spectral.models.resolve import gguf_source, model_files_dir  # noqa: E402
+from spectral.speculative.cost_model import timed as measured  # noqa: E402
 from spectral.worker.model_worker import ModelWorker  # noqa: E402
 
 DEFAULT_MS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -42,14 +41,7 @@ OUT = Path(__file__).parent / "out"
 
 def timed(fn, repeats: int) -> float:
     """Median seconds of `fn()` over `repeats` calls, after two warm-up calls."""
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return measured(fn, repeats, warmup=2)
 
 
 def bandwidth_probe(repeats: int) -> float:

@@ -10,6 +10,12 @@ differ; float32 output is identical, which the tests check). HumanEval prompts g
 
     python bench/spec.py --quick
     python bench/spec.py --algorithms EAGLE3 --draft default --batches 1
+    python bench/spec.py --dtype bfloat16 --quantization none   # bf16, dequantized at load
+    python bench/spec.py --batches 1 --temperature 0.7
+
+Trees are sized per round by the tree planner from the measured cost model (`--fixed-tree`:
+every round the full tree); each row also prints the tree nodes verified per request and round
+and the planner's predicted against measured gain over plain decoding.
 """
 
 from __future__ import annotations
@@ -29,10 +35,14 @@ from data import chat, humaneval_prompts, mtbench_first_turns  # noqa: E402
 from spectral import Engine  # noqa: E402
 
 
-def measure(engine: Engine, prompts: list[str], new_tokens: int) -> tuple[float, list, float]:
+def measure(
+    engine: Engine, prompts: list[str], new_tokens: int, temperature: float = 0.0
+) -> tuple[float, list, float]:
     """(tokens/s, outputs, τ) for generating all prompts, the engine's max_running_requests
     at a time; τ = 0 without speculation."""
-    params = {"temperature": 0.0, "max_new_tokens": new_tokens}
+    params = {"temperature": temperature, "max_new_tokens": new_tokens}
+    if temperature > 0:
+        params["seed"] = 0  # each request its own seeded stream: the same draws in every run
     engine.generate(prompts[0], {**params, "max_new_tokens": 8})  # warm-up
     engine.flush_cache()
     before = engine.get_server_info()["stats"]
@@ -51,14 +61,23 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model-path", default="default")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument(
+        "--quantization",
+        default="auto",
+        help="auto: a GGUF model's blocks as they are (the default format); none: dequantized",
+    )
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument(
+        "--fixed-tree", action="store_true", help="every round the full tree (no planner)"
+    )
     ap.add_argument("--quick", action="store_true", help="the first 16 MT-Bench questions")
     ap.add_argument("--num-prompts", type=int, default=None, help="overrides --quick")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument(
         "--algorithms",
-        default="EAGLE3,EAGLE3+NGRAM,NGRAM",
+        default="EAGLE3+NGRAM,EAGLE3,NGRAM",
         help="EAGLE3+NGRAM: the head, with n-gram trees where they match (hybrid); "
         "EAGLE3+NGRAM+MERGE: the n-gram tree joins the head's there",
     )
@@ -75,24 +94,34 @@ def main() -> None:
     questions = mtbench_first_turns(args.num_prompts or (16 if args.quick else None))
     results: dict[str, object] = {
         "dtype": args.dtype,
+        "quantization": args.quantization,
+        "temperature": args.temperature,
+        "fixed_tree": args.fixed_tree,
         "num_prompts": len(questions),
         "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(),
         "runs": [],
     }
-    common = dict(model_path=args.model_path, dtype=args.dtype, max_total_tokens=65536)
+    common = dict(
+        model_path=args.model_path,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_total_tokens=65536,
+    )
     spec_options = dict(
         speculative_num_steps=args.num_steps,
         speculative_eagle_topk=args.topk,
         speculative_num_draft_tokens=args.num_draft_tokens,
         speculative_max_batch_size=args.max_batch_size,
         speculative_ngram_min_match_window_size=args.ngram_min_match,
+        speculative_fixed_tree=args.fixed_tree,
     )
+    temp = args.temperature
     algorithms = [a for a in args.algorithms.split(",") if a]
     for size in [int(b) for b in args.batches.split(",") if b]:
         engine = Engine(**common, max_running_requests=size)
         prompts = [chat(engine.tokenizer, q) for q in questions]
-        plain, plain_out, _ = measure(engine, prompts, args.max_new_tokens)
+        plain, plain_out, _ = measure(engine, prompts, args.max_new_tokens, temp)
         engine.shutdown()
         print(f"batch {size:3d}  plain              {plain:7.2f} tok/s")
         for algo in algorithms:
@@ -106,8 +135,9 @@ def main() -> None:
                 speculative_hybrid_merge="MERGE" in extras,
                 **spec_options,
             )
-            speed, out, tau = measure(engine, prompts, args.max_new_tokens)
+            speed, out, tau = measure(engine, prompts, args.max_new_tokens, temp)
             same = sum(a == b for a, b in zip(out, plain_out))
+            planned = engine.get_server_info()["speculative"].get("rounds", {})
             row = {
                 "batch": size,
                 "algorithm": algo,
@@ -116,10 +146,15 @@ def main() -> None:
                 "speedup": round(speed / plain, 3),
                 "accept_length": round(tau, 3),
                 "identical_outputs": f"{same}/{len(prompts)}",
+                "tree_nodes_per_request": planned.get("tree_nodes_per_request"),
+                "predicted_gain": planned.get("predicted_gain"),
+                "measured_gain": planned.get("measured_gain"),
             }
             if name != "NGRAM" and size == 1 and args.humaneval:
                 code = [chat(engine.tokenizer, p) for p in humaneval_prompts(args.humaneval)]
-                _, _, row["humaneval_accept_length"] = measure(engine, code, args.max_new_tokens)
+                _, _, row["humaneval_accept_length"] = measure(
+                    engine, code, args.max_new_tokens, temp
+                )
             engine.shutdown()
             gc.collect()
             results["runs"].append(row)
@@ -128,6 +163,11 @@ def main() -> None:
                 if "humaneval_accept_length" in row
                 else ""
             )
+            if row["tree_nodes_per_request"] is not None:
+                extra += (
+                    f", {row['tree_nodes_per_request']:.1f} nodes/round, gain predicted "
+                    f"{row['predicted_gain']:.2f} measured {row['measured_gain']:.2f}"
+                )
             print(
                 f"batch {size:3d}  {algo:<18s} {speed:7.2f} tok/s  {speed / plain:5.2f}x  "
                 f"τ {tau:4.2f}  identical {same}/{len(prompts)}{extra}"

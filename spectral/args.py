@@ -46,6 +46,9 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: int | None = None
     speculative_hybrid_ngram: int | None = None
     speculative_hybrid_merge: bool = False
+    speculative_fixed_tree: bool = False
+    speculative_draft_quantization: str = "q8_0"
+    speculative_cost_model: str | None = None
     # Server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -168,9 +171,16 @@ class ServerArgs:
             "the head shipped for the default model",
             "speculative_num_steps": "draft tree depth (draft forwards per round)",
             "speculative_eagle_topk": "children kept per expanded node",
-            "speculative_num_draft_tokens": "tree nodes verified per round, the root included",
+            "speculative_num_draft_tokens": "most tree nodes a request verifies per round, the "
+            "root included (the planner picks fewer where they do not pay)",
             "speculative_max_batch_size": "decode plainly when more requests than this run "
-            "(default: tuned for the device)",
+            "(default: no limit but the planner's; 1 with --speculative-fixed-tree)",
+            "speculative_fixed_tree": "every request verifies the full tree every round, up to "
+            "--speculative-max-batch-size, instead of trees sized from the cost model",
+            "speculative_draft_quantization": "weights of the draft head's matmuls on the CPU: "
+            "q8_0 (GGUF 8-bit blocks, a quarter of float32's memory traffic) or none",
+            "speculative_cost_model": "a cost model JSON to plan trees by instead of measuring "
+            "one at start-up (cached per machine under ~/.cache/spectral/cost_models)",
             "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix match that "
             "drafts (default 2)",
             "speculative_ngram_max_match_window_size": "NGRAM: longest suffix matched (default 4)",

@@ -343,16 +343,10 @@ class Engine:
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     def get_server_info(self) -> dict[str, Any]:
-        s = self.scheduler
         return {
             "model_path": self.args.model_path,
             "context_length": self.context_len,
-            "memory": s.kv.memory(),
-            "requests": {
-                "running": len(s.running) + (1 if s.chunked else 0),
-                "waiting": len(s.waiting),
-            },
-            "stats": s.stats.to_dict(),
+            **self.scheduler.info(),
         }
 
     def flush_cache(self) -> bool:

@@ -122,6 +122,46 @@ def test_decode_attention_matches_the_torch_backend(dtype):
     assert torch.allclose(got.float(), expected.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_over_trees_reads_shared_prefixes_once_and_matches_a_reference(dtype):
+    """Rows of verified trees: two requests' nodes, each over its request's prefix (long
+    enough to be shared) and its own ancestors, one tree larger than a group of rows, beside a
+    row of a third request; against float64 softmax(q k^T) v per row and head."""
+    torch.manual_seed(5)
+    heads, kv_heads, dim, slots = 9, 3, 64, 400
+    k_buf = torch.randn(slots, kv_heads, dim).to(dtype)
+    v_buf = torch.randn(slots, kv_heads, dim).to(dtype)
+    perm = torch.randperm(slots)
+    rows: list[list[int]] = []
+    used = 0
+    for prefix, nodes in ((40, 11), (70, 3), (5, 1)):
+        base = perm[used : used + prefix].tolist()
+        tree = perm[used + prefix : used + prefix + nodes].tolist()
+        used += prefix + nodes
+        parents = [-1] + [torch.randint(0, j, ()).item() for j in range(1, nodes)]
+        for j in range(nodes):
+            path, node = [], j
+            while node >= 0:
+                path.append(tree[node])
+                node = parents[node]
+            rows.append(base + path[::-1])
+    longest = max(len(r) for r in rows)
+    indices = torch.zeros(len(rows), longest, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        indices[i, : len(r)] = torch.tensor(r)
+    lens = torch.tensor([len(r) for r in rows])
+    q = torch.randn(len(rows), heads, dim).to(dtype)
+    got = kernels.decode_attention(q, k_buf, v_buf, indices, lens, dim**-0.5)
+    group = heads // kv_heads
+    for i, r in enumerate(rows):
+        keys = k_buf[r].double().repeat_interleave(group, dim=1)  # [L, heads, dim]
+        values = v_buf[r].double().repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,lhd->hl", q[i].double(), keys) * dim**-0.5, -1)
+        expected = torch.einsum("hl,lhd->hd", weights, values)
+        tol = 1e-5 if dtype == torch.float32 else 2**-7
+        assert torch.allclose(got[i].double(), expected, rtol=tol, atol=tol), i
+
+
 def float32_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """How far a float32 dot product of length k may be from the exact one: k units of float32
     roundoff times the sum of the products' magnitudes (the standard summation bound)."""
@@ -228,6 +268,28 @@ def test_the_default_models_blocks_expand_to_ggufs_own_dequantization(name):
 @pytest.mark.parametrize("rows", [1, 3, 6, 7, 12, 13, 64])
 def test_gguf_linear_is_within_float32_error_of_float64(kind, dtype, rows):
     check_gguf_linear(kind, dtype, rows)
+
+
+def test_a_quantized_linear_serves_ggufs_own_quantization_of_its_weight():
+    """`quantize_weight` (the draft head's Q8_0 matmuls): the weight quantized by gguf, expanded
+    bit-equal to gguf's dequantization of those blocks; a Linear serving it uses it."""
+    from spectral.kernels.linear import Linear, quantize_weight
+
+    torch.manual_seed(3)
+    w = torch.randn(40, 96)
+    packed = quantize_weight(w, kernels, "Q8_0")
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    reference = torch.from_numpy(
+        gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), qtype), qtype)
+    )
+    assert packed.gguf_type == "Q8_0"
+    assert torch.equal(expanded(packed.data, "Q8_0", 40, 96, torch.float32), reference)
+    assert quantize_weight(torch.randn(4, 33), kernels) is None  # not whole blocks
+    layer = Linear(96, 40, bias=False)
+    layer.weight.data.copy_(w)
+    layer.set_kernels(kernels, quantize="Q8_0")
+    x = torch.randn(3, 96)
+    assert torch.allclose(layer(x), x @ reference.T, rtol=1e-5, atol=1e-5)
 
 
 def block_offsets(blocks: torch.Tensor, kind: str, k: int) -> torch.Tensor:

@@ -37,7 +37,10 @@ def test_the_default_head_is_lossless_and_accepts_drafts(engine_fp32, chat_promp
         dtype="float32",
         max_total_tokens=8192,
         speculative_algorithm="EAGLE3",
-        speculative_max_batch_size=4,  # the default speculates for one request at a time
+        # Every request verifies the default tree every round (the planner would size trees
+        # by this machine's costs, which may leave a round or none to count).
+        speculative_fixed_tree=True,
+        speculative_max_batch_size=4,
     ) as engine:
         assert engine.args.spec_settings().draft_model_path == "default"
         outs = engine.generate(chat_prompts, params)

@@ -3,7 +3,11 @@ plain decoding (float32) under every scheduling path, with nothing leaked."""
 
 from __future__ import annotations
 
+import atexit
+import json
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ from spectral.sampling_params import SamplingParams
 from spectral.scheduler.req import Req
 from spectral.scheduler.scheduler import Scheduler
 from spectral.speculative.eagle_head import DraftHead, DraftHeadConfig
+from spectral.speculative.tree import select_eagle_trees
 from spectral.worker.factory import create_worker
 from tests.conftest import scheduler_leaks
 
@@ -60,8 +65,30 @@ def eagle_head(tmp_path_factory: pytest.TempPathFactory, peaky_model_dir: str) -
     return make_random_head(tmp_path_factory.mktemp("eagle-head"), peaky_model_dir, "eagle")
 
 
-def make_spec_scheduler(model_dir: str, num_kv_slots: int = 4096, **options) -> Scheduler:
-    """A float32 scheduler stepped by the test; `options` are ServerArgs fields."""
+# A cost model under which every verified node is free and a plain step dear: the planner then
+# speculates every round with the largest trees the settings allow (their acceptance only has
+# to be positive).
+FLAT_COST = {"verify": [[1, 10.0], [64, 10.0]], "decode_one": 100.0, "draft": [[1, 0.0, 0.0]]}
+_COST_DIR = Path(tempfile.mkdtemp(prefix="spectral-cost-"))
+atexit.register(shutil.rmtree, _COST_DIR, ignore_errors=True)
+
+
+def cost_model_file(cost: dict) -> str:
+    """`cost` written as a cost model JSON file (--speculative-cost-model)."""
+    path = _COST_DIR / f"cost-{abs(hash(json.dumps(cost, sort_keys=True)))}.json"
+    path.write_text(json.dumps(cost))
+    return str(path)
+
+
+def make_spec_scheduler(
+    model_dir: str, num_kv_slots: int = 4096, cost: dict | None = None, **options
+) -> Scheduler:
+    """A float32 scheduler stepped by the test; `options` are ServerArgs fields. Speculation
+    plans trees by `cost` (default FLAT_COST) unless the options fix the trees."""
+    if options.get("speculative_algorithm") and not (
+        options.get("speculative_fixed_tree") or options.get("speculative_hybrid_merge")
+    ):
+        options.setdefault("speculative_cost_model", cost_model_file(cost or FLAT_COST))
     args = ServerArgs(
         model_path=model_dir,
         dtype="float32",
@@ -137,6 +164,13 @@ SPEC_CASES = {
         at_once=8,
     ),
     "eagle3-topk3-batch1": dict(speculative_eagle_topk=3, speculative_num_steps=3, at_once=1),
+    "eagle3-fixed-tree-batch4": dict(
+        speculative_fixed_tree=True,
+        speculative_eagle_topk=2,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=6,
+        at_once=4,
+    ),
 }
 
 
@@ -239,8 +273,8 @@ def test_over_the_batch_limit_the_head_writes_kv_only_and_drafts_as_after_full_e
         drafter, drafts = s.worker.drafter, []
         draft = drafter.draft
 
-        def record(rows, seq_lens):
-            scores, tokens, parents = draft(rows, seq_lens)
+        def record(rows, seq_lens, num_steps=None):
+            scores, tokens, parents = draft(rows, seq_lens, num_steps)
             drafts.append((scores.clone(), tokens.clone()))
             return scores, tokens, parents
 
@@ -261,7 +295,7 @@ def test_over_the_batch_limit_the_head_writes_kv_only_and_drafts_as_after_full_e
         assert torch.allclose(scores, full_scores, atol=1e-5)
 
 
-def ngram_scheduler(model_dir: str, **options) -> Scheduler:
+def ngram_scheduler(model_dir: str, **options: object) -> Scheduler:
     return make_spec_scheduler(model_dir, speculative_algorithm="NGRAM", **options)
 
 
@@ -278,6 +312,41 @@ def test_ngram_accepts_a_continuation_seen_before_and_matches_plain(
     assert [r.output_ids for r in again] == plain_outputs
     verify_rounds = sum(r.spec_verify_ct for r in again)
     assert sum(len(r.output_ids) for r in again) / verify_rounds > 3.0
+
+
+# Each verified node costs a twentieth of a one-token forward: trees pay only where drafts are
+# accepted often.
+SLOPED_COST = {
+    "verify": [[1, 10.0], [64, 41.5]],
+    "decode_one": 10.0,
+    "draft": [[1, 0.5, 1.0], [16, 1.0, 2.0]],
+}
+
+
+def test_planned_tree_sizes_follow_acceptance_and_output_stays_plain(
+    peaky_model_dir: str, plain_outputs: list[list[int]]
+) -> None:
+    """Under a cost model where nodes are not free, the planner gives requests whose n-gram
+    drafts are accepted larger trees than the others, rounds mix sizes, and every output is
+    plain decoding's."""
+    seen, new, expected = seen_and_new_prompts(peaky_model_dir, plain_outputs)
+    s = ngram_scheduler(
+        peaky_model_dir,
+        cost=SLOPED_COST,
+        speculative_num_steps=7,
+        speculative_num_draft_tokens=8,
+    )
+    run(s, seen, at_once=6, temperature=0.0)
+    planned: list[list[int]] = []
+    record = s.planner.record_plan
+    s.planner.record_plan = lambda plan, nodes: (planned.append(list(nodes)), record(plan, nodes))
+    again = run(s, seen + new, at_once=12, temperature=0.0)
+    assert [r.output_ids for r in again] == expected
+    assert any(len(set(nodes)) > 1 for nodes in planned)  # sizes differ within a round
+    assert max(max(nodes) for nodes in planned) > 2
+    info = s.info()["speculative"]
+    assert info["tree_policy"] == "planned" and info["rounds"]["rounds"] == len(planned) > 0
+    assert info["acceptance"]["ngram"]["gain_by_rank"][0] > 0.5
 
 
 def seen_and_new_prompts(
@@ -318,9 +387,9 @@ def test_hybrid_ngram_mixes_ngram_and_head_trees_and_matches_plain(
     head_rows: list[tuple[int, int]] = []  # (rows the head drafted for, batch size) per round
     head_draft = drafter.draft
 
-    def counted(rows: torch.Tensor, seq_lens: torch.Tensor):
+    def counted(rows: torch.Tensor, seq_lens: torch.Tensor, num_steps: int | None = None):
         head_rows.append((rows.numel(), len(s.running)))
-        return head_draft(rows, seq_lens)
+        return head_draft(rows, seq_lens, num_steps)
 
     drafter.draft = counted
     again = run(s, seen + new, at_once=12, temperature=0.0)
@@ -345,11 +414,11 @@ def test_merged_hybrid_trees_verify_ngram_and_head_drafts_together_and_match_pla
     trees_of = worker._trees
 
     def counted(wb, rows, seq_lens, sizes):
-        trees = trees_of(wb, rows, seq_lens, sizes)
+        trees, probs = trees_of(wb, rows, seq_lens, sizes)
         for b, toks in enumerate(wb.draft_tokens or []):
             if toks:
                 merged_sizes.append(trees.num_nodes[b] - 1 - len(toks))
-        return trees
+        return trees, probs
 
     worker._trees = counted
     again = run(s, seen + new, at_once=12, temperature=0.0)
@@ -479,3 +548,36 @@ def test_a_head_for_another_target_is_refused_with_what_differs(
         make_spec_scheduler(
             peaky_model_dir, speculative_algorithm="EAGLE3", speculative_draft_model_path=eagle1
         )
+
+
+def test_a_shallower_draft_gives_the_same_small_tree(
+    peaky_model_dir: str, eagle3_head: str
+) -> None:
+    """The worker drafts no deeper than a tree of n nodes can reach (n - 1 levels): the best
+    n - 1 candidates, and their ranks, are those of the full-depth draft."""
+    s = make_spec_scheduler(
+        peaky_model_dir,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=eagle3_head,
+        speculative_eagle_topk=3,
+        speculative_num_steps=5,
+        speculative_num_draft_tokens=12,
+    )
+    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=8)) for i, p in enumerate(prompts(3))]
+    for req in reqs:
+        s.add_request(req)
+    s.step()  # the prefill: the head's top-k after each prompt
+    drafter = s.worker.drafter
+    rows = torch.tensor([r.req_pool_idx for r in reqs])
+    seq_lens = torch.tensor([len(r.input_ids) for r in reqs])
+    roots = torch.tensor([r.output_ids[-1] for r in reqs])
+    full = drafter.draft(rows, seq_lens)
+    for n in (2, 3, 4, 6):
+        shallow = drafter.draft(rows, seq_lens, num_steps=n - 1)
+        assert shallow[0].shape[1] < full[0].shape[1] or n - 1 >= 5
+        a = select_eagle_trees(roots, *full, n)
+        b = select_eagle_trees(roots, *shallow, n)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        assert torch.equal(a.ranks, b.ranks)
+    while s.has_work:
+        s.step()

@@ -45,6 +45,21 @@ def pack_weight(weight: torch.Tensor, kernels: ModuleType | None) -> PackedWeigh
     return PackedWeight(kernels.pack_linear_weight(weight.detach()), weight.shape[0])
 
 
+def quantize_weight(
+    weight: torch.Tensor, kernels: ModuleType | None, gguf_type: str = "Q8_0"
+) -> PackedWeight | None:
+    """`weight` quantized to GGUF blocks of `gguf_type` by gguf's own quantizer and packed for
+    `kernels.gguf_linear`, or None where that kernel cannot serve it (no kernels, not on the
+    CPU, rows not a whole number of 32-weight blocks)."""
+    if kernels is None or weight.device.type != "cpu" or weight.shape[1] % 32:
+        return None
+    from gguf import GGMLQuantizationType, quants
+
+    blocks = quants.quantize(weight.detach().float().numpy(), GGMLQuantizationType[gguf_type])
+    data = kernels.pack_gguf_weight(torch.from_numpy(blocks), gguf_type, weight.shape[1])
+    return PackedWeight(data, weight.shape[0], gguf_type)
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -73,12 +88,14 @@ class Linear(nn.Linear):
     kernels: ModuleType | None = None
     packed: PackedWeight | None = None
 
-    def set_kernels(self, kernels: ModuleType | None) -> None:
-        """Serve matmuls through `kernels`, packing the weight for them unless a packed form
-        (GGUF blocks) is attached already."""
+    def set_kernels(self, kernels: ModuleType | None, quantize: str | None = None) -> None:
+        """Serve matmuls through `kernels`, packing the weight for them (quantized to GGUF
+        blocks of type `quantize` where given and possible) unless a packed form (GGUF
+        blocks) is attached already."""
         self.kernels = kernels
         if kernels is None or self.packed is None:
-            self.packed = pack_weight(self.weight, kernels)
+            packed = quantize_weight(self.weight, kernels, quantize) if quantize else None
+            self.packed = packed or pack_weight(self.weight, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.kernels, self.packed)

@@ -47,12 +47,14 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype), x
 
 
-def route_to_cpu_kernels(root: nn.Module, kernels: ModuleType | None) -> None:
+def route_to_cpu_kernels(
+    root: nn.Module, kernels: ModuleType | None, quantize: str | None = None
+) -> None:
     """Every `Linear` and `RMSNorm` under `root` uses `kernels` (None: plain PyTorch); the
-    Linears pack their weights for them."""
+    Linears pack their weights for them (as GGUF blocks of type `quantize` where given)."""
     for module in root.modules():
         if isinstance(module, Linear):
-            module.set_kernels(kernels)
+            module.set_kernels(kernels, quantize)
         elif isinstance(module, RMSNorm):
             module.kernels = kernels
 

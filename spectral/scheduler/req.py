@@ -70,6 +70,10 @@ class Req:
     ngram_state: Any = None
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    # The tree planner's view of this request: which drafter gives this round's tree, and the
+    # accepted drafts against what the shared statistics expected of its verified nodes.
+    spec_kind: str = ""
+    spec_expected_drafts: float = 0.0
     # Where a matched stop string starts in the decoded output text.
     stop_text_cut: int | None = None
     created_at: float = field(default_factory=time.perf_counter)

@@ -22,6 +22,7 @@ from spectral.scheduler.prefill import PrefillAdder, order_waiting
 from spectral.scheduler.req import FinishReason, Req
 from spectral.scheduler.schedule_batch import ScheduleBatch
 from spectral.speculative.ngram import NgramDrafter, NgramState
+from spectral.speculative.planner import HEAD, NGRAM, PlanInput, TreePlanner
 from spectral.speculative.settings import SpecSettings
 from spectral.worker.io import WorkerBatch, WorkerResult
 
@@ -136,6 +137,12 @@ class Scheduler:
                 min_ngram=spec.ngram_min_match,
                 max_ngram=spec.ngram_max_match,
             )
+        # Tree sizes from the worker's measured cost model (None: every request verifies
+        # the settings' tree, up to the speculation batch limit).
+        self.planner: TreePlanner | None = None
+        cost = getattr(worker, "cost_model", None)
+        if spec is not None and cost is not None and not spec.fixed_tree:
+            self.planner = TreePlanner(cost, spec.num_steps)
         self.max_running_requests = max_running_requests
         self.max_context_len = max_context_len
         self.max_prefill_tokens = max_prefill_tokens
@@ -196,6 +203,27 @@ class Scheduler:
         self.kv.tree.reset()
         return True
 
+    def info(self) -> dict:
+        """What /get_server_info reports of the scheduler: memory, queues, counters, and with
+        speculation its cost model, acceptance by rank, the last plan and predicted against
+        measured gains."""
+        out = {
+            "memory": self.kv.memory(),
+            "requests": {
+                "running": len(self.running) + (1 if self.chunked else 0),
+                "waiting": len(self.waiting),
+            },
+            "stats": self.stats.to_dict(),
+        }
+        if self.spec is not None:
+            out["speculative"] = {
+                "algorithm": self.spec.algorithm,
+                "tree_policy": "fixed" if self.planner is None else "planned",
+                "max_tree_nodes": self.spec.num_draft_tokens,
+                **(self.planner.to_dict() if self.planner is not None else {}),
+            }
+        return out
+
     def max_output(self, req: Req) -> int:
         return min(req.sampling_params.max_new_tokens, self.max_context_len - len(req.input_ids))
 
@@ -223,7 +251,10 @@ class Scheduler:
         draft_next = self.spec is not None and self.spec.uses_draft_head
         stale = [req.table_stale_from for req in batch.reqs]
         try:
+            started = time.perf_counter()
             result = self.worker.forward(batch.to_worker_batch(banned, draft_next))
+            if self.planner is not None and batch.mode != ForwardMode.EXTEND:
+                self.planner.record_step(batch.mode, len(batch.reqs), time.perf_counter() - started)
         except WorkerLostError:
             raise
         except Exception as err:
@@ -337,36 +368,58 @@ class Scheduler:
 
     def _verify_batch(self) -> ScheduleBatch | None:
         """A speculative round: each running request gets one slot per tree node (the root
-        is its newest token). A request's tree ends before its context does; when the pool
-        cannot hold every tree, requests are retracted as for decode, and a last request
-        verifies its root alone. With a draft head, a request whose n-gram drafter matches
+        is its newest token). With a draft head, a request whose n-gram drafter matches
         (hybrid) takes the n-gram tree (merged: with the head's, slots for both) and the
-        others the head's; NGRAM alone returns None when it has nothing for anyone (a plain
-        decode step is cheaper than a round of roots)."""
+        others the head's. The planner sizes each tree from the cost model (returning None
+        where a plain decode step is expected to do better); without it every tree has the
+        settings' size. A request's tree ends before its context does; when the pool cannot
+        hold every tree, requests are retracted as for decode, and a last request verifies its
+        root alone. NGRAM alone returns None when it has nothing for anyone (a plain decode
+        step is cheaper than a round of roots)."""
         spec = self.spec
         kv = self.kv
-        sizes = {}
+        inputs: list[PlanInput] = []
         for req in self.running:
             room = self.max_context_len - req.seq_len
-            size = spec.num_draft_tokens
+            size, kind = spec.num_draft_tokens, HEAD
             if self.ngram is not None:
                 if req.ngram_state is None:
                     req.ngram_state = NgramState()
                 tokens, parents = self.ngram.propose(req.all_ids, req.ngram_state)
                 if tokens or not spec.uses_draft_head:
                     size = (size if spec.hybrid_merge else 1) + len(tokens)
+                    kind = NGRAM
                     req.draft_tokens, req.draft_parents = tokens[: room - 1], parents[: room - 1]
-            sizes[req.rid] = min(size, room)
-        if not spec.uses_draft_head and all(size == 1 for size in sizes.values()):
-            return None
-        while kv.available < sum(sizes[r.rid] for r in self.running) and len(self.running) > 1:
-            self._retract_one()
-        if kv.available < sum(sizes[r.rid] for r in self.running):
+            req.spec_kind = kind
+            inputs.append(
+                PlanInput(kind, min(size, room), req.spec_accepted_tokens, req.spec_expected_drafts)
+            )
+        if self.planner is not None:
+            plan = self.planner.plan(inputs)
+            sizes = plan.nodes
+        else:
+            plan, sizes = None, [p.max_nodes for p in inputs]
+        if (plan is not None and not plan.speculate) or (
+            not spec.uses_draft_head and all(size == 1 for size in sizes)
+        ):
             for req in self.running:
-                sizes[req.rid] = 1
+                req.draft_tokens = req.draft_parents = None
+            return None
+        for req, size in zip(self.running, sizes):
+            if req.draft_tokens is not None:
+                req.draft_tokens = req.draft_tokens[: size - 1]
+                req.draft_parents = req.draft_parents[: size - 1]
+        sizes_of = {req.rid: size for req, size in zip(self.running, sizes)}
+        while kv.available < sum(sizes_of[r.rid] for r in self.running) and len(self.running) > 1:
+            self._retract_one()
+        if kv.available < sum(sizes_of[r.rid] for r in self.running):
+            for req in self.running:
+                sizes_of[req.rid] = 1
                 req.draft_tokens, req.draft_parents = [], []
         for req in self.running:
-            req.spec_slots = kv.alloc_slots(sizes[req.rid])
+            req.spec_slots = kv.alloc_slots(sizes_of[req.rid])
+        if self.planner is not None:
+            self.planner.record_plan(plan, [sizes_of[r.rid] for r in self.running])
         self.stats.decode_steps += 1
         self.new_token_ratio = max(
             MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
@@ -463,6 +516,12 @@ class Scheduler:
             if reason is not None:
                 break
         slots, req.spec_slots = req.spec_slots, []
+        if self.planner is not None and result.node_ranks:
+            ranks = result.node_ranks[i]
+            path = [ranks[node] for node in result.accepted_nodes[i][1:]]
+            req.spec_expected_drafts += self.planner.observe(
+                req.spec_kind, len(slots) - 1, path, result.draft_probs[i]
+            )
         kept = [slots[node] for node in result.accepted_nodes[i][:appended]]
         req.kv_slots.extend(kept)
         kept_set = set(kept)

@@ -55,6 +55,22 @@ class Metrics:
             registry=r,
         )
 
+        self.spec_tree_nodes = Gauge(
+            "spectral:spec_tree_nodes",
+            "Tree nodes verified per request and round (root included), averaged since start",
+            registry=r,
+        )
+        self.spec_predicted_gain = Gauge(
+            "spectral:spec_predicted_gain",
+            "Speculative rounds' tokens/s over plain decoding's, as the tree planner predicted",
+            registry=r,
+        )
+        self.spec_measured_gain = Gauge(
+            "spectral:spec_measured_gain",
+            "Speculative rounds' tokens/s over plain decoding's, as measured",
+            registry=r,
+        )
+
     def observe_tokens(self, new_tokens: int, since_last: float, first: bool) -> None:
         if first:
             self.ttft.observe(since_last)
@@ -82,4 +98,8 @@ class Metrics:
         looked_up = stats["cached_tokens"] + stats["prefill_tokens"]
         self.cache_hit_rate.set(stats["cached_tokens"] / looked_up if looked_up else 0.0)
         self.spec_accept_length.set(stats.get("spec_accept_length", 0.0))
+        rounds = server_info.get("speculative", {}).get("rounds", {})
+        self.spec_tree_nodes.set(rounds.get("tree_nodes_per_request", 0.0))
+        self.spec_predicted_gain.set(rounds.get("predicted_gain", 0.0))
+        self.spec_measured_gain.set(rounds.get("measured_gain", 0.0))
         return generate_latest(self.registry)

@@ -125,14 +125,7 @@ class SchedulerProcess:
         if name == "flush_cache":
             return {"success": s.flush_cache()}
         if name == "server_info":
-            return {
-                "memory": s.kv.memory(),
-                "requests": {
-                    "running": len(s.running) + (1 if s.chunked else 0),
-                    "waiting": len(s.waiting),
-                },
-                "stats": s.stats.to_dict(),
-            }
+            return s.info()
         return {"error": f"unknown control call {name!r}"}
 
     def _emit(self, reqs: list[Req]) -> None:

@@ -122,23 +122,26 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def draft(
-        self, rows: torch.Tensor, seq_lens: torch.Tensor
+        self, rows: torch.Tensor, seq_lens: torch.Tensor, num_steps: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expand a tree below each request's last verified token (at position seq_len) for
-        `num_steps` levels, keeping the best `topk` nodes per level (EAGLE-2).
+        `num_steps` levels (default: the drafter's), keeping the best `topk` nodes per level
+        (EAGLE-2). The first levels are the same whatever the depth, so a tree of n nodes needs
+        no more than n - 1 of them.
 
         Returns candidates as (cumulative log-prob [B, C], target token [B, C], parent candidate
         index or -1 for children of the root [B, C]) with C = k + (num_steps - 1) k², laid out
         level by level, so parents have lower indices than their children.
         """
         self._refresh(rows)
+        steps = self.num_steps if num_steps is None else max(1, min(num_steps, self.num_steps))
         k = self.topk
         B = rows.shape[0]
         device = rows.device
         scores = [self.topk_logprobs[rows]]
         tokens = [self.topk_ids[rows]]
         parents = [torch.full((B, k), -1, dtype=torch.int64, device=device)]
-        if self.num_steps == 1:
+        if steps == 1:
             return scores[0], tokens[0], parents[0]
 
         frontier_tokens = tokens[0]
@@ -150,7 +153,7 @@ class EagleDrafter:
         tree_v: list[torch.Tensor] = []
         ancestors = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
         base = k
-        for step in range(1, self.num_steps):
+        for step in range(1, steps):
             positions = (seq_lens + step - 1)[:, None].expand(B, k).reshape(-1)
             mask = torch.cat((prefix_visible[:, None, :].expand(B, k, -1), ancestors), dim=-1)
 
@@ -170,7 +173,7 @@ class EagleDrafter:
             scores.append(cumulative)
             tokens.append(child_ids)
             parents.append(frontier_ids[:, :, None].expand(B, k, k).reshape(B, k * k))
-            if step == self.num_steps - 1:
+            if step == steps - 1:
                 break
             chosen = cumulative.topk(k, dim=-1).indices  # next frontier, [B, k]
             parent_slot = chosen // k

@@ -210,9 +210,11 @@ class DraftHead(nn.Module):
     def layer(self) -> DraftLayer:
         return self.midlayer if self.cfg.kind == "eagle3" else self.layers[0]
 
-    def set_cpu_kernels(self, kernels: ModuleType | None) -> None:
-        """Small matmuls and norms through spectral's CPU kernels (inference only)."""
-        route_to_cpu_kernels(self, kernels)
+    def set_cpu_kernels(self, kernels: ModuleType | None, quantize: str | None = None) -> None:
+        """Small matmuls and norms through spectral's CPU kernels (inference only), the
+        weights quantized to GGUF blocks of type `quantize` where given (a draft only proposes:
+        verification keeps the output the target's)."""
+        route_to_cpu_kernels(self, kernels, quantize)
 
     def set_target(
         self,

@@ -18,11 +18,13 @@ DEFAULTS = {"EAGLE": (3, 2, 4), "EAGLE3": (3, 2, 4), "NGRAM": (3, 1, 4)}
 # right too rarely to pay for their verification).
 DEFAULT_NGRAM_MIN_MATCH = 2
 DEFAULT_NGRAM_MAX_MATCH = 4
-# Above this many running requests a round costs more than it gains: on a 2-core CPU the
-# verify forward of several requests' trees is compute-bound (bench/spec.py measured 0.54x at
-# batch 4 with the shipped head). Decode plainly there; the head keeps its KV, so speculation
-# resumes when the batch shrinks.
-DEFAULT_MAX_BATCH_SIZE = 1
+# With fixed trees (--speculative-fixed-tree), above this many running requests a round costs
+# more than it gains: on a 2-core CPU the verify forward of several requests' trees is
+# compute-bound (bench/spec.py measured 0.54x at batch 4 with the shipped head). Decode plainly
+# there; the head keeps its KV, so speculation resumes when the batch shrinks. The planner
+# needs no such limit: it sizes trees (or none) from the cost model at every batch size.
+DEFAULT_FIXED_MAX_BATCH_SIZE = 1
+NO_LIMIT = 1 << 30
 # EAGLE/EAGLE3: n-gram trees of up to this many tokens where the request's last tokens repeat
 # earlier ones (0: the head drafts every round). bench/spec.py, 80 MT-Bench first turns at
 # batch 1 with the shipped head: τ 2.25 and 1.31x plain decoding, against 2.03 and 1.21x with
@@ -45,6 +47,11 @@ class SpecSettings:
     hybrid_ngram: int = 0
     # the n-gram tree joins the head's tree (one tree, their union) instead of replacing it
     hybrid_merge: bool = False
+    # every request verifies num_draft_tokens nodes (no planner), and a cost model given by hand
+    fixed_tree: bool = False
+    cost_model_path: str | None = None
+    # GGUF block type the draft head's weights are quantized to for the CPU kernels, or None
+    draft_quantization: str | None = "Q8_0"
 
     @property
     def uses_draft_head(self) -> bool:
@@ -106,9 +113,11 @@ class SpecSettings:
                     f"speculative_num_draft_tokens {tokens} exceeds what {steps} steps of "
                     f"top-{topk} can draft ({most} with the root)"
                 )
+        # Merged trees are sized by hand: the planner learns acceptance of one drafter's tree.
+        fixed = args.speculative_fixed_tree or args.speculative_hybrid_merge
         max_batch = args.speculative_max_batch_size
         if max_batch is None:
-            max_batch = DEFAULT_MAX_BATCH_SIZE
+            max_batch = DEFAULT_FIXED_MAX_BATCH_SIZE if fixed else NO_LIMIT
         if max_batch < 0:
             raise ValueError(f"speculative_max_batch_size must be >= 0 (got {max_batch})")
         ngram_min = args.speculative_ngram_min_match_window_size or DEFAULT_NGRAM_MIN_MATCH
@@ -139,4 +148,27 @@ class SpecSettings:
                 "--speculative-hybrid-merge joins n-gram trees to the head's: it needs "
                 "EAGLE or EAGLE3 with --speculative-hybrid-ngram >= 2"
             )
-        return cls(algo, steps, topk, tokens, path, max_batch, ngram_min, ngram_max, hybrid, merge)
+        cost_path = args.speculative_cost_model
+        if cost_path is not None and fixed:
+            raise ValueError(
+                "--speculative-cost-model sizes trees by the planner; it does not go with "
+                "--speculative-fixed-tree or --speculative-hybrid-merge (sized by hand)"
+            )
+        quant = (args.speculative_draft_quantization or "none").lower()
+        if quant not in ("q8_0", "none"):
+            raise ValueError(f"speculative_draft_quantization must be q8_0 or none (got {quant!r})")
+        return cls(
+            algo,
+            steps,
+            topk,
+            tokens,
+            path,
+            max_batch,
+            ngram_min,
+            ngram_max,
+            hybrid,
+            merge,
+            fixed,
+            cost_path,
+            None if quant == "none" else quant.upper(),
+        )

@@ -26,6 +26,9 @@ class DraftTrees:
     next_token: torch.Tensor  # [B, n] int64; first (lowest-index) child, or -1
     next_sibling: torch.Tensor  # [B, n] int64; next higher-index node with the same parent, or -1
     num_nodes: list[int]  # real nodes per tree (root included, <= n)
+    # [B, n] int64: each non-root node's rank in its tree by the drafter's confidence (0 the
+    # best; the best r nodes form a tree); -1 for the root and padding
+    ranks: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -36,9 +39,15 @@ class DraftTrees:
         return self.tokens.shape[1]
 
 
-def _assemble(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: list[int]) -> DraftTrees:
+def _assemble(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: list[int],
+    ranks: torch.Tensor | None = None,
+) -> DraftTrees:
     """Derive depths, mask and the child/sibling links from `parents` [B, n], which must
-    already satisfy the layout (parents[b, j] < j for real nodes, -1 for root and padding)."""
+    already satisfy the layout (parents[b, j] < j for real nodes, -1 for root and padding).
+    Without `ranks`, nodes rank in their order."""
     B, n = parents.shape
     batch = torch.arange(B)
     mask = torch.zeros((B, n, n), dtype=torch.bool)
@@ -61,6 +70,9 @@ def _assemble(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: list[int])
         & (index[None, :] > index[:, None])
     )
     sibling = torch.where(later_sibling, index, no_node).min(dim=-1).values
+    if ranks is None:
+        real = index[None, :] < torch.tensor(num_nodes)[:, None]
+        ranks = torch.where(real & (index[None, :] > 0), index[None, :] - 1, -1)
     return DraftTrees(
         tokens=tokens,
         parents=parents,
@@ -69,6 +81,7 @@ def _assemble(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: list[int])
         next_token=torch.where(first_child == n, -1, first_child),
         next_sibling=torch.where(sibling == n, -1, sibling),
         num_nodes=num_nodes,
+        ranks=ranks,
     )
 
 
@@ -151,42 +164,51 @@ def select_eagle_trees(
     scores: torch.Tensor,
     tokens: torch.Tensor,
     parent_candidates: torch.Tensor,
-    n: int,
+    n: int | list[int],
 ) -> DraftTrees:
-    """EAGLE-2 rerank: keep each request's n - 1 best draft candidates as a tree.
+    """EAGLE-2 rerank: keep each request's n - 1 best draft candidates as a tree (`n` one size
+    for all, or one per request; the trees are padded to the largest).
 
     `scores`, `tokens`, `parent_candidates` are [B, C]: a candidate's cumulative log-prob, its
     token, and the index of its parent candidate (-1 for children of the root), always lower
     than its own index. The n - 1 highest scores win; NaN counts as -inf and ties go to the
     lower candidate index, so a parent scoring the same as its child is picked first. Picked
-    candidates keep their candidate order (parents before children). A picked candidate whose
-    parent was not picked (possible only when scores grow along a path, or with -inf/NaN) is
-    dropped with its descendants, and its slot becomes padding. Inputs may live on any device;
-    the trees are on the CPU.
+    candidates keep their candidate order (parents before children) and rank by score. A
+    picked candidate whose parent was not picked (possible only when scores grow along a path,
+    or with -inf/NaN) is dropped with its descendants, and its slot becomes padding. Inputs may
+    live on any device; the trees are on the CPU.
     """
-    if n < 1:
+    sizes = [n] * scores.shape[0] if isinstance(n, int) else list(n)
+    if not sizes or min(sizes) < 1:
         raise ValueError(f"num_draft_tokens must be >= 1 (got {n})")
     scores = scores.detach().float().cpu()
     tokens = tokens.cpu().to(torch.int64)
     parent_candidates = parent_candidates.cpu().to(torch.int64)
     root_tokens = root_tokens.cpu().to(torch.int64)
     B, C = scores.shape
-    if tokens.shape != (B, C) or parent_candidates.shape != (B, C):
+    if tokens.shape != (B, C) or parent_candidates.shape != (B, C) or len(sizes) != B:
         raise ValueError(
-            f"scores, tokens and parent_candidates must share one shape [B, C] (got "
-            f"{tuple(scores.shape)}, {tuple(tokens.shape)}, {tuple(parent_candidates.shape)})"
+            f"scores, tokens and parent_candidates must share one shape [B, C], with one tree "
+            f"size per request (got {tuple(scores.shape)}, {tuple(tokens.shape)}, "
+            f"{tuple(parent_candidates.shape)} and {len(sizes)} sizes)"
         )
     own = torch.arange(C)
     if ((parent_candidates < -1) | (parent_candidates >= own)).any():
         raise ValueError("every parent candidate must be -1 or an index below the candidate's")
 
-    m = min(n - 1, C)
+    wanted = torch.tensor([min(size - 1, C) for size in sizes])
+    m = int(wanted.max())
     scores = torch.where(scores.isnan(), float("-inf"), scores)
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices
-    picked = order[:, :m].sort(dim=1).values  # [B, m] candidate indices, ascending
-    row_of = torch.full((B, C), -1, dtype=torch.int64)  # tree row of each picked candidate
+    rank_of = torch.empty_like(order)
+    rank_of.scatter_(1, order, own.expand(B, C).contiguous())
+    # Each request's best wanted[b] candidates in candidate order; C marks an empty place.
+    top = torch.where(torch.arange(m)[None, :] < wanted[:, None], order[:, :m], C)
+    picked = top.sort(dim=1).values  # [B, m]
+    real = picked < C
+    row_of = torch.full((B, C + 1), -1, dtype=torch.int64)  # tree row of each picked candidate
     row_of.scatter_(1, picked, torch.arange(1, m + 1).expand(B, m).contiguous())
-    parent_cand = parent_candidates.gather(1, picked)
+    parent_cand = parent_candidates.gather(1, picked.clamp(max=C - 1))
     parent_row = torch.where(
         parent_cand < 0, 0, row_of.gather(1, parent_cand.clamp(min=0))
     )  # -1 where the parent was not picked
@@ -198,22 +220,28 @@ def select_eagle_trees(
     alive[:, 0] = True
     for i in range(m):
         parent = parent_row[:, i]
-        alive[:, i + 1] = (parent >= 0) & alive[batch, parent.clamp(min=0)]
+        alive[:, i + 1] = real[:, i] & (parent >= 0) & alive[batch, parent.clamp(min=0)]
     survivors = alive[:, 1:]
     # Compact the survivors to the front: new row of old row r is 1 + survivors before it.
     new_row = torch.zeros((B, m + 1), dtype=torch.int64)
     new_row[:, 1:] = survivors.cumsum(dim=1)
     new_parent = new_row.gather(1, parent_row.clamp(min=0))
+    # Survivors' ranks among themselves: by their rank among all candidates.
+    score_rank = torch.where(survivors, rank_of.gather(1, picked.clamp(max=C - 1)), C)
+    own_rank = score_rank.argsort(dim=1, stable=True).argsort(dim=1)
 
-    out_tokens = torch.zeros((B, n), dtype=torch.int64)
-    out_parents = torch.full((B, n), -1, dtype=torch.int64)
+    width = max(sizes)
+    out_tokens = torch.zeros((B, width), dtype=torch.int64)
+    out_parents = torch.full((B, width), -1, dtype=torch.int64)
+    out_ranks = torch.full((B, width), -1, dtype=torch.int64)
     out_tokens[:, 0] = root_tokens
     rows_b = batch[:, None].expand(B, m)[survivors]
     rows_j = new_row[:, 1:][survivors]
-    out_tokens[rows_b, rows_j] = tokens.gather(1, picked)[survivors]
+    out_tokens[rows_b, rows_j] = tokens.gather(1, picked.clamp(max=C - 1))[survivors]
     out_parents[rows_b, rows_j] = new_parent[survivors]
+    out_ranks[rows_b, rows_j] = own_rank[survivors]
     num_nodes = (1 + survivors.sum(dim=1)).tolist()
-    return _assemble(out_tokens, out_parents, num_nodes)
+    return _assemble(out_tokens, out_parents, num_nodes, out_ranks)
 
 
 def tree_positions(trees: DraftTrees, seq_lens: torch.Tensor) -> torch.Tensor:

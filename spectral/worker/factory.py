@@ -36,7 +36,7 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
     if args.quantization == "gguf" and gguf_file is None:
         raise ValueError(f"--quantization gguf needs a GGUF model ({args.model_path} is not one)")
     worker = ModelWorker(
-        model_files_dir(args.model_path, args.model_cache_dir),
+        worker_model_dir(args),
         gguf_file=str(gguf_file) if gguf_file is not None else None,
         gguf_native=args.quantization != "none",
         dtype=dtype,
@@ -68,13 +68,50 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
             device=device,
         )
         head.set_target(worker.model.embed, worker.model.compute_logits)
-        head.set_cpu_kernels(worker.model.kernels)
+        head.set_cpu_kernels(worker.model.kernels, spec.draft_quantization)
         drafter = EagleDrafter(
             head, worker.num_kv_slots, worker.req_to_token, spec.topk, spec.num_steps, dtype, device
         )
-    return SpeculativeWorker(
+    spec_worker = SpeculativeWorker(
         worker,
         drafter,
         head_tree_size=spec.num_draft_tokens if drafter is not None else None,
         merge_given_trees=spec.hybrid_merge,
     )
+    if not spec.fixed_tree:
+        from spectral.kernels.cpu_kernels import cpu_signature
+        from spectral.speculative.cost_model import load_or_measure
+
+        parts = {
+            "machine": cpu_signature(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "model": str(Path(worker_model_dir(args)).resolve()),
+            "gguf": _file_stamp(gguf_file),
+            "quantization": args.quantization,
+            "dtype": str(dtype),
+            "device": device,
+            "cpu_kernels": not args.disable_cpu_kernels,
+            "attention": args.attention_backend,
+            "algorithm": spec.algorithm,
+            "head": _file_stamp(resolve_draft_path(spec.draft_model_path))
+            if spec.uses_draft_head
+            else None,
+            "tree": [spec.num_steps, spec.topk],
+            "draft_quantization": spec.draft_quantization,
+        }
+        spec_worker.cost_model = load_or_measure(spec_worker, parts, spec.cost_model_path)
+    return spec_worker
+
+
+def worker_model_dir(args: ServerArgs) -> str:
+    return model_files_dir(args.model_path, args.model_cache_dir)
+
+
+def _file_stamp(path: str | Path | None) -> list | None:
+    """A file's (or a directory's files') path, size and modification time."""
+    if path is None:
+        return None
+    path = Path(path)
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]

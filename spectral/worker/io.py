@@ -72,3 +72,8 @@ class WorkerResult:
     emitted_ids: list[list[int]] = field(default_factory=list)
     emitted_logprobs: list[list[float] | None] = field(default_factory=list)
     emitted_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
+    # TARGET_VERIFY: per request, each node's rank by the drafter's confidence (-1 the root),
+    # and where the head drafted, its candidates' probabilities, best first (the tree planner
+    # learns acceptance by rank from them).
+    node_ranks: list[list[int]] = field(default_factory=list)
+    draft_probs: list[list[float] | None] = field(default_factory=list)

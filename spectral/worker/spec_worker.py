@@ -23,7 +23,9 @@ import dataclasses
 import torch
 
 from spectral.forward import ForwardBatch, ForwardMode
+from spectral.speculative.cost_model import CostModel
 from spectral.speculative.eagle_drafter import EagleDrafter, shifted_draft_batch
+from spectral.speculative.planner import probabilities
 from spectral.speculative.tree import (
     DraftTrees,
     merge_tree_nodes,
@@ -52,6 +54,9 @@ class SpeculativeWorker:
         self.merge_given_trees = merge_given_trees
         self.config = target.config
         self.num_kv_slots = target.num_kv_slots
+        # What rounds cost here (the factory measures it, or reads it from the cache); the
+        # scheduler's tree planner sizes trees by it. None: trees of fixed size.
+        self.cost_model: CostModel | None = None
 
     def forward(self, wb: WorkerBatch) -> WorkerResult:
         if wb.mode == ForwardMode.TARGET_VERIFY:
@@ -84,7 +89,7 @@ class SpeculativeWorker:
         sizes = list(wb.extend_lens)
         seq_lens = torch.tensor(wb.prefix_lens)
         rows = torch.tensor(wb.req_pool_indices)
-        trees = self._trees(wb, rows, seq_lens, sizes)
+        trees, probs = self._trees(wb, rows, seq_lens, sizes)
         token_ids: list[int] = []
         positions: list[int] = []
         mask: list[bool] = []
@@ -126,38 +131,56 @@ class SpeculativeWorker:
             )
             features = self._features(hidden, captured)[kept_rows_t.to(hidden.device)]
             self.drafter.extend(draft_batch, features)
-        return self._result(verdict, logits, offsets, wb.sampling)
+        result = self._result(verdict, logits, offsets, wb.sampling)
+        result.node_ranks = [trees.ranks[b, :n].tolist() for b, n in enumerate(sizes)]
+        result.draft_probs = probs
+        return result
 
     def _trees(
         self, wb: WorkerBatch, rows: torch.Tensor, seq_lens: torch.Tensor, sizes: list[int]
-    ) -> DraftTrees:
-        """Each request's tree: the one the batch gives (n-gram), else the head's; with
-        `merge_given_trees`, the union of both where one is given."""
+    ) -> tuple[DraftTrees, list[list[float] | None]]:
+        """Each request's tree: the one the batch gives (n-gram), else the head's best
+        `sizes[b]` nodes (a request of size 1 verifies its root alone and is not drafted for);
+        with `merge_given_trees`, the union of both where one is given. Also, per request the
+        head drafted for, its candidates' probabilities, best first."""
         n = max(sizes)
         B = len(sizes)
         node_tokens = list(wb.draft_tokens or [None] * B)
         node_parents = list(wb.draft_parents or [None] * B)
         given = [toks is not None for toks in node_tokens]
-        drafted = [b for b in range(B) if self.merge_given_trees or not given[b]]
+        drafted = [b for b in range(B) if (self.merge_given_trees or not given[b]) and sizes[b] > 1]
+        probs: list[list[float] | None] = [None] * B
+        head_ranks: dict[int, torch.Tensor] = {}
         if drafted:
             if self.drafter is None:
                 raise ValueError("a TARGET_VERIFY batch without draft trees needs a draft head")
             index = torch.tensor(drafted)
-            scores, tokens, parents = self.drafter.draft(rows[index], seq_lens[index])
+            head_n = [(self.head_tree_size or n) if given[b] else sizes[b] for b in drafted]
+            # A tree of n nodes is at most n - 1 deep: deeper levels would not be kept.
+            scores, tokens, parents = self.drafter.draft(
+                rows[index], seq_lens[index], num_steps=max(head_n) - 1
+            )
             roots = torch.tensor(wb.input_ids)[index]
-            head_n = self.head_tree_size or n
             trees = select_eagle_trees(roots, scores, tokens, parents, head_n)
-            if len(drafted) == B and min(sizes) == n == head_n and not any(given):
-                return trees
-            # A request near the end of its context takes the first nodes only (parents come
-            # first, so any prefix of the node list is a tree).
+            for i, b in enumerate(drafted):
+                probs[b] = probabilities(scores[i].tolist())
+            if len(drafted) == B and trees.num_draft_tokens == n and not any(given):
+                return trees, probs
             for i, b in enumerate(drafted):
                 toks = trees.tokens[i, 1 : trees.num_nodes[i]].tolist()
                 pars = trees.parents[i, 1 : trees.num_nodes[i]].tolist()
                 if given[b]:
                     toks, pars = merge_tree_nodes(toks, pars, node_tokens[b], node_parents[b])
+                else:
+                    head_ranks[b] = trees.ranks[i, : trees.num_nodes[i]]
                 node_tokens[b], node_parents[b] = toks[: sizes[b] - 1], pars[: sizes[b] - 1]
-        return trees_from_parents(wb.input_ids, node_tokens, node_parents, n)
+        for b in range(B):
+            if node_tokens[b] is None:  # the head drafts nothing for a root alone
+                node_tokens[b], node_parents[b] = [], []
+        out = trees_from_parents(wb.input_ids, node_tokens, node_parents, n)
+        for b, ranks in head_ranks.items():
+            out.ranks[b, : ranks.numel()] = ranks
+        return out, probs
 
     def _verify(
         self,

@@ -2,7 +2,8 @@
 // (float32 arithmetic inside, results cast to the tensor dtype):
 //   add_rms_norm: optional residual add, then RMSNorm (transformers' order of operations)
 //   rotary_inplace: rotate-half rotary embedding of q and k, in place
-//   decode_attention: one query per request over its KV slots, grouped-query heads
+//   decode_attention: one query per row over its KV slots, grouped-query heads (the rows of
+//   one verified tree read their shared prefix once)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -115,48 +116,171 @@ inline void axpy_head(float p, const T* v, float* acc, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += p * load(v, d);
 }
 
+#if defined(SPECTRAL_VEC)
+using spectral_cpu::Vec;
+
+// e^x in every lane: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by Cephes' degree-6
+// polynomial, times 2^n built in the exponent bits. Within 2 ulp of std::exp where the result
+// is a normal float; x is clamped to [-87.3, 88.0], so far-below values give ~1e-38, not 0.
+inline Vec::R exp_vec(Vec::R x) {
+#if SPECTRAL_VEC == 512
+  using I = __m512i;
+  x = _mm512_max_ps(_mm512_min_ps(x, Vec::set1(88.0f)), Vec::set1(-87.3f));
+  const Vec::R n = _mm512_roundscale_ps(_mm512_mul_ps(x, Vec::set1(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  auto mul = [](Vec::R a, Vec::R b) { return _mm512_mul_ps(a, b); };
+  auto fnma = [](Vec::R a, Vec::R b, Vec::R c) { return _mm512_fnmadd_ps(a, b, c); };
+  auto scale = [](Vec::R v) {
+    const I e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(127)), 23);
+    return _mm512_castsi512_ps(e);
+  };
+#else
+  using I = __m256i;
+  x = _mm256_max_ps(_mm256_min_ps(x, Vec::set1(88.0f)), Vec::set1(-87.3f));
+  const Vec::R n = _mm256_round_ps(_mm256_mul_ps(x, Vec::set1(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  auto mul = [](Vec::R a, Vec::R b) { return _mm256_mul_ps(a, b); };
+  auto fnma = [](Vec::R a, Vec::R b, Vec::R c) { return _mm256_fnmadd_ps(a, b, c); };
+  auto scale = [](Vec::R v) {
+    const I e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(127)), 23);
+    return _mm256_castsi256_ps(e);
+  };
+#endif
+  Vec::R r = fnma(n, Vec::set1(0.693359375f), x);
+  r = fnma(n, Vec::set1(-2.12194440e-4f), r);
+  Vec::R p = Vec::set1(1.9875691500e-4f);
+  p = Vec::fma(p, r, Vec::set1(1.3981999507e-3f));
+  p = Vec::fma(p, r, Vec::set1(8.3334519073e-3f));
+  p = Vec::fma(p, r, Vec::set1(4.1665795894e-2f));
+  p = Vec::fma(p, r, Vec::set1(1.6666665459e-1f));
+  p = Vec::fma(p, r, Vec::set1(5.0000001201e-1f));
+  p = Vec::fma(p, mul(r, r), Vec::add(r, Vec::set1(1.f)));
+  return mul(p, scale(n));
+}
+#endif
+
+// scores[0..len) <- softmax(scores[0..len)), in place.
+inline void softmax_inplace(float* s, int64_t len) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < len; ++l) mx = std::max(mx, s[l]);
+  float total = 0.f;
+  int64_t l = 0;
+#if defined(SPECTRAL_VEC)
+  using spectral_cpu::Vec;
+  const Vec::R neg_max = Vec::set1(-mx);
+  Vec::R sum = Vec::zero();
+  for (; l + Vec::kWidth <= len; l += Vec::kWidth) {
+    const Vec::R e = exp_vec(Vec::add(Vec::load(s + l), neg_max));
+    Vec::store(s + l, e);
+    sum = Vec::add(sum, e);
+  }
+  total = Vec::reduce(sum);
+#endif
+  for (; l < len; ++l) {
+    s[l] = std::exp(s[l] - mx);
+    total += s[l];
+  }
+  const float inv = 1.f / total;
+  for (l = 0; l < len; ++l) s[l] *= inv;
+}
+
+// out[0..dim) = sum over l of p[l] * v(row l), the rows given by slot; sums in registers.
+template <typename T>
+inline void weighted_values(const float* p, const T* vbuf, const int64_t* idx, int64_t len,
+                            int64_t row_stride, int64_t dim, float* acc) {
+#if defined(SPECTRAL_VEC)
+  using spectral_cpu::Vec;
+  constexpr int kMaxVecs = 8;
+  if (dim % Vec::kWidth == 0 && dim / Vec::kWidth <= kMaxVecs) {
+    const int vecs = static_cast<int>(dim / Vec::kWidth);
+    Vec::R a[kMaxVecs];
+    for (int j = 0; j < vecs; ++j) a[j] = Vec::zero();
+    for (int64_t l = 0; l < len; ++l) {
+      if (l + kPrefetch < len) prefetch_head(vbuf + idx[l + kPrefetch] * row_stride, dim);
+      const T* v = vbuf + idx[l] * row_stride;
+      const Vec::R pl = Vec::set1(p[l]);
+      for (int j = 0; j < vecs; ++j) a[j] = Vec::fma(pl, spectral_cpu::load(v + j * Vec::kWidth), a[j]);
+    }
+    for (int j = 0; j < vecs; ++j) Vec::store(acc + j * Vec::kWidth, a[j]);
+    return;
+  }
+#endif
+  std::fill(acc, acc + dim, 0.f);
+  for (int64_t l = 0; l < len; ++l) axpy_head(p[l], vbuf + idx[l] * row_stride, acc, dim);
+}
+
+// Rows of one tree share their request's prefix: in a verify batch, consecutive rows whose slot
+// lists start alike form a group (at most kGroupRows rows, for balance over threads), and each
+// key of the shared part is read once for all of the group's queries.
+constexpr int64_t kGroupRows = 8;
+constexpr int64_t kMinShared = 16;
+
 template <typename T>
 void decode_attention_impl(const T* q, const T* kbuf, const T* vbuf, const int64_t* kv_indices,
                            const int64_t* seq_lens, T* out, int64_t batch, int64_t heads,
                            int64_t kv_heads, int64_t dim, int64_t max_len, int64_t q_stride,
                            double scale) {
-  const int64_t group = heads / kv_heads;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> qf(group * dim), scores, acc(group * dim);
-    for (int64_t bk = a; bk < b; ++bk) {
-      const int64_t bi = bk / kv_heads, kh = bk % kv_heads;
-      const int64_t len = seq_lens[bi];
-      const int64_t* idx = kv_indices + bi * max_len;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < dim; ++d)
-          qf[g * dim + d] =
-              load(q, bi * q_stride + (kh * group + g) * dim + d) * static_cast<float>(scale);
-      scores.assign(group * len, 0.f);
-      for (int64_t l = 0; l < len; ++l) {
-        if (l + kPrefetch < len) prefetch_head(kbuf + (idx[l + kPrefetch] * kv_heads + kh) * dim, dim);
-        const T* krow = kbuf + (idx[l] * kv_heads + kh) * dim;
-        for (int64_t g = 0; g < group; ++g) scores[g * len + l] = dot_head(qf.data() + g * dim, krow, dim);
+  const int64_t group = heads / kv_heads, row_stride = kv_heads * dim;
+  // Groups of rows [start, end) and the keys all of them share.
+  std::vector<int64_t> starts, shared;
+  for (int64_t r = 0; r < batch;) {
+    int64_t end = r + 1, common = seq_lens[r];
+    const int64_t* first = kv_indices + r * max_len;
+    while (end < batch && end - r < kGroupRows) {
+      const int64_t* other = kv_indices + end * max_len;
+      int64_t lcp = 0;
+      const int64_t most = std::min(common, seq_lens[end]);
+      while (lcp < most && other[lcp] == first[lcp]) ++lcp;
+      if (lcp < kMinShared) break;
+      common = lcp;
+      ++end;
+    }
+    starts.push_back(r);
+    shared.push_back(end - r > 1 ? common : 0);
+    r = end;
+  }
+  starts.push_back(batch);
+  const int64_t groups = static_cast<int64_t>(shared.size());
+  at::parallel_for(0, groups * kv_heads, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> qf, scores, acc(dim);
+    for (int64_t task = a; task < b; ++task) {
+      const int64_t gi = task / kv_heads, kh = task % kv_heads;
+      const int64_t r0 = starts[gi], rows = starts[gi + 1] - r0, common = shared[gi];
+      const int64_t queries = rows * group;
+      int64_t longest = 0;
+      for (int64_t r = r0; r < r0 + rows; ++r) longest = std::max(longest, seq_lens[r]);
+      qf.resize(queries * dim);
+      scores.resize(queries * longest);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d = 0; d < dim; ++d)
+            qf[(r * group + g) * dim + d] =
+                load(q, (r0 + r) * q_stride + (kh * group + g) * dim + d) * static_cast<float>(scale);
+      // Scores over the shared keys, each key read once for every query of the group.
+      const int64_t* idx0 = kv_indices + r0 * max_len;
+      for (int64_t l = 0; l < common; ++l) {
+        if (l + kPrefetch < common) prefetch_head(kbuf + idx0[l + kPrefetch] * row_stride + kh * dim, dim);
+        const T* krow = kbuf + idx0[l] * row_stride + kh * dim;
+        for (int64_t i = 0; i < queries; ++i) scores[i * longest + l] = dot_head(qf.data() + i * dim, krow, dim);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t l = 0; l < len; ++l) mx = std::max(mx, sg[l]);
-        float total = 0.f;
-        for (int64_t l = 0; l < len; ++l) {
-          sg[l] = std::exp(sg[l] - mx);
-          total += sg[l];
+      // Each row's own keys, then its softmax and weighted values.
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t len = seq_lens[r0 + r];
+        const int64_t* idx = kv_indices + (r0 + r) * max_len;
+        for (int64_t l = common; l < len; ++l) {
+          if (l + kPrefetch < len) prefetch_head(kbuf + idx[l + kPrefetch] * row_stride + kh * dim, dim);
+          const T* krow = kbuf + idx[l] * row_stride + kh * dim;
+          for (int64_t g = 0; g < group; ++g)
+            scores[(r * group + g) * longest + l] = dot_head(qf.data() + (r * group + g) * dim, krow, dim);
         }
-        for (int64_t l = 0; l < len; ++l) sg[l] /= total;
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + (r * group + g) * longest;
+          softmax_inplace(sg, len);
+          weighted_values(sg, vbuf + kh * dim, idx, len, row_stride, dim, acc.data());
+          for (int64_t d = 0; d < dim; ++d)
+            store(out, ((r0 + r) * heads + kh * group + g) * dim + d, acc[d]);
+        }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t l = 0; l < len; ++l) {
-        if (l + kPrefetch < len) prefetch_head(vbuf + (idx[l + kPrefetch] * kv_heads + kh) * dim, dim);
-        const T* vrow = vbuf + (idx[l] * kv_heads + kh) * dim;
-        for (int64_t g = 0; g < group; ++g) axpy_head(scores[g * len + l], vrow, acc.data() + g * dim, dim);
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < dim; ++d)
-          store(out, (bi * heads + kh * group + g) * dim + d, acc[g * dim + d]);
     }
   });
 }

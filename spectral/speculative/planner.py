@@ -1,0 +1,275 @@
+"""TreePlanner: how many tree nodes each running request verifies this round, or no round at
+all, so that the batch's expected tokens per second is highest under the measured cost model.
+
+Acceptance is learnt per *rank*: a tree's non-root nodes ranked by the drafter's confidence
+(the head's cumulative log-probability, best first; an n-gram tree's nodes in their order). The
+best r nodes of a tree always form a tree themselves (a child never scores above its parent),
+and under greedy verification the path such a subtree would have accepted is the longest start
+of the accepted path that lies in it. So every verified round tells, for each r up to the nodes
+it verified, how many tokens a tree of the best r nodes would have given: `RankStats.observe`
+counts, per rank, how often the path's running highest rank is that rank. Ranks beyond any
+verified tree are estimated from the head's own scores (their mean probability at that rank,
+scaled by how well the scores have predicted acceptance so far), or, for n-gram trees, from the
+last measured rank decaying geometrically. A request's own record scales its estimates (code
+that repeats its prompt is accepted far more often than chat).
+
+The plan: every (request, rank) pair's expected gain in one list, best first; adding them one
+by one, the round's expected tokens over its predicted cost (verify over all nodes plus the
+head's draft for the requests it drafts for) is evaluated at every length, and the best length
+wins unless a plain decode step of the batch is expected to do better. At a large batch a node
+adds the same cost but a plain step already yields a token per request, so trees shrink as the
+batch grows and vanish where they would not pay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from spectral.forward import ForwardMode
+from spectral.speculative.cost_model import CostModel
+
+HEAD, NGRAM = "head", "ngram"
+# Pseudo-rounds of the prior behind each rank's measured acceptance.
+PRIOR_WEIGHT = 8.0
+# Pseudo-tokens behind the head's scores being calibrated (accepted = predicted) before its
+# record says how far they are.
+SCORE_PRIOR = 10.0
+# A request's own record: pseudo-tokens behind its scale factor, and the factor's bounds.
+REQUEST_PRIOR = 3.0
+REQUEST_SCALE = (0.25, 4.0)
+# n-gram prior: the first node of a matched continuation, then each next one (optimistic: a
+# rank is learnt only once verified)
+NGRAM_FIRST, NGRAM_DECAY = 0.6, 0.85
+# A round must be expected to beat a plain step by this factor: a margin for the model's error,
+# so that a busy server does not speculate for a gain it may not get.
+MIN_GAIN = 1.05
+
+
+class RankStats:
+    """Acceptance by rank for one kind of tree (the head's or the n-gram drafter's)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.hits: list[float] = []  # rounds whose path's running highest rank was r
+        self.seen: list[float] = []  # rounds that verified rank r
+        self.score_sum: list[float] = []  # head: sum of the drafted rank-r probability
+        self.score_n: list[float] = []
+        self.predicted = 0.0  # head: sum of those probabilities over verified ranks
+        self.accepted = 0.0  # and the accepted drafts there
+
+    @staticmethod
+    def _grow(values: list[float], size: int) -> None:
+        values.extend([0.0] * (size - len(values)))
+
+    def observe(self, verified: int, path_ranks: list[int], scores: list[float] | None) -> None:
+        """One round: `verified` non-root nodes, the ranks of the accepted drafts in path order,
+        and (head) the probabilities of the drafted candidates, best first."""
+        for values in (self.hits, self.seen):
+            self._grow(values, verified)
+        for r in range(verified):
+            self.seen[r] += 1
+        highest = -1
+        for rank in path_ranks:
+            highest = max(highest, rank)
+            self.hits[highest] += 1
+        if scores:
+            for values in (self.score_sum, self.score_n):
+                self._grow(values, len(scores))
+            for r, p in enumerate(scores):
+                self.score_sum[r] += p
+                self.score_n[r] += 1
+            self.predicted += sum(scores[:verified])
+            self.accepted += len(path_ranks)
+
+    def gains(self, ranks: int) -> list[float]:
+        """Expected accepted drafts each of the first `ranks` ranks adds, non-increasing."""
+        out: list[float] = []
+        scale = (self.accepted + SCORE_PRIOR) / (self.predicted + SCORE_PRIOR)
+        for r in range(ranks):
+            prior = self._prior(r, out, scale)
+            seen = self.seen[r] if r < len(self.seen) else 0.0
+            hits = self.hits[r] if r < len(self.hits) else 0.0
+            gain = (hits + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
+            out.append(min(gain, out[-1]) if out else min(gain, 1.0))
+        return out
+
+    def _prior(self, r: int, before: list[float], scale: float) -> float:
+        if self.kind == HEAD and r < len(self.score_n) and self.score_n[r] > 0:
+            return min(1.0, scale * self.score_sum[r] / self.score_n[r])
+        if before:
+            return before[-1] * NGRAM_DECAY
+        return NGRAM_FIRST
+
+    def to_dict(self, ranks: int = 8) -> dict:
+        return {
+            "rounds": int(self.seen[0]) if self.seen else 0,
+            "gain_by_rank": [round(g, 3) for g in self.gains(ranks)],
+        }
+
+
+@dataclass
+class PlanInput:
+    """One running request: which drafter would give its tree, the most nodes it can have
+    (root included: what the settings, its context and an n-gram proposal allow), and its own
+    acceptance record (accepted drafts and what its rounds' plans expected)."""
+
+    kind: str
+    max_nodes: int
+    accepted: float = 0.0
+    expected: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        lo, hi = REQUEST_SCALE
+        return min(hi, max(lo, (self.accepted + REQUEST_PRIOR) / (self.expected + REQUEST_PRIOR)))
+
+
+@dataclass
+class Plan:
+    nodes: list[int]  # per request, root included; all 1 and `speculate` False: decode plainly
+    speculate: bool
+    expected_tokens: float  # per round (or step), the whole batch
+    predicted_ms: float
+    plain_ms: float
+    expected_drafts: list[float] = field(default_factory=list)  # per request
+
+    @property
+    def predicted_gain(self) -> float:
+        """Expected tokens/s of the plan over a plain step's."""
+        plain = len(self.nodes) / self.plain_ms
+        return (self.expected_tokens / self.predicted_ms) / plain if self.predicted_ms else 1.0
+
+
+@dataclass
+class Record:
+    """What the plans predicted and what the rounds and plain steps took, summed."""
+
+    rounds: int = 0
+    requests: int = 0  # requests in those rounds, summed
+    verified_nodes: int = 0  # tree nodes verified (roots included)
+    predicted_tokens: float = 0.0
+    emitted_tokens: int = 0
+    predicted_ms: float = 0.0
+    measured_ms: float = 0.0
+    plain_ms: float = 0.0  # the cost model's plain steps for the same batches
+    plain_steps: int = 0  # plain decode steps while speculation was on
+    plain_predicted_ms: float = 0.0
+    plain_measured_ms: float = 0.0
+
+    def to_dict(self) -> dict:
+        out = dict(self.__dict__)
+        if self.rounds:
+            plain_rate = self.requests / self.plain_ms
+            out["predicted_gain"] = self.predicted_tokens / self.predicted_ms / plain_rate
+            # Measured rounds against plain steps as measured, where there were any.
+            calibration = (
+                self.plain_measured_ms / self.plain_predicted_ms if self.plain_steps else 1.0
+            )
+            out["measured_gain"] = (
+                self.emitted_tokens / self.measured_ms / (plain_rate / calibration)
+            )
+            out["tree_nodes_per_request"] = self.verified_nodes / self.requests
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
+class TreePlanner:
+    def __init__(self, cost: CostModel, max_levels: int = 1 << 30) -> None:
+        """`max_levels`: the deepest draft the head makes (its steps per round)."""
+        self.cost = cost
+        self.max_levels = max_levels
+        self.stats = {HEAD: RankStats(HEAD), NGRAM: RankStats(NGRAM)}
+        self.record = Record()
+        self.last: dict = {}
+        self._pending: Plan | None = None
+
+    def plan(self, reqs: list[PlanInput]) -> Plan:
+        B = len(reqs)
+        plain_ms = self.cost.decode_ms(B)
+        plain = Plan([1] * B, False, float(B), plain_ms, plain_ms, [0.0] * B)
+        gains = []
+        for b, req in enumerate(reqs):
+            scale = req.scale
+            for r, g in enumerate(self.stats[req.kind].gains(max(req.max_nodes - 1, 0))):
+                gains.append((min(1.0, g * scale), b, r))
+        gains.sort(key=lambda t: (-t[0], t[2], t[1]))
+        best, best_len = plain, 0
+        drafted: set[int] = set()
+        deepest = 0  # the most nodes any tree the head drafts has so far (root included)
+        nodes = [1] * B
+        expected = float(B)
+        for length, (gain, b, _) in enumerate(gains, start=1):
+            if gain <= 0:
+                break
+            expected += gain
+            nodes[b] += 1
+            if reqs[b].kind == HEAD:
+                drafted.add(b)
+                deepest = max(deepest, nodes[b])
+            # A tree of n nodes needs at most n - 1 levels of draft.
+            levels = min(self.max_levels, deepest - 1)
+            ms = self.cost.verify_ms(B + length) + self.cost.draft_ms(len(drafted), levels)
+            margin = 1.0 if best.speculate else MIN_GAIN
+            if expected / ms > margin * best.expected_tokens / best.predicted_ms:
+                best = Plan([], True, expected, ms, plain_ms)
+                best_len = length
+        if not best.speculate:
+            self.last = {"batch": B, "speculate": False}
+            return plain
+        nodes = [1] * B
+        drafts = [0.0] * B
+        for gain, b, _ in gains[:best_len]:
+            nodes[b] += 1
+            drafts[b] += gain
+        best.nodes, best.expected_drafts = nodes, drafts
+        return best
+
+    def record_plan(self, plan: Plan, nodes: list[int]) -> None:
+        """The round about to run: `plan`, with the tree sizes it got (the pool may cut them)."""
+        self._pending = plan
+        self.record.rounds += 1
+        self.record.requests += len(nodes)
+        self.record.verified_nodes += sum(nodes)
+        self.record.predicted_tokens += plan.expected_tokens
+        self.record.predicted_ms += plan.predicted_ms
+        self.record.plain_ms += plan.plain_ms
+        self.last = {
+            "batch": len(nodes),
+            "speculate": True,
+            "tree_nodes": nodes,
+            "predicted_gain": round(plan.predicted_gain, 3),
+        }
+
+    def record_step(self, mode: ForwardMode, batch: int, seconds: float) -> None:
+        """How long a verify round or a plain decode step took."""
+        if mode == ForwardMode.TARGET_VERIFY and self._pending is not None:
+            self.record.measured_ms += 1000 * seconds
+            self._pending = None
+        elif mode == ForwardMode.DECODE:
+            self.record.plain_steps += 1
+            self.record.plain_measured_ms += 1000 * seconds
+            self.record.plain_predicted_ms += self.cost.decode_ms(batch)
+
+    def observe(
+        self, kind: str, verified: int, path_ranks: list[int], scores: list[float] | None
+    ) -> float:
+        """A request's verified round (`RankStats.observe`). Returns the accepted drafts the
+        statistics expected of its `verified` nodes before this round."""
+        stats = self.stats[kind]
+        expected = sum(stats.gains(verified))
+        stats.observe(verified, path_ranks, scores)
+        self.record.emitted_tokens += len(path_ranks) + 1
+        return expected
+
+    def to_dict(self) -> dict:
+        return {
+            "cost_model": self.cost.summary(),
+            "acceptance": {kind: stats.to_dict() for kind, stats in self.stats.items()},
+            "rounds": self.record.to_dict(),
+            "last": self.last,
+        }
+
+
+def probabilities(logprobs: list[float]) -> list[float]:
+    """Cumulative draft log-probabilities as probabilities, best first."""
+    return sorted((math.exp(lp) for lp in logprobs if lp > -math.inf), reverse=True)

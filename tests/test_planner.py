@@ -1,0 +1,235 @@
+"""The tree planner and the cost model: acceptance by rank against a brute-force walk of every
+subtree, plans against exhaustive search, trees shrinking as the batch grows under a fake cost
+model, and per-request tree sizes in select_eagle_trees."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+
+from spectral.forward import ForwardMode
+from spectral.speculative.cost_model import CostModel, interpolate
+from spectral.speculative.planner import (
+    HEAD,
+    MIN_GAIN,
+    NGRAM,
+    SCORE_PRIOR,
+    PlanInput,
+    RankStats,
+    TreePlanner,
+)
+from spectral.speculative.tree import select_eagle_trees
+
+# A 2-core CPU's shape: a node costs ~1/8 of a one-token forward, the head ~1/3 of one.
+STEEP = CostModel(
+    verify=[(1, 12.0), (2, 13.5), (4, 16.0), (8, 22.0), (16, 34.0), (32, 60.0), (64, 115.0)],
+    decode_one=11.0,
+    draft=[(1, 0.5, 1.5), (4, 0.6, 2.0), (16, 1.0, 4.0)],
+)
+
+
+def random_tree(rng: random.Random, candidates: int = 12, n: int = 9):
+    """An EAGLE-2 tree from random candidate scores: (tokens, parents, ranks) of its nodes."""
+    scores, parents = [], []
+    for c in range(candidates):
+        parent = rng.randrange(-1, c) if c else -1
+        base = scores[parent] if parent >= 0 else 0.0
+        scores.append(base - rng.random() * 2)
+        parents.append(parent)
+    tokens = [rng.randrange(5) + 10 * c for c in range(candidates)]  # siblings differ
+    trees = select_eagle_trees(
+        torch.tensor([1]),
+        torch.tensor([scores]),
+        torch.tensor([tokens]),
+        torch.tensor([parents]),
+        n,
+    )
+    m = trees.num_nodes[0]
+    return trees.tokens[0, :m].tolist(), trees.parents[0, :m].tolist(), trees.ranks[0, :m].tolist()
+
+
+def greedy_walk(tokens, parents, allowed, choice) -> int:
+    """Tokens a greedy verification emits over the nodes in `allowed`: follow the child whose
+    token is the target's choice after the current node, plus the target's own next token."""
+    node, emitted = 0, 1
+    while True:
+        nxt = [j for j in allowed if parents[j] == node and tokens[j] == choice[node]]
+        if not nxt:
+            return emitted
+        node, emitted = nxt[0], emitted + 1
+
+
+def test_rank_statistics_equal_a_walk_over_every_subtree() -> None:
+    """After rounds that verify whole trees, 1 + the gains of the first r ranks is the mean
+    number of tokens greedy verification would have emitted over the best r nodes alone."""
+    rng = random.Random(0)
+    stats = RankStats(HEAD)
+    verified = 8
+    totals = [0.0] * (verified + 1)
+    rounds = 300
+    for _ in range(rounds):
+        tokens, parents, ranks = random_tree(rng, n=verified + 1)
+        assert len(tokens) == verified + 1
+        # The target agrees with the tree's likeliest children often, at random otherwise.
+        choice = {}
+        for node in range(len(tokens)):
+            kids = sorted((ranks[j], tokens[j]) for j in range(len(tokens)) if parents[j] == node)
+            choice[node] = kids[0][1] if kids and rng.random() < 0.6 else -1
+            if kids and choice[node] == -1 and rng.random() < 0.5:
+                choice[node] = rng.choice(kids)[1]
+        full = list(range(1, len(tokens)))
+        path, node = [], 0
+        while True:
+            nxt = [j for j in full if parents[j] == node and tokens[j] == choice[node]]
+            if not nxt:
+                break
+            node = nxt[0]
+            path.append(ranks[node])
+        stats.observe(verified, path, None)
+        for r in range(verified + 1):
+            best = [j for j in full if ranks[j] < r]
+            totals[r] += greedy_walk(tokens, parents, best, choice)
+    hits = [h / s for h, s in zip(stats.hits, stats.seen)]
+    for r in range(verified + 1):
+        assert 1 + sum(hits[:r]) == pytest.approx(totals[r] / rounds)
+
+
+def test_unverified_ranks_follow_the_heads_scores_scaled_by_their_record() -> None:
+    stats = RankStats(HEAD)
+    for _ in range(50):  # the scores promise 0.8 and 0.4; the first rank is accepted half the time
+        stats.observe(1, [0] if len(stats.seen) and stats.seen[0] % 2 else [], [0.8, 0.4])
+    gains = stats.gains(2)
+    scale = (stats.accepted + SCORE_PRIOR) / (stats.predicted + SCORE_PRIOR)
+    assert gains[0] == pytest.approx((25 + 8 * scale * 0.8) / (50 + 8))
+    assert gains[1] == pytest.approx(min(gains[0], scale * 0.4))
+    ngram = RankStats(NGRAM)
+    assert ngram.gains(3) == pytest.approx([0.6, 0.51, 0.4335])  # the prior alone
+
+
+def brute_force(planner: TreePlanner, reqs: list[PlanInput]) -> float:
+    """The best expected tokens per ms over every choice of tree sizes, or a plain step's
+    where no tree beats it by the planner's margin."""
+    cost = planner.cost
+    B = len(reqs)
+    plain = B / cost.decode_ms(B)
+    best = 0.0
+    gains = [
+        [min(1.0, g * r.scale) for g in planner.stats[r.kind].gains(r.max_nodes - 1)] for r in reqs
+    ]
+    for sizes in itertools.product(*(range(r.max_nodes) for r in reqs)):
+        if not any(sizes):
+            continue
+        expected = B + sum(sum(g[:s]) for g, s in zip(gains, sizes))
+        head = [s for r, s in zip(reqs, sizes) if s and r.kind == HEAD]
+        levels = min(planner.max_levels, max(head, default=0))
+        ms = cost.verify_ms(B + sum(sizes)) + cost.draft_ms(len(head), levels)
+        best = max(best, expected / ms)
+    return best if best > MIN_GAIN * plain else plain
+
+
+def trained_planner(first: float = 0.7, decay: float = 0.75) -> TreePlanner:
+    planner = TreePlanner(STEEP)
+    rng = random.Random(1)
+    for _ in range(400):
+        path = []
+        for r in range(12):  # a chain whose rank r is accepted with probability first * decay^r
+            if rng.random() >= (first * decay**r) / (first * decay ** (r - 1) if r else 1):
+                break
+            path.append(r)
+        planner.stats[HEAD].observe(12, path, [first * decay**r for r in range(16)])
+        planner.stats[NGRAM].observe(6, path[:6], None)
+    return planner
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_plans_are_the_best_of_every_choice_of_sizes(batch: int) -> None:
+    planner = trained_planner()
+    reqs = [
+        PlanInput(HEAD, 5),
+        PlanInput(NGRAM, 4, accepted=30, expected=10),
+        PlanInput(HEAD, 3, accepted=2, expected=20),
+    ][:batch]
+    plan = planner.plan(reqs)
+    rate = plan.expected_tokens / plan.predicted_ms
+    assert rate == pytest.approx(brute_force(planner, reqs))
+    assert all(1 <= n <= r.max_nodes for n, r in zip(plan.nodes, reqs))
+
+
+def test_trees_shrink_as_the_batch_grows_and_vanish_when_busy() -> None:
+    planner = trained_planner()
+    per_request = []
+    for batch in (1, 2, 4, 8, 16, 32, 64):
+        plan = planner.plan([PlanInput(HEAD, 16) for _ in range(batch)])
+        per_request.append(sum(plan.nodes) / batch)
+        assert plan.speculate == (plan.predicted_gain > MIN_GAIN)
+    assert per_request[0] > 2
+    assert all(a >= b for a, b in zip(per_request, per_request[1:])), per_request
+    assert per_request[-1] == 1  # a busy server decodes plainly
+
+
+def test_a_request_that_is_accepted_more_gets_a_larger_tree() -> None:
+    planner = trained_planner()
+    plan = planner.plan(
+        [PlanInput(HEAD, 16, accepted=5, expected=40), PlanInput(HEAD, 16, accepted=40, expected=5)]
+    )
+    assert plan.nodes[1] > plan.nodes[0]
+
+
+def test_no_tree_pays_where_drafts_are_never_accepted() -> None:
+    planner = TreePlanner(STEEP)
+    for _ in range(200):
+        planner.observe(HEAD, 4, [], [0.01] * 4)
+    assert not planner.plan([PlanInput(HEAD, 8)]).speculate
+
+
+def test_the_record_compares_predicted_and_measured_rounds() -> None:
+    planner = trained_planner()
+    plan = planner.plan([PlanInput(HEAD, 8)])
+    planner.record_plan(plan, plan.nodes)
+    planner.record_step(ForwardMode.TARGET_VERIFY, 1, plan.predicted_ms / 1000)
+    planner.observe(HEAD, plan.nodes[0] - 1, [0, 1], [0.7, 0.5])
+    info = planner.to_dict()
+    assert info["rounds"]["rounds"] == 1
+    assert info["rounds"]["predicted_gain"] == pytest.approx(plan.predicted_gain, abs=1e-3)
+    measured = 3 / plan.predicted_ms / (1 / STEEP.decode_ms(1))
+    assert info["rounds"]["measured_gain"] == pytest.approx(measured, abs=1e-3)
+    assert info["last"]["tree_nodes"] == plan.nodes
+
+
+def test_cost_model_interpolates_and_rejects_malformed_files() -> None:
+    assert interpolate([(1, 10.0), (5, 18.0)], 3) == 14.0
+    assert interpolate([(1, 10.0), (5, 18.0)], 9) == 26.0  # extended linearly
+    assert STEEP.decode_ms(4) == pytest.approx(11.0 + 16.0 - 12.0)
+    model = CostModel.from_dict(json.loads(json.dumps(STEEP.to_dict())))
+    assert model == STEEP
+    for bad in ({}, {"verify": [[0, 1.0]], "decode_one": 1.0}, {"verify": "x", "decode_one": 1}):
+        with pytest.raises(ValueError, match="cost model"):
+            CostModel.from_dict(bad)
+
+
+def test_select_keeps_each_requests_own_number_of_best_candidates() -> None:
+    torch.manual_seed(0)
+    B, C = 3, 10
+    parents = torch.tensor([[-1, -1, 0, 0, 1, 1, 2, 2, 4, 4]] * B)
+    steps = torch.rand(B, C)
+    scores = torch.zeros(B, C)
+    for c in range(C):  # cumulative: a child scores below its parent
+        p = parents[0, c]
+        scores[:, c] = (scores[:, p] if p >= 0 else 0) - steps[:, c]
+    tokens = torch.arange(C).expand(B, C) + 100
+    sizes = [1, 4, 8]
+    trees = select_eagle_trees(torch.tensor([1, 2, 3]), scores, tokens, parents, sizes)
+    assert trees.num_draft_tokens == 8
+    for b, n in enumerate(sizes):
+        assert trees.num_nodes[b] == n
+        best = scores[b].argsort(descending=True)[: n - 1]
+        kept = trees.tokens[b, 1:n] - 100
+        assert sorted(kept.tolist()) == sorted(best.tolist())
+        # ranks order the kept nodes by score, 0 the best
+        by_rank = [int(kept[j]) for j in trees.ranks[b, 1:n].argsort().tolist()]
+        assert by_rank == best.tolist()
+        assert trees.ranks[b, 0] == -1 and (trees.ranks[b, n:] == -1).all()
