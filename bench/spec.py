@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=None)
     ap.add_argument("--max-batch-size", type=int, default=None, help="speculate up to this")
     ap.add_argument("--humaneval", type=int, default=16, help="HumanEval prompts for τ (0: none)")
+    ap.add_argument("--out", default="spec.json", help="file name under bench/out")
     args = ap.parse_args()
 
     questions = mtbench_first_turns(args.num_prompts or (16 if args.quick else None))
@@ -174,7 +175,7 @@ def main() -> None:
             )
     out_dir = Path(__file__).resolve().parent / "out"
     out_dir.mkdir(exist_ok=True)
-    (out_dir / "spec.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / args.out).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -118,7 +118,8 @@ def brute_force(planner: TreePlanner, reqs: list[PlanInput]) -> float:
     plain = B / cost.decode_ms(B)
     best = 0.0
     gains = [
-        [min(1.0, g * r.scale) for g in planner.stats[r.kind].gains(r.max_nodes - 1)] for r in reqs
+        [min(1.0, g * r.scale) for g in planner.stats_for(r.kind).gains(r.max_nodes - 1)]
+        for r in reqs
     ]
     for sizes in itertools.product(*(range(r.max_nodes) for r in reqs)):
         if not any(sizes):
@@ -140,8 +141,8 @@ def trained_planner(first: float = 0.7, decay: float = 0.75) -> TreePlanner:
             if rng.random() >= (first * decay**r) / (first * decay ** (r - 1) if r else 1):
                 break
             path.append(r)
-        planner.stats[HEAD].observe(12, path, [first * decay**r for r in range(16)])
-        planner.stats[NGRAM].observe(6, path[:6], None)
+        planner.stats_for(HEAD).observe(12, path, [first * decay**r for r in range(16)])
+        planner.stats_for(NGRAM).observe(6, path[:6], None)
     return planner
 
 

@@ -34,7 +34,7 @@ def remote(peaky_model_dir):
         worker.close()
 
 
-def remote_scheduler(worker: RemoteWorker, config: ModelConfig) -> Scheduler:
+def remote_scheduler(worker: RemoteWorker, config: ModelConfig, spec=None) -> Scheduler:
     from transformers import AutoTokenizer
 
     return Scheduler(
@@ -46,6 +46,7 @@ def remote_scheduler(worker: RemoteWorker, config: ModelConfig) -> Scheduler:
         max_prefill_tokens=8192,
         eos_token_ids=(2,),
         vocab_size=config.vocab_size,
+        spec=spec,
     )
 
 
@@ -73,3 +74,40 @@ def test_close_leaves_no_process(remote):
     worker, _ = remote
     worker.close()
     assert worker.process.poll() is not None
+
+
+def test_a_worker_process_hands_its_cost_model_and_draft_confidence_to_the_planner(
+    peaky_model_dir, tmp_path
+):
+    """With speculation the worker process sends the scheduler its cost model at start-up and
+    the head's confidence with every result: the scheduler plans trees by them, and its greedy
+    output is plain decoding's."""
+    from spectral.speculative.cost_model import CostModel
+    from tests.test_speculative import FLAT_COST, cost_model_file, make_random_head
+
+    head = make_random_head(tmp_path / "head", peaky_model_dir, "eagle3")
+    config = ModelConfig.from_pretrained(peaky_model_dir)
+    args = ServerArgs(
+        model_path=peaky_model_dir,
+        dtype="float32",
+        max_total_tokens=4096,
+        max_running_requests=16,
+        log_level="warning",
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=head,
+        speculative_cost_model=cost_model_file(FLAT_COST),
+    )
+    expected = run_all(make_scheduler(peaky_model_dir), fresh(mixed_prompts(6)))
+    with tempfile.TemporaryDirectory() as ipc_dir:
+        worker = RemoteWorker(args, ipc_dir, config.max_context_len).wait_ready()
+        try:
+            assert worker.cost_model == CostModel.from_dict(FLAT_COST)
+            scheduler = remote_scheduler(worker, config, args.spec_settings())
+            reqs = fresh(mixed_prompts(6))
+            assert run_all(scheduler, reqs) == expected
+            assert scheduler.planner is not None and scheduler.stats.spec_verify_ct > 0
+            buckets = scheduler.info()["speculative"]["acceptance"]
+            assert any(k.startswith("head:") and k != "head:?" for k in buckets), buckets
+            assert scheduler_leaks(scheduler) == []
+        finally:
+            worker.close()

@@ -74,6 +74,7 @@ class Req:
     # accepted drafts against what the shared statistics expected of its verified nodes.
     spec_kind: str = ""
     spec_expected_drafts: float = 0.0
+    draft_top1: float | None = None  # the head's confidence in its next draft, when known
     # Where a matched stop string starts in the decoded output text.
     stop_text_cut: int | None = None
     created_at: float = field(default_factory=time.perf_counter)

@@ -22,7 +22,12 @@ from spectral.scheduler.prefill import PrefillAdder, order_waiting
 from spectral.scheduler.req import FinishReason, Req
 from spectral.scheduler.schedule_batch import ScheduleBatch
 from spectral.speculative.ngram import NgramDrafter, NgramState
-from spectral.speculative.planner import HEAD, NGRAM, PlanInput, TreePlanner
+from spectral.speculative.planner import (
+    PlanInput,
+    TreePlanner,
+    head_bucket,
+    ngram_bucket,
+)
 from spectral.speculative.settings import SpecSettings
 from spectral.worker.io import WorkerBatch, WorkerResult
 
@@ -381,14 +386,14 @@ class Scheduler:
         inputs: list[PlanInput] = []
         for req in self.running:
             room = self.max_context_len - req.seq_len
-            size, kind = spec.num_draft_tokens, HEAD
+            size, kind = spec.num_draft_tokens, head_bucket(req.draft_top1)
             if self.ngram is not None:
                 if req.ngram_state is None:
                     req.ngram_state = NgramState()
                 tokens, parents = self.ngram.propose(req.all_ids, req.ngram_state)
                 if tokens or not spec.uses_draft_head:
                     size = (size if spec.hybrid_merge else 1) + len(tokens)
-                    kind = NGRAM
+                    kind = ngram_bucket(req.ngram_state.match_len)
                     req.draft_tokens, req.draft_parents = tokens[: room - 1], parents[: room - 1]
             req.spec_kind = kind
             inputs.append(
@@ -456,6 +461,7 @@ class Scheduler:
         take = self._take_verify if batch.mode == ForwardMode.TARGET_VERIFY else self._take
         changed: list[Req] = []
         for i, req in enumerate(batch.reqs):
+            req.draft_top1 = result.draft_top1[i] if result.draft_top1 else None
             try:
                 faults.inject("scheduler", req.rid)
                 if take(batch, result, i, req):

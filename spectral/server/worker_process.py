@@ -23,6 +23,7 @@ from spectral.scheduler.scheduler import WorkerLostError
 from spectral.server import messages  # noqa: F401  (registers the message types)
 from spectral.server.child import parse_child_args, spawn_child, wait_for_work
 from spectral.server.ipc import message, recv_message, send_message
+from spectral.speculative.cost_model import CostModel
 from spectral.worker.io import WorkerBatch, WorkerResult
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class WorkerReady:
     vocab_size: int
     max_context_len: int
     eos_token_ids: list[int]
+    # What speculative rounds cost there (CostModel.to_dict), for the scheduler's tree planner
+    cost_model: dict | None = None
 
 
 @message
@@ -77,9 +80,16 @@ def worker_main(args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
         send_message(outbox, WorkerFailed(f"{type(err).__name__}: {err}"))
         raise
     cfg = worker.config
+    cost = getattr(worker, "cost_model", None)
     send_message(
         outbox,
-        WorkerReady(worker.num_kv_slots, cfg.vocab_size, max_context_len, list(cfg.eos_token_ids)),
+        WorkerReady(
+            worker.num_kv_slots,
+            cfg.vocab_size,
+            max_context_len,
+            list(cfg.eos_token_ids),
+            cost.to_dict() if cost is not None else None,
+        ),
     )
     parent = os.getppid()
     while wait_for_work(inbox, parent):
@@ -119,6 +129,7 @@ class RemoteWorker:
             raise RuntimeError(f"the model worker failed to start: {ready.error}")
         self.ready: WorkerReady = ready
         self.num_kv_slots = ready.num_kv_slots
+        self.cost_model = CostModel.from_dict(ready.cost_model) if ready.cost_model else None
         return self
 
     def _receive(self, timeout_s: float):

@@ -45,6 +45,9 @@ class NgramState:
     the packing's end differs, resets the state."""
 
     packed: bytearray = field(default_factory=bytearray)
+    # Length of the longest suffix the last `propose` matched (0: none): a longer match is
+    # followed by its continuation far more often, so the tree planner counts acceptance apart.
+    match_len: int = 0
 
     def sync(self, context: list[int]) -> bytearray:
         """Pack the tokens appended since the last call; return the whole packing."""
@@ -153,8 +156,10 @@ class NgramDrafter:
         root = _TrieNode(0)
         seen: set[tuple[int, int]] = set()
         own = self._next_seq_id
+        longest = 0
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             weight = WEIGHT_BASE**n
+            matched = len(seen)
             for start in _self_matches(data, n):
                 if (own, start) not in seen:
                     seen.add((own, start))
@@ -165,8 +170,12 @@ class NgramDrafter:
                     seen.add((seq_id, start))
                     cont = self._seqs[seq_id][start : start + self.max_depth]
                     root.add_path(cont, weight, seq_id * _RECENCY_STRIDE + start)
+            if len(seen) > matched and not longest:
+                longest = n
             if len(seen) >= MAX_MATCHES:
                 break
+        if state is not None:
+            state.match_len = longest
         return self._best_first(root)
 
     def _best_first(self, root: _TrieNode) -> tuple[list[int], list[int]]:

@@ -30,14 +30,18 @@ from spectral.forward import ForwardMode
 from spectral.speculative.cost_model import CostModel
 
 HEAD, NGRAM = "head", "ngram"
+# The head's confidence before it drafts (its top-1 probability after the last verified token)
+# splits its statistics: rounds starting from a confident head are accepted far more often.
+HEAD_CONFIDENCE = (0.3, 0.6, 0.85)
 # Pseudo-rounds of the prior behind each rank's measured acceptance.
 PRIOR_WEIGHT = 8.0
 # Pseudo-tokens behind the head's scores being calibrated (accepted = predicted) before its
 # record says how far they are.
 SCORE_PRIOR = 10.0
-# A request's own record: pseudo-tokens behind its scale factor, and the factor's bounds.
-REQUEST_PRIOR = 3.0
-REQUEST_SCALE = (0.25, 4.0)
+# A request's own record: pseudo-tokens behind its scale factor, and the factor's bounds (a
+# strong prior: a few lucky rounds must not buy a request large trees).
+REQUEST_PRIOR = 10.0
+REQUEST_SCALE = (0.5, 2.0)
 # n-gram prior: the first node of a matched continuation, then each next one (optimistic: a
 # rank is learnt only once verified)
 NGRAM_FIRST, NGRAM_DECAY = 0.6, 0.85
@@ -46,11 +50,29 @@ NGRAM_FIRST, NGRAM_DECAY = 0.6, 0.85
 MIN_GAIN = 1.05
 
 
+def head_bucket(top1: float | None) -> str:
+    """The statistics a head tree counts in, by the head's top-1 probability (None: unknown)."""
+    if top1 is None:
+        return f"{HEAD}:?"
+    return f"{HEAD}:{sum(top1 >= t for t in HEAD_CONFIDENCE)}"
+
+
+def ngram_bucket(match_len: int) -> str:
+    """The statistics an n-gram tree counts in, by the length of the suffix it matched."""
+    return f"{NGRAM}:{match_len}"
+
+
+def family(kind: str) -> str:
+    """HEAD or NGRAM, for a bucket name (or a family name)."""
+    return kind.split(":", 1)[0]
+
+
 class RankStats:
-    """Acceptance by rank for one kind of tree (the head's or the n-gram drafter's)."""
+    """Acceptance by rank for one kind of tree: the head's or the n-gram drafter's, or one
+    bucket of them (`head_bucket`, `ngram_bucket`)."""
 
     def __init__(self, kind: str) -> None:
-        self.kind = kind
+        self.kind = family(kind)
         self.hits: list[float] = []  # rounds whose path's running highest rank was r
         self.seen: list[float] = []  # rounds that verified rank r
         self.score_sum: list[float] = []  # head: sum of the drafted rank-r probability
@@ -114,7 +136,7 @@ class PlanInput:
     (root included: what the settings, its context and an n-gram proposal allow), and its own
     acceptance record (accepted drafts and what its rounds' plans expected)."""
 
-    kind: str
+    kind: str  # HEAD or NGRAM, or a bucket of one
     max_nodes: int
     accepted: float = 0.0
     expected: float = 0.0
@@ -178,7 +200,7 @@ class TreePlanner:
         """`max_levels`: the deepest draft the head makes (its steps per round)."""
         self.cost = cost
         self.max_levels = max_levels
-        self.stats = {HEAD: RankStats(HEAD), NGRAM: RankStats(NGRAM)}
+        self.stats: dict[str, RankStats] = {}
         self.record = Record()
         self.last: dict = {}
         self._pending: Plan | None = None
@@ -187,10 +209,12 @@ class TreePlanner:
         B = len(reqs)
         plain_ms = self.cost.decode_ms(B)
         plain = Plan([1] * B, False, float(B), plain_ms, plain_ms, [0.0] * B)
+        most = max((req.max_nodes for req in reqs), default=1) - 1
+        by_kind = {kind: self.stats_for(kind).gains(most) for kind in {r.kind for r in reqs}}
         gains = []
         for b, req in enumerate(reqs):
             scale = req.scale
-            for r, g in enumerate(self.stats[req.kind].gains(max(req.max_nodes - 1, 0))):
+            for r, g in enumerate(by_kind[req.kind][: max(req.max_nodes - 1, 0)]):
                 gains.append((min(1.0, g * scale), b, r))
         gains.sort(key=lambda t: (-t[0], t[2], t[1]))
         best, best_len = plain, 0
@@ -203,7 +227,7 @@ class TreePlanner:
                 break
             expected += gain
             nodes[b] += 1
-            if reqs[b].kind == HEAD:
+            if family(reqs[b].kind) == HEAD:
                 drafted.add(b)
                 deepest = max(deepest, nodes[b])
             # A tree of n nodes needs at most n - 1 levels of draft.
@@ -255,16 +279,21 @@ class TreePlanner:
     ) -> float:
         """A request's verified round (`RankStats.observe`). Returns the accepted drafts the
         statistics expected of its `verified` nodes before this round."""
-        stats = self.stats[kind]
+        stats = self.stats_for(kind)
         expected = sum(stats.gains(verified))
         stats.observe(verified, path_ranks, scores)
         self.record.emitted_tokens += len(path_ranks) + 1
         return expected
 
+    def stats_for(self, kind: str) -> RankStats:
+        if kind not in self.stats:
+            self.stats[kind] = RankStats(kind)
+        return self.stats[kind]
+
     def to_dict(self) -> dict:
         return {
             "cost_model": self.cost.summary(),
-            "acceptance": {kind: stats.to_dict() for kind, stats in self.stats.items()},
+            "acceptance": {kind: self.stats[kind].to_dict() for kind in sorted(self.stats)},
             "rounds": self.record.to_dict(),
             "last": self.last,
         }

@@ -77,3 +77,6 @@ class WorkerResult:
     # learns acceptance by rank from them).
     node_ranks: list[list[int]] = field(default_factory=list)
     draft_probs: list[list[float] | None] = field(default_factory=list)
+    # With a draft head: per request, the head's top-1 probability after its last verified
+    # token (None where not known), the confidence the planner sizes its next tree by.
+    draft_top1: list[float | None] = field(default_factory=list)

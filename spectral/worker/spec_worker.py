@@ -76,7 +76,16 @@ class SpeculativeWorker:
             self.drafter.write_kv(draft_batch, features)
         else:
             self.drafter.extend(draft_batch, features)
+        result.draft_top1 = self._draft_top1(wb.req_pool_indices)
         return result
+
+    def _draft_top1(self, rows: list[int]) -> list[float | None]:
+        """The head's top-1 probability after each request row's last verified token, known
+        before it drafts next (None where the row's top-k is stale)."""
+        index = torch.tensor(rows)
+        top1 = self.drafter.topk_logprobs[index, 0].exp().tolist()
+        stale = self.drafter.stale[index].tolist()
+        return [None if old else p for p, old in zip(top1, stale)]
 
     def _features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(captured, dim=-1) if captured else hidden
@@ -134,6 +143,8 @@ class SpeculativeWorker:
         result = self._result(verdict, logits, offsets, wb.sampling)
         result.node_ranks = [trees.ranks[b, :n].tolist() for b, n in enumerate(sizes)]
         result.draft_probs = probs
+        if self.drafter is not None:
+            result.draft_top1 = self._draft_top1(wb.req_pool_indices)
         return result
 
     def _trees(
