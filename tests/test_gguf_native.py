@@ -11,7 +11,7 @@ import torch
 from spectral.kernels.cpu_kernels import load_cpu_kernels
 from spectral.kernels.linear import Linear
 from spectral.models.config import ModelConfig
-from spectral.models.gguf_native import load_gguf_model
+from spectral.models.gguf_native import dequantize_rows, load_gguf_model
 from spectral.models.loader import build_model, load_model
 from spectral.models.resolve import default_model_file, model_files_dir
 from tests.test_generate_greedy import GREEDY, PROMPTS, hf_greedy
@@ -75,6 +75,21 @@ def test_every_weight_expands_to_transformers_dequantized_weights(default_model_
     ids = torch.arange(config.vocab_size)
     assert model.embed_tokens.weight.numel() == 0  # no dense table beside the blocks
     assert torch.equal(model.embed(ids.view(2, -1)).view(len(ids), -1), reference.embed(ids))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_embedding_rows_dequantize_bit_equal_to_gguf(kind):
+    """The torch lookup of block rows (a decode step's token embedding) against gguf's own
+    dequantization of the same blocks; other formats are left to gguf."""
+    import gguf
+    import numpy as np
+
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    values = np.random.default_rng(4).standard_normal((9, 96)).astype(np.float32) * 5
+    blocks = gguf.quants.quantize(values, qtype)
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+    assert torch.equal(dequantize_rows(torch.from_numpy(blocks), kind), expected)
+    assert dequantize_rows(torch.from_numpy(blocks), "Q4_K") is None
 
 
 def test_a_gguf_dequantized_at_load_equals_transformers_conversion(default_model_dir):

@@ -10,8 +10,11 @@ it verified, how many tokens a tree of the best r nodes would have given: `RankS
 counts, per rank, how often the path's running highest rank is that rank. Ranks beyond any
 verified tree are estimated from the head's own scores (their mean probability at that rank,
 scaled by how well the scores have predicted acceptance so far), or, for n-gram trees, from the
-last measured rank decaying geometrically. A request's own record scales its estimates (code
-that repeats its prompt is accepted far more often than chat).
+last measured rank decaying geometrically. The statistics are kept apart by what is known of a
+round before it runs (EAGLE-2's observation that the draft's confidence predicts acceptance):
+the head's top-1 probability after the last verified token, in four bands, and the length of
+the suffix the n-gram drafter matched. A request's own record scales its estimates (code that
+repeats its prompt is accepted far more often than chat).
 
 The plan: every (request, rank) pair's expected gain in one list, best first; adding them one
 by one, the round's expected tokens over its predicted cost (verify over all nodes plus the
