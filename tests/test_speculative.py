@@ -584,3 +584,40 @@ def test_a_shallower_draft_gives_the_same_small_tree(
         assert torch.equal(a.ranks, b.ranks)
     while s.has_work:
         s.step()
+
+
+def test_queued_head_kv_writes_land_before_the_head_reads_and_the_newest_wins(
+    peaky_model_dir: str, eagle3_head: str
+) -> None:
+    """write_kv defers the head's KV: nothing is written until a read (or a full queue), then
+    every queued slot holds what the head computes for it, a slot queued twice its newest."""
+    from spectral.forward import ForwardBatch, ForwardMode
+
+    s = make_spec_scheduler(
+        peaky_model_dir, speculative_algorithm="EAGLE3", speculative_draft_model_path=eagle3_head
+    )
+    drafter = s.worker.drafter
+    head = drafter.head
+    feature_size = head.cfg.feature_size
+
+    def batch(slots: list[int], ids: list[int]) -> ForwardBatch:
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor([5] * len(ids)),
+            out_cache_loc=torch.tensor(slots),
+            req_pool_indices=torch.arange(len(ids)),
+            prefix_lens=[5] * len(ids),
+            extend_lens=[1] * len(ids),
+        )
+
+    torch.manual_seed(0)
+    first, second = torch.randn(2, feature_size), torch.randn(1, feature_size)
+    before = drafter.kv_pool.k[0][[11, 12]].clone()
+    drafter.write_kv(batch([11, 12], [7, 8]), first)
+    drafter.write_kv(batch([11], [9]), second)
+    assert torch.equal(drafter.kv_pool.k[0][[11, 12]], before)  # queued, not written
+    drafter.flush()
+    k, v = head.kv(torch.tensor([9, 8]), torch.cat((second, first[1:])), torch.tensor([5, 5]))
+    assert torch.equal(drafter.kv_pool.k[0][[11, 12]], k)
+    assert torch.equal(drafter.kv_pool.v[0][[11, 12]], v)

@@ -11,10 +11,11 @@ Per request row the drafter keeps what the last extend left: the top-k next toke
 last verified token (their log-probs and target ids) and the head's output there, which is the
 feature of the first tree step.
 
-While the scheduler decodes without speculating (the batch is over the speculation limit),
-`write_kv` stores only the head's keys and values of the new positions, a fraction of a full
-extend, and remembers each row's last position; the first `draft` for such a row runs the full
-head there first, so the draft is what it would have been after full extends.
+While the scheduler decodes without speculating (the planner finds no tree that pays, or the
+batch is over the speculation limit), `write_kv` queues only the head's keys and values of the
+new positions, a fraction of a full extend, computed together when the head next reads its KV,
+and remembers each row's last position; the first `draft` for such a row runs the full head
+there first, so the draft is what it would have been after full extends.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from spectral.kernels.torch_backend import TorchAttentionBackend
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.speculative.eagle_head import DraftHead
+
+# write_kv computes its queued positions once this many wait.
+FLUSH_TOKENS = 64
 
 
 class EagleDrafter:
@@ -60,6 +64,9 @@ class EagleDrafter:
         self.stale_position = torch.zeros(rows, dtype=torch.int64, device=device)
         self.stale_slot = torch.zeros(rows, dtype=torch.int64, device=device)
         self.stale_feature = torch.zeros((rows, cfg.feature_size), dtype=dtype, device=device)
+        # write_kv's queue: (input ids, features, positions, slots) per call.
+        self._pending: list[tuple[torch.Tensor, ...]] = []
+        self._pending_tokens = 0
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -71,6 +78,7 @@ class EagleDrafter:
         """Write the head's KV for the batch's new positions and keep, per request row, the
         top-k after its last position. `batch.input_ids` are the tokens one ahead of the
         positions (the token after each position); `features` [T, F] the target's."""
+        self.flush()
         self.backend.init_forward_metadata(batch)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -89,10 +97,15 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def write_kv(self, batch: ForwardBatch, features: torch.Tensor) -> None:
-        """Only the head's KV for the batch's new positions (`extend`'s arguments); each row's
-        top-k is left stale until its next `draft`."""
-        k, v = self.head.kv(batch.input_ids, features, batch.positions)
-        self.kv_pool.write(0, batch.out_cache_loc, k, v)
+        """Only the head's KV for the batch's new positions (`extend`'s arguments), deferred:
+        the positions wait in a queue that is computed in one call when the head next reads
+        its KV (`extend`, `draft`) or the queue holds FLUSH_TOKENS (a plain decode step's
+        worth of head work is a dozen small ops, some 10 us each on a CPU, for one token).
+        Each row's top-k is left stale until its next `draft`."""
+        self._pending.append((batch.input_ids, features, batch.positions, batch.out_cache_loc))
+        self._pending_tokens += batch.input_ids.shape[0]
+        if self._pending_tokens >= FLUSH_TOKENS:
+            self.flush()
         ends = torch.tensor(batch.extend_lens, device=features.device).cumsum(0) - 1
         rows = batch.req_pool_indices
         self.stale[rows] = True
@@ -100,6 +113,28 @@ class EagleDrafter:
         self.stale_position[rows] = batch.positions[ends]
         self.stale_slot[rows] = batch.out_cache_loc[ends]
         self.stale_feature[rows] = features[ends]
+
+    @torch.inference_mode()
+    def flush(self) -> None:
+        """Compute and write the queued positions' KV (a slot queued twice takes its newest)."""
+        if not self._pending:
+            return
+        ids, features, positions, slots = (torch.cat(parts) for parts in zip(*self._pending))
+        self._pending.clear()
+        self._pending_tokens = 0
+        order = torch.arange(slots.shape[0], device=slots.device)
+        newest = torch.full((int(slots.max()) + 1,), -1, dtype=torch.int64, device=slots.device)
+        newest.scatter_reduce_(0, slots, order, reduce="amax")
+        keep = newest[slots] == order
+        if not bool(keep.all()):
+            ids, features, positions, slots = (
+                ids[keep],
+                features[keep],
+                positions[keep],
+                slots[keep],
+            )
+        k, v = self.head.kv(ids, features, positions)
+        self.kv_pool.write(0, slots, k, v)
 
     def _refresh(self, rows: torch.Tensor) -> None:
         """Run the full head at the last position of `rows` whose top-k is stale."""
@@ -134,6 +169,7 @@ class EagleDrafter:
         level by level, so parents have lower indices than their children.
         """
         self._refresh(rows)
+        self.flush()
         steps = self.num_steps if num_steps is None else max(1, min(num_steps, self.num_steps))
         k = self.topk
         B = rows.shape[0]

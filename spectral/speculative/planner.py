@@ -204,6 +204,8 @@ class TreePlanner:
         self.cost = cost
         self.max_levels = max_levels
         self.stats: dict[str, RankStats] = {}
+        self._verify_ms: dict[int, float] = {}  # the cost model's curves, memoised
+        self._draft_ms: dict[tuple[int, int], float] = {}
         self.record = Record()
         self.last: dict = {}
         self._pending: Plan | None = None
@@ -235,7 +237,7 @@ class TreePlanner:
                 deepest = max(deepest, nodes[b])
             # A tree of n nodes needs at most n - 1 levels of draft.
             levels = min(self.max_levels, deepest - 1)
-            ms = self.cost.verify_ms(B + length) + self.cost.draft_ms(len(drafted), levels)
+            ms = self._round_ms(B + length, len(drafted), levels)
             margin = 1.0 if best.speculate else MIN_GAIN
             if expected / ms > margin * best.expected_tokens / best.predicted_ms:
                 best = Plan([], True, expected, ms, plain_ms)
@@ -250,6 +252,13 @@ class TreePlanner:
             drafts[b] += gain
         best.nodes, best.expected_drafts = nodes, drafts
         return best
+
+    def _round_ms(self, nodes: int, drafted: int, levels: int) -> float:
+        if nodes not in self._verify_ms:
+            self._verify_ms[nodes] = self.cost.verify_ms(nodes)
+        if (drafted, levels) not in self._draft_ms:
+            self._draft_ms[drafted, levels] = self.cost.draft_ms(drafted, levels)
+        return self._verify_ms[nodes] + self._draft_ms[drafted, levels]
 
     def record_plan(self, plan: Plan, nodes: list[int]) -> None:
         """The round about to run: `plan`, with the tree sizes it got (the pool may cut them)."""
