@@ -116,7 +116,8 @@ def main() -> None:
     ids = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
     prompts = ids[: args.num_prompts]
     batches = [(size, ids[:size]) for size in sizes]
-    context = max(len(p) for _, b in batches for p in b + prompts) + args.max_new_tokens + 16
+    longest = max(len(p) for p in prompts + [q for _, b in batches for q in b])
+    context = longest + args.max_new_tokens + 16
     results: dict[str, dict] = {}
     if "spectral" in systems:
         results["spectral"] = spectral_run(engine, prompts, batches, args.max_new_tokens)
