@@ -1,9 +1,8 @@
 """SpeculativeWorker: the target worker plus a drafter, one speculative round per TARGET_VERIFY.
 
-- EXTEND and DECODE run the target as usual; with a draft head, the head then runs over the
-  same positions (tokens shifted by one) so its KV and its top-k after the last token are
-  ready for the next round. A DECODE step (the scheduler is not speculating: the batch is over
-  the limit) writes only the head's KV; the top-k is computed when the request next drafts.
+- EXTEND and DECODE run the target as usual; with a draft head, the head's KV for the same
+  positions (tokens shifted by one) is queued (only keys and values: a fraction of the head's
+  work); the head's top-k after the last token is computed when the request next drafts.
 - TARGET_VERIFY (one round for each request of the batch): the head expands a tree below the
   request's last token, or the scheduler sends an n-gram tree (NGRAM: every request's; hybrid:
   those of the requests whose text repeats, in the same batch; merged: those requests verify
@@ -72,10 +71,11 @@ class SpeculativeWorker:
         ]
         draft_batch = shifted_draft_batch(batch, next_ids)
         features = self._features(hidden, captured)
-        if wb.mode == ForwardMode.DECODE:  # not speculating this step (a large batch)
-            self.drafter.write_kv(draft_batch, features)
-        else:
-            self.drafter.extend(draft_batch, features)
+        # A prefill or a plain decode step: only the head's keys and values (queued); a
+        # request's next draft runs the full head at its last position first, so it drafts as
+        # after full extends, without the head's attention, MLP and LM head over every prompt
+        # token and plain step.
+        self.drafter.write_kv(draft_batch, features)
         result.draft_top1 = self._draft_top1(wb.req_pool_indices)
         return result
 
