@@ -18,16 +18,22 @@ from tests.conftest import make_scheduler, scheduler_leaks
 from tests.test_scheduler import fresh, mixed_prompts, run_all
 
 
-@pytest.fixture()
-def remote(peaky_model_dir):
-    config = ModelConfig.from_pretrained(peaky_model_dir)
-    args = ServerArgs(
-        model_path=peaky_model_dir,
+def remote_args(model_dir: str, **options) -> ServerArgs:
+    """The worker process's settings in these tests (`options`: more ServerArgs fields)."""
+    return ServerArgs(
+        model_path=model_dir,
         dtype="float32",
         max_total_tokens=4096,
         max_running_requests=16,
         log_level="warning",
+        **options,
     )
+
+
+@pytest.fixture()
+def remote(peaky_model_dir):
+    config = ModelConfig.from_pretrained(peaky_model_dir)
+    args = remote_args(peaky_model_dir)
     with tempfile.TemporaryDirectory() as ipc_dir:
         worker = RemoteWorker(args, ipc_dir, config.max_context_len).wait_ready()
         yield worker, config
@@ -87,12 +93,8 @@ def test_a_worker_process_hands_its_cost_model_and_draft_confidence_to_the_plann
 
     head = make_random_head(tmp_path / "head", peaky_model_dir, "eagle3")
     config = ModelConfig.from_pretrained(peaky_model_dir)
-    args = ServerArgs(
-        model_path=peaky_model_dir,
-        dtype="float32",
-        max_total_tokens=4096,
-        max_running_requests=16,
-        log_level="warning",
+    args = remote_args(
+        peaky_model_dir,
         speculative_algorithm="EAGLE3",
         speculative_draft_model_path=head,
         speculative_cost_model=cost_model_file(FLAT_COST),

@@ -66,7 +66,6 @@ class EagleDrafter:
         self.stale_feature = torch.zeros((rows, cfg.feature_size), dtype=dtype, device=device)
         # write_kv's queue: (input ids, features, positions, slots) per call.
         self._pending: list[tuple[torch.Tensor, ...]] = []
-        self._pending_tokens = 0
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -103,8 +102,7 @@ class EagleDrafter:
         worth of head work is a dozen small ops, some 10 us each on a CPU, for one token).
         Each row's top-k is left stale until its next `draft`."""
         self._pending.append((batch.input_ids, features, batch.positions, batch.out_cache_loc))
-        self._pending_tokens += batch.input_ids.shape[0]
-        if self._pending_tokens >= FLUSH_TOKENS:
+        if sum(ids.shape[0] for ids, *_ in self._pending) >= FLUSH_TOKENS:
             self.flush()
         ends = torch.tensor(batch.extend_lens, device=features.device).cumsum(0) - 1
         rows = batch.req_pool_indices
@@ -121,7 +119,6 @@ class EagleDrafter:
             return
         ids, features, positions, slots = (torch.cat(parts) for parts in zip(*self._pending))
         self._pending.clear()
-        self._pending_tokens = 0
         order = torch.arange(slots.shape[0], device=slots.device)
         newest = torch.full((int(slots.max()) + 1,), -1, dtype=torch.int64, device=slots.device)
         newest.scatter_reduce_(0, slots, order, reduce="amax")

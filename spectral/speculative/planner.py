@@ -27,7 +27,7 @@ batch grows and vanish where they would not pay.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from spectral.forward import ForwardMode
 from spectral.speculative.cost_model import CostModel
@@ -157,7 +157,6 @@ class Plan:
     expected_tokens: float  # per round (or step), the whole batch
     predicted_ms: float
     plain_ms: float
-    expected_drafts: list[float] = field(default_factory=list)  # per request
 
     @property
     def predicted_gain(self) -> float:
@@ -213,7 +212,7 @@ class TreePlanner:
     def plan(self, reqs: list[PlanInput]) -> Plan:
         B = len(reqs)
         plain_ms = self.cost.decode_ms(B)
-        plain = Plan([1] * B, False, float(B), plain_ms, plain_ms, [0.0] * B)
+        plain = Plan([1] * B, False, float(B), plain_ms, plain_ms)
         most = max((req.max_nodes for req in reqs), default=1) - 1
         by_kind = {kind: self.stats_for(kind).gains(most) for kind in {r.kind for r in reqs}}
         gains = []
@@ -245,12 +244,9 @@ class TreePlanner:
         if not best.speculate:
             self.last = {"batch": B, "speculate": False}
             return plain
-        nodes = [1] * B
-        drafts = [0.0] * B
-        for gain, b, _ in gains[:best_len]:
-            nodes[b] += 1
-            drafts[b] += gain
-        best.nodes, best.expected_drafts = nodes, drafts
+        best.nodes = [1] * B
+        for _, b, _ in gains[:best_len]:
+            best.nodes[b] += 1
         return best
 
     def _round_ms(self, nodes: int, drafted: int, levels: int) -> float:
