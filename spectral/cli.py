@@ -48,7 +48,7 @@ def run_demo(args: ServerArgs, max_new_tokens: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "train-eagle3":
-        from spectral.speculative.train import main as train_main
+        from spectral.training.train import main as train_main
 
         train_main(argv[1:])
         return

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from spectral import faults
 from spectral.args import ServerArgs
+from spectral.logprobs import logprob_meta
 from spectral.models.config import ModelConfig
 from spectral.models.resolve import model_files_dir
 from spectral.sampling_params import InvalidRequestError, SamplingParams
@@ -238,6 +239,8 @@ class Engine:
         reqs, _ = self._make_reqs(
             prompt, input_ids, sampling_params, return_logprob, top_logprobs_num
         )
+        if len(reqs) > 1:
+            raise InvalidRequestError("async_generate takes n = 1; use generate for n samples")
         req = reqs[0]
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[BaseException | None] = asyncio.Queue()
@@ -300,22 +303,24 @@ class Engine:
             params = [SamplingParams.from_dict(sampling_params) for _ in token_lists]
         if top_logprobs_num < 0:
             raise InvalidRequestError(f"top_logprobs_num must be >= 0 (got {top_logprobs_num})")
+        # n samples per prompt, prompt by prompt (SGLang's order); n > 1 answers a list
         reqs = [
             Req(
                 rid=f"{uuid.uuid4().hex[:8]}-{next(self._rid_counter)}",
                 input_ids=ids,
-                sampling_params=p,
+                sampling_params=p.for_sample(k),
                 return_logprob=return_logprob,
                 top_logprobs_num=top_logprobs_num,
                 logprob_start_len=logprob_start_len,
             )
             for ids, p in zip(token_lists, params)
+            for k in range(p.n)
         ]
-        return reqs, single
+        return reqs, single and len(reqs) == 1
 
     def _output(self, req: Req) -> dict[str, Any]:
         p = req.sampling_params
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
+        text = p.decode(self.tokenizer, req.output_ids)
         if req.stop_text_cut is not None:
             text = text[: req.stop_text_cut]
         if not req.finished:
@@ -331,15 +336,11 @@ class Engine:
             **req.spec_meta(),
         }
         if req.return_logprob:
-            meta["output_token_logprobs"] = [
-                (lp, tok, None) for lp, tok in zip(req.output_logprobs, req.output_ids)
-            ]
-        if req.return_logprob and req.logprob_start_len >= 0:
-            meta["input_token_logprobs"] = req.input_token_logprobs()
-        if req.top_logprobs_num:
-            meta["output_top_logprobs"] = [
-                [(lp, tok, None) for lp, tok in step] for step in req.output_top_logprobs
-            ]
+            meta |= logprob_meta(
+                req.input_token_logprobs(),
+                list(zip(req.output_logprobs, req.output_ids)),
+                req.output_top_logprobs if req.top_logprobs_num else None,
+            )
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     def get_server_info(self) -> dict[str, Any]:

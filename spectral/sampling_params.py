@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
+import regex
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -32,6 +33,11 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STOP_CHARS = 4096
+# The most parallel samples (`n`) per prompt; a server's --max-request-sequences bounds prompts x n.
+MAX_N = 128
+# A stop regex is searched in the output after every new token; one that backtracks for longer
+# than this finishes its request with an error instead of stalling the scheduler.
+STOP_REGEX_TIMEOUT_S = 0.05
 
 
 class InvalidRequestError(ValueError):
@@ -60,14 +66,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
+    n: int = 1
+    stop_regex: list[str] = field(default_factory=list)
+    spaces_between_special_tokens: bool = True
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None, where: str = "") -> SamplingParams:
         """Validated parameters from a client's dict (None and missing keys take defaults)."""
-        params = dict(params or {})
-        if "sampling_seed" in params:
-            params.setdefault("seed", params.pop("sampling_seed"))
-        return check_model(SamplingParamsModel, params, where).to_params()
+        return check_model(SamplingParamsModel, params or {}, where).to_params()
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError unless every field is allowed (and, given the vocabulary
@@ -80,6 +86,41 @@ class SamplingParams:
                     f"stop_token_ids {bad[:5]} are outside the vocabulary (size {vocab_size})",
                     "stop_token_ids",
                 )
+
+    def for_sample(self, k: int) -> SamplingParams:
+        """The parameters of the k-th of `n` samples: a different seed when one was given, so
+        that the samples differ (kept within 64 bits)."""
+        if k == 0 or self.seed is None:
+            return self
+        seed = (self.seed + k - INT64_MIN) % 2**64 + INT64_MIN
+        return dataclasses.replace(self, seed=seed)
+
+    def decode(self, tokenizer: Any, ids: list[int]) -> str:
+        """`ids` as text the way this request shows it (special tokens skipped or not)."""
+        return tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
+
+    def search_stop_regex(self, text: str, partial: bool = False) -> regex.Match | None:
+        """The earliest match of any stop regex in `text` (None without one); with `partial`,
+        also a match that the end of `text` cuts short (`.partial` set), which more text may
+        complete. Raises InvalidRequestError when a pattern backtracks past
+        STOP_REGEX_TIMEOUT_S."""
+        best = None
+        for pattern in self.stop_regex:
+            try:
+                found = regex.search(pattern, text, partial=partial, timeout=STOP_REGEX_TIMEOUT_S)
+            except TimeoutError:
+                raise InvalidRequestError(
+                    f"stop_regex {short_repr(pattern)} took longer than "
+                    f"{STOP_REGEX_TIMEOUT_S * 1000:.0f} ms to search the output; simplify it",
+                    "stop_regex",
+                ) from None
+            if found is not None and (best is None or found.start() < best.start()):
+                best = found
+        return best
 
     @property
     def is_greedy(self) -> bool:
@@ -137,6 +178,29 @@ StopString = text(min_length=1, max_length=MAX_STOP_CHARS)
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 
+
+def _compiles(pattern: str) -> str:
+    try:
+        regex.compile(pattern)
+    except regex.error as err:
+        raise ValueError(f"not a valid regular expression: {err}") from None
+    return pattern
+
+
+StopRegex = Annotated[text(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_compiles)]
+StopRegexes = StopRegex | Annotated[list[StopRegex], Field(max_length=MAX_STOP_STRINGS)]
+# SGLang's sampling parameters that spectral does not act on: accepted while null (or empty),
+# refused with a 400 that names them otherwise.
+UNSUPPORTED_SAMPLING = {
+    "regex": "constrained decoding (regex, json_schema, ebnf) is not supported yet",
+    "json_schema": "constrained decoding (regex, json_schema, ebnf) is not supported yet",
+    "ebnf": "constrained decoding (regex, json_schema, ebnf) is not supported yet",
+    "structural_tag": "structural tags are not supported",
+    "custom_params": "custom logit processors are not supported",
+    "logit_bias": "logit_bias is not supported",
+    "stream_interval": "stream_interval is not supported (every step streams)",
+}
+
 _D = SamplingParams  # the defaults
 
 
@@ -160,13 +224,32 @@ class SamplingParamsModel(BaseModel):
     skip_special_tokens: Flag = _D.skip_special_tokens
     no_stop_trim: Flag = _D.no_stop_trim
     seed: Seed | None = None
+    n: Annotated[int, Field(strict=True, ge=1, le=MAX_N, description="parallel samples")] = _D.n
+    stop_regex: StopRegexes | None = None
+    spaces_between_special_tokens: Flag = _D.spaces_between_special_tokens
+    regex: Any = Field(None, description=UNSUPPORTED_SAMPLING["regex"])
+    json_schema: Any = Field(None, description=UNSUPPORTED_SAMPLING["json_schema"])
+    ebnf: Any = Field(None, description=UNSUPPORTED_SAMPLING["ebnf"])
+    structural_tag: Any = Field(None, description=UNSUPPORTED_SAMPLING["structural_tag"])
+    custom_params: Any = Field(None, description=UNSUPPORTED_SAMPLING["custom_params"])
+    logit_bias: Any = Field(None, description=UNSUPPORTED_SAMPLING["logit_bias"])
+    stream_interval: Any = Field(None, description=UNSUPPORTED_SAMPLING["stream_interval"])
 
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_defaults(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
+            data = {k: v for k, v in data.items() if v is not None}
+            if "sampling_seed" in data:  # SGLang's name
+                data.setdefault("seed", data.pop("sampling_seed"))
         return data
+
+    @field_validator(*UNSUPPORTED_SAMPLING)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> None:
+        if value not in (None, {}):
+            raise ValueError(f"{UNSUPPORTED_SAMPLING[info.field_name]}; send null or leave it out")
+        return None
 
     @field_validator("top_k")
     @classmethod
@@ -187,9 +270,13 @@ class SamplingParamsModel(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def to_params(self) -> SamplingParams:
-        values = {k: getattr(self, k) for k in type(self).model_fields}
+        values = {
+            k: getattr(self, k) for k in type(self).model_fields if k not in UNSUPPORTED_SAMPLING
+        }
         values["stop"] = self.stop_list()
         values["stop_token_ids"] = list(self.stop_token_ids or [])
+        stop_regex = self.stop_regex or []
+        values["stop_regex"] = [stop_regex] if isinstance(stop_regex, str) else list(stop_regex)
         return SamplingParams(**values)
 
 

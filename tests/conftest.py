@@ -32,6 +32,21 @@ def tokenizer(default_model_dir: str):
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
+# The float32 server that test_server.py and test_sglang_compat.py share (one start-up).
+SERVER_API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def fp32_server(default_model_dir: str):
+    from tests.server_utils import start_fp32_server, stop_server
+
+    proc, url = start_fp32_server(
+        default_model_dir, SERVER_API_KEY, "--served-model-name", "smollm2"
+    )
+    yield url
+    stop_server(proc)
+
+
 @pytest.fixture(scope="session")
 def engine_fp32(default_model_dir: str):
     from spectral import Engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -49,19 +50,39 @@ def start_server(*flags: str, timeout: float = 120.0) -> tuple[subprocess.Popen,
     raise RuntimeError("server did not come up")
 
 
-def start_fp32_server(model_dir: str, api_key: str, *flags: str) -> tuple[subprocess.Popen, str]:
-    """The default model in float32 with a 16k-token pool behind `api_key`."""
+def start_fp32_server(
+    model_dir: str, api_key: str | None, *flags: str
+) -> tuple[subprocess.Popen, str]:
+    """The default model in float32 with a 16k-token pool, behind `api_key` if one is given."""
+    key = ["--api-key", api_key] if api_key else []
     return start_server(
-        "--model-path",
-        model_dir,
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        "16384",
-        "--api-key",
-        api_key,
-        *flags,
+        "--model-path", model_dir, "--dtype", "float32", "--max-total-tokens", "16384", *key, *flags
     )
+
+
+def run_bench_serving(
+    url: str, model_dir: str, out: Path, api_key: str | None = None
+) -> list[dict]:
+    """SGLang's bench_serving (sglang backend, 8 random-id prompts of 32 tokens, 8 new tokens
+    each, 4 at a time) against `url`, offline (it reads the model's config and tokenizer from
+    `model_dir`; given a name, it would ask the hub); its JSON reports."""
+    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url]
+    cmd += ["--dataset-name", "random-ids", "--tokenizer", model_dir, "--model", model_dir]
+    cmd += ["--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8"]
+    cmd += ["--random-range-ratio", "1.0", "--max-concurrency", "4", "--disable-tqdm"]
+    run = subprocess.run(
+        [*cmd, "--output-file", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            **({"OPENAI_API_KEY": api_key} if api_key else {}),
+        },
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return [json.loads(line) for line in out.read_text().splitlines() if line]
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spectral.sampling_params import SamplingParams
 from spectral.server.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
@@ -45,7 +46,7 @@ def test_a_multibyte_character_split_over_tokens_waits_until_complete(tokenizer)
 def test_a_stop_string_spanning_tokens_is_found_and_trimmed(tokenizer):
     text = "The answer is 42. END OF ANSWER and more text"
     ids = tokenizer(text)["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, stop=["END OF ANSWER"])
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["END OF ANSWER"]))
     out = "".join(stream(detok, ids))
     assert detok.stopped == "END OF ANSWER"
     assert out == "The answer is 42. "
@@ -53,12 +54,23 @@ def test_a_stop_string_spanning_tokens_is_found_and_trimmed(tokenizer):
 
 def test_no_stop_trim_keeps_the_stop_string(tokenizer):
     ids = tokenizer("abc STOP def")["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, stop=["STOP"], no_stop_trim=True)
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["STOP"], no_stop_trim=True))
     assert "".join(stream(detok, ids)) == "abc STOP"
 
 
+@pytest.mark.parametrize("no_stop_trim", [False, True])
+def test_a_stop_regex_match_ends_the_text_like_a_stop_string(tokenizer, no_stop_trim):
+    text = "Order 66 was given in 19 BBY, then nothing"
+    ids = tokenizer(text)["input_ids"]
+    params = SamplingParams(stop_regex=[r"[0-9]+ BBY", "nothing"], no_stop_trim=no_stop_trim)
+    detok = IncrementalDetokenizer(tokenizer, params)
+    out = "".join(stream(detok, ids))
+    assert detok.stopped == "19 BBY"  # the earliest match of either pattern
+    assert out == ("Order 66 was given in 19 BBY" if no_stop_trim else "Order 66 was given in ")
+
+
 def test_a_possible_stop_prefix_is_held_back_then_released(tokenizer):
-    detok = IncrementalDetokenizer(tokenizer, stop=["<end>"])
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["<end>"]))
     shown = detok.push(tokenizer("Hello <e")["input_ids"])
     assert shown == "Hello "  # "<e" could still become "<end>"
     rest = detok.push(tokenizer("xtra", add_special_tokens=False)["input_ids"])

@@ -139,7 +139,6 @@ HOSTILE = [
     ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
     ("/generate", {"text": "a", "rid": ["x", "y"]}, "rid"),
     ("/generate", {"text": "a", "input_ids": [1]}, "text"),
-    ("/generate", {"text": ["a", "b"], "stream": True}, "stream"),
     ("/generate", b"{not json", None),
     ("/generate", b"[1, 2, 3]", None),
     ("/generate", b"", None),

@@ -12,19 +12,16 @@ import pytest
 
 import spectral as sgl
 from spectral.lang import BackendError
-from tests.server_utils import free_port, start_fp32_server, stop_server
+from tests.conftest import SERVER_API_KEY
+from tests.server_utils import free_port
 
-API_KEY = "lang-key"
+API_KEY = SERVER_API_KEY
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir):
-    # One worker thread: these tests check the DSL, not the server's speed, and on a busy
-    # 2-core machine a 2-thread worker stalls for seconds per step.
-    proc, url = start_fp32_server(default_model_dir, API_KEY, "--num-threads", "1")
-    yield url
-    stop_server(proc)
+def server(fp32_server):
+    return fp32_server
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectral.speculative.teacher_store import DiskStore, MemoryStore, sample_key
+from spectral.training.teacher_store import DiskStore, MemoryStore, sample_key
 
 META = {"target": "t", "aux_layers": [1, 2, 3], "dtype": "bfloat16", "width": 8}
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from spectral.models.config import ModelConfig
 from spectral.speculative.eagle_head import load_draft_head
-from spectral.speculative.train import (
+from spectral.training.train import (
     Teacher,
     TeacherCache,
     TrainConfig,
@@ -29,7 +29,7 @@ from spectral.speculative.train import (
     train,
     training_files,
 )
-from spectral.speculative.train_data import (
+from spectral.training.train_data import (
     Sample,
     generate_answers,
     generate_second_turns,
@@ -37,7 +37,7 @@ from spectral.speculative.train_data import (
     sharegpt_first_turns,
     without_prompts_of,
 )
-from spectral.speculative.ttt import ttt_loss
+from spectral.training.ttt import ttt_loss
 from tests.conftest import make_tiny_llama
 
 
@@ -329,7 +329,7 @@ def test_evaluating_held_out_data_leaves_training_unchanged(
     data = write_answers(tmp_path / "data.jsonl", random_samples(3, 40, seed=6), 10)
     held = write_answers(tmp_path / "held.jsonl", random_samples(2, 30, seed=7), 10)
     common = dict(max_steps=4, save_every=2)
-    with caplog.at_level("INFO", logger="spectral.speculative.train"):
+    with caplog.at_level("INFO", logger="spectral.training.train"):
         scored = train(tiny_run(target_dir, data, tmp_path / "a", eval_data=[held], **common))
     plain = train(tiny_run(target_dir, data, tmp_path / "b", **common))
     assert_same_weights(scored, plain)

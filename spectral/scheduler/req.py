@@ -35,7 +35,8 @@ class Req:
     sampling_params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    # With return_logprob: logprobs of the prompt tokens from this position on (-1: none).
+    # With return_logprob: logprobs of the prompt tokens from this position on (-1: the last
+    # prompt token only, which has none, as in SGLang).
     logprob_start_len: int = -1
     # Requests of one client call (a batch, n choices) share a group; the scheduler shares
     # its rows fairly between groups. None: a group of its own.
@@ -125,11 +126,15 @@ class Req:
             end = min(end, self.logprob_start_len)
         return tokens[:end]
 
-    def input_token_logprobs(self) -> list[tuple[float | None, int, None]]:
-        """(logprob, token, None) for the prompt from `logprob_start_len` on; the first has no
-        logprob (SGLang's shape)."""
+    def __post_init__(self) -> None:
+        if self.return_logprob and self.logprob_start_len < 0:
+            self.logprob_start_len = len(self.input_ids) - 1
+
+    def input_token_logprobs(self) -> list[tuple[float | None, int]]:
+        """(logprob, token) for the prompt from `logprob_start_len` on; the first has no
+        logprob."""
         start = min(self.logprob_start_len, len(self.input_ids) - 1)
-        return [(lp, tok, None) for lp, tok in zip(self.input_logprobs, self.input_ids[start:])]
+        return list(zip(self.input_logprobs, self.input_ids[start:]))
 
     def spec_meta(self) -> dict[str, Any]:
         """meta_info entries of speculative decoding (none for a request that never ran a

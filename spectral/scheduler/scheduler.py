@@ -558,6 +558,11 @@ class Scheduler:
                 reason = self._match_stop_string(req)
                 if reason is not None:
                     return reason
+            if p.stop_regex:
+                found = p.search_stop_regex(p.decode(self.tokenizer, req.output_ids))
+                if found is not None:
+                    req.stop_text_cut = found.start() if not p.no_stop_trim else None
+                    return FinishReason("stop", matched=found.re.pattern)
         if len(req.output_ids) >= self.max_output(req):
             return FinishReason("length", length=len(req.output_ids))
         return None
@@ -566,12 +571,10 @@ class Scheduler:
         p = req.sampling_params
         longest = max(len(s) for s in p.stop)
         tail_ids = req.output_ids[-(longest + 2) :]
-        tail = self.tokenizer.decode(tail_ids, skip_special_tokens=p.skip_special_tokens)
+        tail = p.decode(self.tokenizer, tail_ids)
         for stop in p.stop:
             if stop in tail:
-                text = self.tokenizer.decode(
-                    req.output_ids, skip_special_tokens=p.skip_special_tokens
-                )
+                text = p.decode(self.tokenizer, req.output_ids)
                 req.stop_text_cut = text.find(stop) if not p.no_stop_trim else None
                 return FinishReason("stop", matched=stop)
         return None

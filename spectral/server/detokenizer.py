@@ -4,12 +4,16 @@ strings found even when they span several tokens.
 `IncrementalDetokenizer` keeps one request's state. Each `push(new_ids)` returns the text that
 is safe to show now: it waits while the decoded tail is an incomplete character (the tokenizer
 shows U+FFFD), and holds back a tail that could still become a stop string. When a stop string
-appears, the text is cut before it (unless `no_stop_trim`) and `stopped` is set.
+or a match of a stop regex appears, the text is cut before it (unless `no_stop_trim`) and
+`stopped` is set. Text where a match of a stop regex may be starting (the regex matches it
+partially) is held back like a stop string's prefix.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
+
+from spectral.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 # Tokens decoded before the new ones, so that tokenizers which drop a leading space when
@@ -18,21 +22,16 @@ CONTEXT_TOKENS = 5
 
 
 class Tokenizer(Protocol):
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, **kwargs: bool) -> str: ...
 
 
 class IncrementalDetokenizer:
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        stop: list[str] | None = None,
-        skip_special_tokens: bool = True,
-        no_stop_trim: bool = False,
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
         self.tokenizer = tokenizer
-        self.stop = [s for s in (stop or []) if s]
-        self.skip_special_tokens = skip_special_tokens
-        self.no_stop_trim = no_stop_trim
+        self.params = params
+        self.stop = [s for s in params.stop if s]
+        self.no_stop_trim = params.no_stop_trim
         self.ids: list[int] = []
         self.prefix_offset = 0  # start of the context tokens
         self.read_offset = 0  # tokens before this are in `text`
@@ -41,7 +40,7 @@ class IncrementalDetokenizer:
         self.stopped: str | None = None  # the stop string that ended the text
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.params.decode(self.tokenizer, ids)
 
     def push(self, new_ids: list[int]) -> str:
         """Append tokens; return the text newly safe to emit (possibly empty)."""
@@ -68,20 +67,29 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _find_stop(self, new_from: int) -> None:
-        if not self.stop:
-            return
-        longest = max(len(s) for s in self.stop)
-        start = max(0, new_from - longest + 1)
-        hits = [(self.text.find(s, start), s) for s in self.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
+        hits = []
+        if self.stop:
+            longest = max(len(s) for s in self.stop)
+            start = max(0, new_from - longest + 1)
+            found = [(self.text.find(s, start), s) for s in self.stop]
+            hits = [(i, i + len(s), s) for i, s in found if i >= 0]
+        if self.params.stop_regex:
+            match = self.params.search_stop_regex(self.text)
+            if match is not None:
+                hits.append((match.start(), match.end(), match.group()))
         if hits:
-            index, stop = min(hits)
+            start, end, stop = min(hits)
             self.stopped = stop
-            self.text = self.text[: index + (len(stop) if self.no_stop_trim else 0)]
+            self.text = self.text[: end if self.no_stop_trim else start]
 
     def _holdback(self) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        """Length of the longest tail of `text` that is a proper prefix of a stop string or
+        where a stop regex's match may be starting."""
         best = 0
+        if self.params.stop_regex:
+            match = self.params.search_stop_regex(self.text, partial=True)
+            if match is not None and match.partial:
+                best = len(self.text) - match.start()
         for stop in self.stop:
             for n in range(min(len(stop) - 1, len(self.text)), best, -1):
                 if self.text.endswith(stop[:n]):

@@ -92,9 +92,7 @@ def _text_delta(
     rid = msg.rids[i]
     state = states.get(rid)
     if state is None:
-        state = states[rid] = IncrementalDetokenizer(
-            tokenizer, msg.stop[i], msg.skip_special_tokens[i], msg.no_stop_trim[i]
-        )
+        state = states[rid] = IncrementalDetokenizer(tokenizer, msg.params[i])
     delta = state.push(msg.new_ids[i])
     if msg.finished_reasons[i] is not None:
         delta += state.finish()

@@ -4,7 +4,7 @@ included), running a request's sequences together, and watching for the client t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -105,6 +105,40 @@ async def run_all(gens: list[AsyncIterator[ReqState]]) -> list[ReqState]:
         if failed:
             raise failed[0].exception()
         return [t.result() for t in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def merged(
+    gens: list[AsyncIterator[ReqState]], render: Callable[[ReqState], Any]
+) -> AsyncIterator[tuple[int, Any]]:
+    """(index, render(state)) of a request's sequences as each advances, all run together
+    (a streamed batch). If one fails, the others are cancelled and its error is raised; so
+    they are when the caller stops iterating."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, gen: AsyncIterator[ReqState]) -> None:
+        try:
+            async for state in gen:
+                queue.put_nowait((index, render(state)))
+            queue.put_nowait((index, done))
+        except Exception as err:
+            queue.put_nowait((index, err))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
     finally:
         for task in tasks:
             task.cancel()

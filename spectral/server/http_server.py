@@ -22,6 +22,7 @@ from spectral.server.http_common import (
     ORJSONResponse,
     error_response,
     event_stream,
+    merged,
     run_all,
     sse,
     unless_disconnected,
@@ -189,17 +190,42 @@ def create_app(
             pass
         return Response(status_code=200)
 
+    # SGLang serves these under both names (sglang-router and newer SGLang clients ask for
+    # /server_info and /model_info first).
     @app.get("/get_model_info", response_model=ModelInfo, responses=ERRORS)
+    @app.get("/model_info", response_model=ModelInfo, responses=ERRORS)
     async def model_info() -> dict[str, Any]:
         return {
             "model_path": served_model,
+            "tokenizer_path": info.get("tokenizer_path"),
             "is_generation": True,
             "context_length": info.get("context_length"),
+            "model_type": info.get("model_type"),
+            "architectures": info.get("architectures"),
         }
 
     @app.get("/get_server_info", response_model=dict[str, Any], responses=ERRORS)
+    @app.get("/server_info", response_model=dict[str, Any], responses=ERRORS)
     async def server_info() -> dict[str, Any]:
-        return {**info, **(await manager.control("server_info"))}
+        state = await manager.control("server_info")
+        # SGLang's per-rank state; bench_serving reports the accept length from it.
+        internal = {"avg_spec_accept_length": state["stats"].get("spec_accept_length") or None}
+        return {**info, **state, "internal_states": [internal]}
+
+    @app.get("/get_load", response_model=list[dict[str, int]], responses=ERRORS)
+    async def get_load() -> list[dict[str, int]]:
+        """SGLang's load report (sglang-router's power-of-two policy reads num_tokens)."""
+        state = await manager.control("server_info")
+        memory = state["memory"]
+        held = memory["total_tokens"] - memory["free_tokens"] - memory["evictable_tokens"]
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": state["requests"]["running"],
+                "num_waiting_reqs": state["requests"]["waiting"],
+                "num_tokens": held,
+            }
+        ]
 
     @app.get(
         "/metrics",
@@ -210,7 +236,9 @@ def create_app(
         body = manager.metrics.render(await manager.control("server_info"))
         return Response(body, media_type="text/plain; version=0.0.4")
 
-    @app.post("/flush_cache", response_model=MessageResponse, responses=ERRORS)
+    @app.api_route(
+        "/flush_cache", methods=["GET", "POST"], response_model=MessageResponse, responses=ERRORS
+    )
     async def flush_cache() -> ORJSONResponse:
         result = await manager.control("flush_cache")
         if result.get("success"):
@@ -231,40 +259,53 @@ def create_app(
         },
     )
     async def generate(body: GenerateRequest, request: Request):
-        params, rids = body.checked(limits)
+        jobs = body.jobs(limits)
         if body.text is not None:
             prompts = await manager.tokenize(body.text)
         else:
             prompts = [body.input_ids] if not body.is_batch else body.input_ids
-        for i, (ids, p, rid) in enumerate(zip(prompts, params, rids)):
+        for job in jobs:
+            ids = prompts[job.prompt]
             try:
-                manager.check(ids, p, rid)
+                if job.return_logprob and job.logprob_start_len >= len(ids):
+                    raise InvalidRequestError(
+                        f"logprob_start_len: {job.logprob_start_len} is not below the prompt's "
+                        f"{len(ids)} tokens",
+                        "logprob_start_len",
+                    )
+                manager.check(ids, job.params, job.rid)
             except InvalidRequestError as err:
-                raise batch_error(err, i, body.is_batch) from None
-        group = manager.new_rid() if body.is_batch else None
+                raise batch_error(err, job.prompt, body.is_batch) from None
+        group = manager.new_rid() if len(jobs) > 1 else None
         gens = [
             manager.generate(
-                ids,
-                p,
-                rid,
-                body.return_logprob,
-                body.top_logprobs_num,
-                body.logprob_start_len,
+                prompts[job.prompt],
+                job.params,
+                job.rid,
+                job.return_logprob,
+                job.top_logprobs_num,
+                job.logprob_start_len,
                 group,
             )
-            for ids, p, rid in zip(prompts, params, rids)
+            for job in jobs
         ]
+        token_text = manager.token_text if body.return_text_in_logprobs else None
         if body.stream:
 
             async def events() -> AsyncIterator[bytes]:
-                async for state in gens[0]:
-                    yield sse(state.output())
+                if not body.answers_a_list:
+                    async for state in gens[0]:
+                        yield sse(state.output(token_text))
+                    return
+                async for index, out in merged(gens, lambda s: s.output(token_text)):
+                    yield sse({**out, "index": index})
 
             return event_stream(events())
         outs = await unless_disconnected(request, run_all(gens))
         if isinstance(outs, Response):
             return outs
-        return ORJSONResponse([o.output() for o in outs] if body.is_batch else outs[0].output())
+        outputs = [o.output(token_text) for o in outs]
+        return ORJSONResponse(outputs if body.answers_a_list else outputs[0])
 
     add_openai_routes(app, manager, served_model, limits)
     app.openapi = lambda: openapi_document(app, bool(api_key))

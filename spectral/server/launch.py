@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 
 import uvicorn
 import zmq
@@ -63,6 +64,11 @@ def _stop(children: dict[str, subprocess.Popen]) -> None:
 
 def launch_server(args: ServerArgs) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    if args.dp_size > 1 or args.worker_urls:
+        from spectral.server.data_parallel import serve_data_parallel
+
+        serve_data_parallel(args)
+        return
     # Extracted (once) before the children start, so that they find it; they start before this
     # process imports the HTTP stack and loads its tokenizer, which overlaps their start-up.
     model_dir = model_files_dir(args.model_path, args.model_cache_dir)
@@ -112,13 +118,22 @@ def launch_server(args: ServerArgs) -> None:
         )
         state["manager"] = manager
         public_args = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
-        app = create_app(
-            manager,
-            served,
-            {"context_length": info["context_length"], "server_args": public_args},
-            args.api_key,
-            RequestLimits(args),
-        )
+        # What /get_server_info and /get_model_info say besides the scheduler's state, in
+        # SGLang's names (sglang-router reads the sizes and the model's names from them).
+        server_info = {
+            "model_path": args.model_path,
+            "served_model_name": served,
+            "tokenizer_path": args.tokenizer_path or model_dir,
+            "model_type": info["model_type"],
+            "architectures": info["architectures"],
+            "context_length": info["context_length"],
+            "max_total_tokens": info["num_kv_slots"],
+            "tp_size": 1,
+            "dp_size": 1,
+            "version": version("spectral"),
+            "server_args": public_args,
+        }
+        app = create_app(manager, served, server_info, args.api_key, RequestLimits(args))
         config = uvicorn.Config(
             app,
             timeout_graceful_shutdown=5,

@@ -75,9 +75,9 @@ class BatchTokenIDOut:
     new_logprobs: list[list[Any]]
     finished_reasons: list[dict[str, Any] | None]
     meta: list[dict[str, Any]]
-    stop: list[list[str]]
-    skip_special_tokens: list[bool]
-    no_stop_trim: list[bool]
+    # A request's sampling parameters with its first news (how to show its text, where it
+    # stops), None after.
+    params: list[SamplingParams | None]
 
 
 @message

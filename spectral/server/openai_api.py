@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from spectral.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from spectral.sampling_params import SamplingParams
 from spectral.server.http_common import (
     ORJSONResponse,
     event_stream,
@@ -57,7 +56,9 @@ def add_openai_routes(
         limits.check_sampling(params, "")
         limits.check_top_logprobs(top, top_param)
         jobs = [
-            (i * n + k, ids, _seeded(params, k)) for i, ids in enumerate(prompts) for k in range(n)
+            (i * n + k, ids, params.for_sample(k))
+            for i, ids in enumerate(prompts)
+            for k in range(n)
         ]
         for _, ids, p in jobs:
             manager.check(ids, p, None)
@@ -83,7 +84,7 @@ def add_openai_routes(
                 scored = state.logprobs
                 if body.echo:
                     prompt = state.meta.get("input_token_logprobs") or []
-                    scored = [(lp, tok, None) for lp, tok, _ in prompt] + scored
+                    scored = [(lp, tok, None) for lp, tok in prompt] + scored
                 logprobs = _completion_logprobs(manager, scored)
             if body.echo:
                 text = manager.tokenizer.decode(ids) + text
@@ -163,7 +164,7 @@ def add_openai_routes(
             {"role": m.role if m.role != "developer" else "system", "content": m.text()}
             for m in body.messages
         ]
-        ids = await manager.apply_chat_template(messages)
+        ids = await manager.apply_chat_template(messages, body.chat_template_kwargs or {})
         top = body.top_logprobs or 0
         jobs = prepared([ids], params, body.n, top, "top_logprobs")
         group = manager.new_rid()
@@ -231,16 +232,6 @@ def add_openai_routes(
         )
 
 
-def _seeded(params: SamplingParams, k: int) -> SamplingParams:
-    """The k-th of n choices: a different seed when one was given, so choices differ (kept
-    within 64 bits)."""
-    if k == 0 or params.seed is None:
-        return params
-    seed = (params.seed + k - INT64_MIN) % 2**64 + INT64_MIN
-    assert INT64_MIN <= seed <= INT64_MAX
-    return dataclasses.replace(params, seed=seed)
-
-
 async def _completion_prompts(manager: TokenizerManager, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str) or isinstance(prompt[0], str):
         return await manager.tokenize(prompt, "prompt")
@@ -276,18 +267,14 @@ def _chat_chunk(cid, created, model, index, delta, reason) -> dict[str, Any]:
     return _envelope(cid, "chat.completion.chunk", created, model, [choice])
 
 
-def _token_text(manager: TokenizerManager, token: int) -> str:
-    return manager.tokenizer.decode([token])
-
-
 def _completion_logprobs(manager: TokenizerManager, scored: list[Any]) -> dict[str, Any]:
     """OpenAI's completion logprobs for (logprob, token, top logprobs or None) entries."""
     tokens, token_logprobs, tops, offsets, offset = [], [], [], [], 0
     for lp, tok, top in scored:
-        text = _token_text(manager, tok)
+        text = manager.token_text(tok)
         tokens.append(text)
         token_logprobs.append(lp)
-        tops.append({_token_text(manager, t): v for v, t in (top or [])} or None)
+        tops.append({manager.token_text(t): v for v, t in (top or [])} or None)
         offsets.append(offset)
         offset += len(text)
     return {
@@ -301,7 +288,7 @@ def _completion_logprobs(manager: TokenizerManager, scored: list[Any]) -> dict[s
 def _chat_logprobs(manager: TokenizerManager, state: ReqState) -> dict[str, Any]:
     content = []
     for lp, tok, top in state.logprobs:
-        text = _token_text(manager, tok)
+        text = manager.token_text(tok)
         content.append(
             {
                 "token": text,
@@ -309,9 +296,9 @@ def _chat_logprobs(manager: TokenizerManager, state: ReqState) -> dict[str, Any]
                 "bytes": list(text.encode()),
                 "top_logprobs": [
                     {
-                        "token": _token_text(manager, t),
+                        "token": manager.token_text(t),
                         "logprob": v,
-                        "bytes": list(_token_text(manager, t).encode()),
+                        "bytes": list(manager.token_text(t).encode()),
                     }
                     for v, t in (top or [])
                 ],

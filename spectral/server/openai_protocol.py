@@ -6,9 +6,10 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from spectral.sampling_params import (
+    UNSUPPORTED_SAMPLING,
     Count,
     Flag,
     MinP,
@@ -16,6 +17,8 @@ from spectral.sampling_params import (
     RepetitionPenalty,
     Seed,
     Stop,
+    StopRegexes,
+    StopTokenIds,
     Temperature,
     Text,
     TokenId,
@@ -28,6 +31,24 @@ from spectral.sampling_params import (
 MAX_N = 128
 MAX_MESSAGES = 4096
 MAX_USER_CHARS = 256
+# apply_chat_template's own arguments: chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_ARGS = {
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+}
 
 
 class StreamOptions(BaseModel):
@@ -56,6 +77,38 @@ class CommonSampling(BaseModel):
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: Flag = False
+    min_tokens: Count = 0
+    stop_token_ids: StopTokenIds | None = None
+    stop_regex: StopRegexes | None = None
+    no_stop_trim: Flag = False
+    skip_special_tokens: Flag = True
+    spaces_between_special_tokens: Flag = True
+    # SGLang extensions spectral does not act on: accepted while off (null, false, or a plain
+    # text response format), refused otherwise.
+    regex: Any = Field(None, description=UNSUPPORTED_SAMPLING["regex"])
+    ebnf: Any = Field(None, description=UNSUPPORTED_SAMPLING["ebnf"])
+    json_schema: Any = Field(None, description=UNSUPPORTED_SAMPLING["json_schema"])
+    response_format: Any = Field(None, description="only {'type': 'text'} for now")
+    lora_path: Any = Field(None, description="not supported: null only")
+    return_hidden_states: Any = Field(None, description="not supported: null or false only")
+
+    @field_validator("regex", "ebnf", "json_schema", "lora_path", "return_hidden_states")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> None:
+        if value not in (None, False):
+            why = UNSUPPORTED_SAMPLING.get(info.field_name, "spectral does not support it")
+            raise ValueError(f"{why}; send null or leave it out")
+        return None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: Any) -> None:
+        if value is not None and value != {"type": "text"}:
+            raise ValueError(
+                "structured outputs (json_object, json_schema) are not supported yet; "
+                "send {'type': 'text'} or leave it out"
+            )
+        return None
 
     def sampling_dict(self, max_tokens: int | None) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -66,6 +119,12 @@ class CommonSampling(BaseModel):
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "ignore_eos": self.ignore_eos,
+            "min_new_tokens": self.min_tokens,
+            "stop_token_ids": self.stop_token_ids,
+            "stop_regex": self.stop_regex,
+            "no_stop_trim": self.no_stop_trim,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
         }
         if max_tokens is not None:
             params["max_new_tokens"] = max_tokens
@@ -113,6 +172,26 @@ class ChatCompletionRequest(CommonSampling):
     max_completion_tokens: Count | None = None
     logprobs: Flag = False
     top_logprobs: int | None = Field(default=None, strict=True, ge=0, le=20)
+    # SGLang: variables for the chat template (e.g. enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: Any = Field(None, description="not supported: null or false only")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(value or {}) & RESERVED_TEMPLATE_ARGS)
+        if taken:
+            raise ValueError(
+                f"{', '.join(taken)} cannot be set here: only variables of the chat template"
+            )
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _no_continuation(cls, value: Any) -> None:
+        if value not in (None, False):
+            raise ValueError("continuing the last assistant message is not supported; send false")
+        return None
 
 
 # ---- responses (for the OpenAPI document; the routes build plain dicts) ---------------------

@@ -74,6 +74,8 @@ class SchedulerProcess:
             "num_kv_slots": self.worker.num_kv_slots,
             "context_length": self.context_len,
             "vocab_size": config.vocab_size,
+            "model_type": config.hf_config.model_type,
+            "architectures": [config.architecture],
         }
         send_message(ready, ProcessReady("scheduler", info))
         ready.close(linger=1000)
@@ -131,7 +133,7 @@ class SchedulerProcess:
     def _emit(self, reqs: list[Req]) -> None:
         """Send the news of `reqs` to the detokenizer. A request whose news cannot be put
         together is aborted and its client told why; the others' news goes out."""
-        out = BatchTokenIDOut([], [], [], [], [], [], [], [])
+        out = BatchTokenIDOut([], [], [], [], [], [])
         for req in reqs:
             try:
                 self._add_news(out, req)
@@ -173,9 +175,7 @@ class SchedulerProcess:
         out.new_logprobs.append(logprobs)
         out.finished_reasons.append(reason)
         out.meta.append(meta)
-        out.stop.append(p.stop)
-        out.skip_special_tokens.append(p.skip_special_tokens)
-        out.no_stop_trim.append(p.no_stop_trim)
+        out.params.append(p if start == 0 else None)
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from spectral.logprobs import logprob_meta
 from spectral.sampling_params import InvalidRequestError, SamplingParams
 from spectral.scheduler.scheduler import check_request
 from spectral.server.ipc import arecv_message, asend_message
@@ -45,6 +46,8 @@ class ReqState:
 
     rid: str
     prompt_tokens: int
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
@@ -59,14 +62,17 @@ class ReqState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def output(self) -> dict[str, Any]:
+    def output(self, token_text: Callable[[int], str] | None = None) -> dict[str, Any]:
+        """SGLang's output object: text, ids and meta_info (logprob entries with their token
+        text when `token_text` is given)."""
         meta = {"id": self.rid, **self.meta, "finish_reason": self.finish_reason}
-        if self.logprobs:
-            meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok, _ in self.logprobs]
-            if any(top is not None for _, _, top in self.logprobs):
-                meta["output_top_logprobs"] = [
-                    [(v, t, None) for v, t in (top or [])] for _, _, top in self.logprobs
-                ]
+        if self.return_logprob:
+            meta |= logprob_meta(
+                meta.get("input_token_logprobs", []),
+                [(lp, tok) for lp, tok, _ in self.logprobs],
+                [top for _, _, top in self.logprobs] if self.top_logprobs_num else None,
+                token_text,
+            )
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
@@ -163,7 +169,9 @@ class TokenizerManager:
     def _encode(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenizer(t)["input_ids"] if t else [] for t in texts]
 
-    async def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    async def apply_chat_template(
+        self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         chars = sum(len(m["content"]) for m in messages)
         if chars > self.max_prompt_chars:
             raise InvalidRequestError(
@@ -174,11 +182,14 @@ class TokenizerManager:
 
         def render() -> list[int]:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
+                messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {})
             )
             return list(ids["input_ids"] if hasattr(ids, "input_ids") else ids)
 
         return await asyncio.get_running_loop().run_in_executor(self.pool, render)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
     def new_rid(self) -> str:
         return f"{uuid.uuid4().hex[:12]}-{next(self._counter)}"
@@ -207,7 +218,7 @@ class TokenizerManager:
         if rid is not None and rid in self.states:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "rid")
         rid = rid or self.new_rid()
-        state = ReqState(rid, len(input_ids))
+        state = ReqState(rid, len(input_ids), return_logprob, top_logprobs_num)
         self.states[rid] = state
         try:
             await asend_message(

@@ -35,15 +35,15 @@ import torch.nn.functional as F
 
 from spectral.models.config import ModelConfig
 from spectral.speculative.eagle_head import DraftHead, DraftHeadConfig, load_draft_head
-from spectral.speculative.teacher_store import DiskStore, MemoryStore, sample_key
-from spectral.speculative.train_data import (
+from spectral.training.teacher_store import DiskStore, MemoryStore, sample_key
+from spectral.training.train_data import (
     Sample,
     generate_answers,
     generate_second_turns,
     load_samples,
     without_prompts_of,
 )
-from spectral.speculative.ttt import ttt_loss
+from spectral.training.ttt import ttt_loss
 
 logger = logging.getLogger(__name__)
 
