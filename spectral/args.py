@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "gguf", "none")
@@ -142,11 +144,15 @@ class ServerArgs:
         return cls(**kwargs)
 
     def resolved_device(self) -> str:
+        import torch
+
         if self.device != "auto":
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
             return getattr(torch, self.dtype)
         if self.resolved_device() == "cuda":
@@ -249,6 +255,8 @@ class ServerArgs:
 
 
 def cpu_has_native_bf16() -> bool:
+    import torch
+
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):

@@ -170,6 +170,7 @@ class Engine:
             raise RuntimeError("the engine is shut down")
         for req in reqs:
             self.scheduler.validate(req)
+            self.scheduler.attach_grammar(req)
         for req in reqs:
             self._listeners[req.rid] = listener
             self._inbox.put(("add", req))

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the server's torch-free processes import ForwardMode
+    import torch
 
 
 class ForwardMode(enum.IntEnum):

@@ -69,6 +69,18 @@ class SamplingParams:
     n: int = 1
     stop_regex: list[str] = field(default_factory=list)
     spaces_between_special_tokens: bool = True
+    # Structured output: at most one grammar the output must follow (xgrammar's dialects).
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's grammar, or None."""
+        for kind in ("regex", "json_schema", "ebnf"):
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind)
+        return None
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None, where: str = "") -> SamplingParams:
@@ -187,14 +199,12 @@ def _compiles(pattern: str) -> str:
     return pattern
 
 
+GrammarText = text(min_length=1, max_length=2**20)
 StopRegex = Annotated[text(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_compiles)]
 StopRegexes = StopRegex | Annotated[list[StopRegex], Field(max_length=MAX_STOP_STRINGS)]
 # SGLang's sampling parameters that spectral does not act on: accepted while null (or empty),
 # refused with a 400 that names them otherwise.
 UNSUPPORTED_SAMPLING = {
-    "regex": "constrained decoding (regex, json_schema, ebnf) is not supported yet",
-    "json_schema": "constrained decoding (regex, json_schema, ebnf) is not supported yet",
-    "ebnf": "constrained decoding (regex, json_schema, ebnf) is not supported yet",
     "structural_tag": "structural tags are not supported",
     "custom_params": "custom logit processors are not supported",
     "logit_bias": "logit_bias is not supported",
@@ -227,9 +237,11 @@ class SamplingParamsModel(BaseModel):
     n: Annotated[int, Field(strict=True, ge=1, le=MAX_N, description="parallel samples")] = _D.n
     stop_regex: StopRegexes | None = None
     spaces_between_special_tokens: Flag = _D.spaces_between_special_tokens
-    regex: Any = Field(None, description=UNSUPPORTED_SAMPLING["regex"])
-    json_schema: Any = Field(None, description=UNSUPPORTED_SAMPLING["json_schema"])
-    ebnf: Any = Field(None, description=UNSUPPORTED_SAMPLING["ebnf"])
+    regex: GrammarText | None = Field(None, description="the output fully matches this regex")
+    json_schema: GrammarText | None = Field(
+        None, description="the output is JSON valid under this schema (a JSON string)"
+    )
+    ebnf: GrammarText | None = Field(None, description="the output follows this EBNF grammar")
     structural_tag: Any = Field(None, description=UNSUPPORTED_SAMPLING["structural_tag"])
     custom_params: Any = Field(None, description=UNSUPPORTED_SAMPLING["custom_params"])
     logit_bias: Any = Field(None, description=UNSUPPORTED_SAMPLING["logit_bias"])
@@ -243,6 +255,23 @@ class SamplingParamsModel(BaseModel):
             if "sampling_seed" in data:  # SGLang's name
                 data.setdefault("seed", data.pop("sampling_seed"))
         return data
+
+    @model_validator(mode="after")
+    def _one_grammar_that_compiles(self) -> SamplingParamsModel:
+        given = [kind for kind in ("regex", "json_schema", "ebnf") if getattr(self, kind)]
+        if len(given) > 1:
+            raise InvalidRequestError(
+                f"{given[1]}: only one of regex, json_schema or ebnf may be given (got "
+                f"{' and '.join(given)})",
+                given[1],
+            )
+        if given:
+            from spectral.constrained import grammar_error
+
+            why = grammar_error(given[0], getattr(self, given[0]))
+            if why is not None:
+                raise InvalidRequestError(f"{given[0]}: xgrammar cannot use it: {why}", given[0])
+        return self
 
     @field_validator(*UNSUPPORTED_SAMPLING)
     @classmethod
@@ -301,14 +330,20 @@ def validation_error(
     echoed back; an unknown field is told the allowed ones (`fields` at the top level).
     Where a value matched no branch of a union, a branch whose type fitted
     explains why; only if none fitted are the types listed."""
+    for e in errors:  # a validator that names the field itself
+        named = (e.get("ctx") or {}).get("error")
+        if isinstance(named, InvalidRequestError):
+            outer = ".".join([where] * bool(where) + _field_path(e))
+            prefix = f"{outer}." if outer else ""
+            return InvalidRequestError(
+                f"invalid request: {prefix}{named}", prefix + (named.param or "") or None
+            )
     by_path: dict[str, list[dict[str, Any]]] = {}
     for e in errors:
         if e.get("type") == "json_invalid":
             reason = (e.get("ctx") or {}).get("error", "")
             return InvalidRequestError(f"invalid request: the body is not JSON ({reason})")
-        parts = [str(p) for p in e.get("loc", ()) if p != "body"]
-        parts = [p for p in parts if not (_UNION_TAG.search(p) and not p.isdigit())]
-        path = ".".join([where] * bool(where) + parts) or "body"
+        path = ".".join([where] * bool(where) + _field_path(e)) or "body"
         by_path.setdefault(path, []).append(e)
     # Where some branch of a union took the value's shape and found a value out of bounds,
     # the branches whose type did not fit say nothing.
@@ -332,6 +367,12 @@ def validation_error(
     shown = "; ".join(text for _, text in problems[:10])
     more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
     return InvalidRequestError("invalid request: " + shown + more, problems[0][0])
+
+
+def _field_path(error: dict[str, Any]) -> list[str]:
+    """The fields and indices of a pydantic error's location (no "body", no union branches)."""
+    parts = [str(p) for p in error.get("loc", ()) if p != "body"]
+    return [p for p in parts if not (_UNION_TAG.search(p) and not p.isdigit())]
 
 
 def _message(error: dict[str, Any], allowed: list[str] | None) -> str:

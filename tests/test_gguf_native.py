@@ -130,7 +130,7 @@ def test_greedy_from_the_blocks_equals_transformers_on_20_prompts(
     native_engine, hf_model, tokenizer
 ):
     prompts = PROMPTS + MORE_PROMPTS
-    new_tokens = 12
+    new_tokens = 8
     expected = [hf_greedy(hf_model, tokenizer(p)["input_ids"], new_tokens) for p in prompts]
     outs = native_engine.generate(prompts, {**GREEDY, "max_new_tokens": new_tokens})
     assert [o["output_ids"] for o in outs] == expected

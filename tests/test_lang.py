@@ -4,6 +4,7 @@ act on. Greedy (temperature 0) in float32 wherever outputs are compared."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -342,13 +343,34 @@ def test_select_without_choices_is_rejected():
         sgl.gen("verdict", choices=[])
 
 
-def test_regex_is_not_supported_by_the_runtime_backend(backend):
-    @sgl.function
-    def number(s):
-        s += "Pick a number: " + sgl.gen("n", regex=r"\d+", max_tokens=4)
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 
-    with pytest.raises(NotImplementedError, match="regex constraints are not supported"):
-        number.run()
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_gen_with_a_regex_fully_matches_it_on_both_backends(backend, openai_backend, temperature):
+    @sgl.function
+    def phone(s):
+        s += "My phone number is " + sgl.gen("number", regex=PHONE, max_tokens=24)
+
+    state = phone.run(temperature=temperature)
+    assert re.fullmatch(PHONE, state["number"]), state["number"]
+
+    @sgl.function
+    def chat_phone(s):
+        s += sgl.user("Make up a phone number.")
+        s += sgl.assistant(sgl.gen("number", regex=PHONE, max_tokens=24))
+
+    state = chat_phone.run(backend=openai_backend, temperature=temperature)
+    assert re.fullmatch(PHONE, state["number"]), state["number"]
+
+
+def test_a_regex_xgrammar_cannot_use_is_reported_by_the_server(backend):
+    @sgl.function
+    def lookahead(s):
+        s += "x" + sgl.gen("y", regex=r"(?=a)a", max_tokens=4)
+
+    with pytest.raises(BackendError, match="Lookahead is not supported"):
+        lookahead.run()
 
 
 def test_mismatched_roles_are_reported(backend):

@@ -104,16 +104,18 @@ def test_the_routers_forwarded_body_is_served(http, engine_fp32):
         ("lora_path", "my-adapter", "lora_path"),
         ("image_data", "http://example.com/cat.png", "image_data"),
         ("return_hidden_states", True, "return_hidden_states"),
-        ("sampling_params", {"regex": "[0-9]+"}, "regex"),
-        ("sampling_params", {"json_schema": '{"type": "object"}'}, "json_schema"),
+        ("sampling_params", {"regex": "(unclosed"}, "regex"),
+        ("sampling_params", {"regex": "(?=look)ahead"}, "regex"),
+        ("sampling_params", {"json_schema": '{"type": "nonsense"}'}, "json_schema"),
+        ("sampling_params", {"json_schema": {"type": "object"}}, "json_schema"),
+        ("sampling_params", {"ebnf": "root ::= undefined_rule"}, "ebnf"),
+        ("sampling_params", {"regex": "a", "json_schema": '{"type": "object"}'}, "json_schema"),
         ("sampling_params", {"logit_bias": {"5": 1.0}}, "logit_bias"),
         ("sampling_params", {"stop_regex": "(unclosed"}, "stop_regex"),
         ("unheard_of", 1, "unheard_of"),
     ],
 )
-def test_a_field_that_would_change_the_answer_and_is_not_supported_is_a_400(
-    http, field, value, where
-):
+def test_a_field_that_is_invalid_or_not_supported_is_a_400_naming_it(http, field, value, where):
     res = http.post("/generate", json={"text": "Hi", field: value}, timeout=30)
     assert res.status_code == 400
     error = res.json()["error"]
@@ -237,8 +239,13 @@ def test_the_routers_forwarded_openai_bodies_are_served(http, engine_fp32, token
 @pytest.mark.parametrize(
     "route, extra, param",
     [
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("/v1/chat/completions", {"regex": "[a-z]+"}, "regex"),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
+        ("/v1/chat/completions", {"regex": "[a-z"}, "regex"),
+        (
+            "/v1/completions",
+            {"regex": "a", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
         ("/v1/chat/completions", {"chat_template_kwargs": {"tokenize": False}}, "chat_template"),
         ("/v1/completions", {"lora_path": "adapter"}, "lora_path"),
     ],

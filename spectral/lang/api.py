@@ -39,8 +39,9 @@ def gen(
     choices: Sequence[str] | None = None,
 ) -> Expr:
     """Generate text into variable `name`. Unset sampling fields take the defaults given to
-    `run`. With `choices` this is `select(name, choices)`. `regex` needs a backend with
-    constrained decoding (neither backend here has one: they raise NotImplementedError)."""
+    `run`. With `choices` this is `select(name, choices)`. With `regex` the output fully
+    matches it (the server constrains decoding; the OpenAI backend sends it as SGLang's `regex`
+    extension, which servers without it refuse)."""
     if choices is not None:
         return select(name, choices, temperature=temperature or 0.0)
     check_regex(regex)

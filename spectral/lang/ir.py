@@ -37,14 +37,14 @@ class SamplingParams:
             out["max_new_tokens"] = self.max_new_tokens
         if self.stop:
             out["stop"] = list(self.stop)
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "regex"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
 
     def to_openai(self) -> dict[str, Any]:
-        """Keyword arguments for the openai client; `top_k` (not an OpenAI parameter) goes in
-        `extra_body` and only when it is on."""
+        """Keyword arguments for the openai client; `top_k` and `regex` (not OpenAI parameters;
+        SGLang's and spectral's servers take them) go in `extra_body`, and only when set."""
         out: dict[str, Any] = {}
         if self.max_new_tokens is not None:
             out["max_tokens"] = self.max_new_tokens
@@ -54,8 +54,13 @@ class SamplingParams:
             out["temperature"] = self.temperature
         if self.top_p is not None:
             out["top_p"] = self.top_p
+        extra: dict[str, Any] = {}
         if self.top_k is not None and self.top_k != -1:
-            out["extra_body"] = {"top_k": self.top_k}
+            extra["top_k"] = self.top_k
+        if self.regex is not None:
+            extra["regex"] = self.regex  # SGLang's extension; other servers refuse it
+        if extra:
+            out["extra_body"] = extra
         return out
 
 

@@ -78,6 +78,9 @@ class Req:
     draft_top1: float | None = None  # the head's confidence in its next draft, when known
     # Where a matched stop string starts in the decoded output text.
     stop_text_cut: int | None = None
+    # Structured output: the request's place in its grammar (spectral.constrained.Grammar),
+    # always exactly its committed output.
+    grammar: Any = None
     created_at: float = field(default_factory=time.perf_counter)
     finished_at: float | None = None
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from spectral.constrained import allocate_bitmask
 from spectral.forward import ForwardMode
 from spectral.scheduler.req import Req
 from spectral.worker.io import RequestSampling, WorkerBatch
@@ -72,7 +75,23 @@ class ScheduleBatch:
             input_logprob_starts=logprob_starts if any(s >= 0 for s in logprob_starts) else [],
             input_logprob_next=logprob_next if any(s >= 0 for s in logprob_starts) else [],
             draft_next_ids=self._draft_next_ids() if draft_next else [],
+            vocab_mask=self._vocab_mask(),
         )
+
+    def _vocab_mask(self) -> torch.Tensor | None:
+        """The tokens each request's grammar allows next (all for a request without one), or
+        None when no request has a grammar."""
+        constrained = [
+            (i, req.grammar)
+            for i, req in enumerate(self.reqs)
+            if req.grammar is not None and not req.grammar.terminated
+        ]
+        if not constrained:
+            return None
+        mask = allocate_bitmask(len(self.reqs), constrained[0][1].vocab_size)
+        for i, grammar in constrained:
+            grammar.fill(mask, i)
+        return mask
 
     def _draft_next_ids(self) -> list[int]:
         out = []

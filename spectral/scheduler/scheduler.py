@@ -161,6 +161,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.last_mode: ForwardMode | None = None
         self.stats = SchedulerStats()
+        self._grammars = None  # GrammarBackend, made for the first request with a grammar
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -176,7 +177,26 @@ class Scheduler:
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
+        self.attach_grammar(req)
         self.waiting.append(req)
+
+    def attach_grammar(self, req: Req) -> None:
+        """Give a request with a regex, json_schema or ebnf its matcher (the grammar compiled
+        once per distinct text); InvalidRequestError where xgrammar cannot compile it."""
+        grammar = req.sampling_params.grammar
+        if grammar is not None and req.grammar is None:
+            if self._grammars is None:
+                from spectral.constrained import GrammarBackend
+
+                self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            try:
+                req.grammar = self._grammars.matcher(*grammar, req.sampling_params.stop_token_ids)
+            except RuntimeError as err:
+                from spectral.constrained import clean_error
+
+                raise InvalidRequestError(
+                    f"{grammar[0]}: xgrammar cannot compile it: {clean_error(err)}", grammar[0]
+                ) from None
 
     def abort(self, rid: str) -> Req | None:
         """Finish request `rid` with reason abort wherever it is, releasing its KV (computed
@@ -356,7 +376,13 @@ class Scheduler:
     def _decode_batch(self) -> ScheduleBatch | None:
         """Every running request gets one slot for its newest token; when the pool runs
         short, evict cached prefixes, then retract requests (most remaining work first)."""
-        if self.spec is not None and len(self.running) <= self.spec.max_batch_size:
+        # Requests under a grammar decode plainly for now (tree masks: not built yet), and
+        # with them the whole batch.
+        if (
+            self.spec is not None
+            and len(self.running) <= self.spec.max_batch_size
+            and not any(req.grammar is not None for req in self.running)
+        ):
             batch = self._verify_batch()
             if batch is not None:
                 return batch
@@ -487,8 +513,11 @@ class Scheduler:
             if self.max_output(req) == 0:  # prefilled only: cached, or scored for logprobs
                 self._finish(req, FinishReason("length", length=0))
                 return True
-        req.output_ids.append(result.next_token_ids[i])
+        token = result.next_token_ids[i]
+        req.output_ids.append(token)
         self.stats.generated_tokens += 1
+        if req.grammar is not None and not req.grammar.accept(token):
+            raise RuntimeError(f"token {token} does not continue the request's grammar")
         if req.return_logprob:
             req.output_logprobs.append(result.logprobs[i])
         if req.top_logprobs_num:
@@ -565,6 +594,8 @@ class Scheduler:
                     return FinishReason("stop", matched=found.re.pattern)
         if len(req.output_ids) >= self.max_output(req):
             return FinishReason("length", length=len(req.output_ids))
+        if req.grammar is not None and req.grammar.terminated:
+            return FinishReason("stop", matched=token)  # the grammar's end (ignore_eos or not)
         return None
 
     def _match_stop_string(self, req: Req) -> FinishReason | None:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 import orjson
-import torch
 
 T = TypeVar("T")
 
@@ -72,7 +72,8 @@ def _encode_value(value: Any, frames: list, path: str) -> Any:
         return {"__enum__": name, "value": value.value}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")  # not imported: no value is a tensor
+    if torch is not None and isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise MessageError(f"{path}: tensors must be on the CPU to be sent")
         value = value.detach().contiguous()
@@ -138,9 +139,15 @@ def _decode_value(value: Any, frames: list) -> Any:
         shape = tuple(value["shape"])
         if value["dtype"] == "bfloat16":
             raw = np.frombuffer(frames[index], dtype=np.int16).reshape(shape)
+            import torch
+
             return torch.from_numpy(raw.copy()).view(torch.bfloat16)
         array = np.frombuffer(frames[index], dtype=np.dtype(value["dtype"])).reshape(shape)
-        return torch.from_numpy(array.copy()) if "__tensor__" in value else array
+        if "__tensor__" not in value:
+            return array
+        import torch
+
+        return torch.from_numpy(array.copy())
     return {k: _decode_value(v, frames) for k, v in value.items()}
 
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from spectral.sampling_params import (
-    UNSUPPORTED_SAMPLING,
     Count,
     Flag,
+    GrammarText,
+    InvalidRequestError,
     MinP,
     Penalty,
     RepetitionPenalty,
@@ -51,6 +53,28 @@ RESERVED_TEMPLATE_ARGS = {
 }
 
 
+# What {"type": "json_object"} asks for, as SGLang maps it: any JSON object.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema is what constrains the output."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: text(max_length=64) | None = None
+    description: Text | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: Flag | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class StreamOptions(BaseModel):
     include_usage: Flag = False
 
@@ -83,32 +107,37 @@ class CommonSampling(BaseModel):
     no_stop_trim: Flag = False
     skip_special_tokens: Flag = True
     spaces_between_special_tokens: Flag = True
-    # SGLang extensions spectral does not act on: accepted while off (null, false, or a plain
-    # text response format), refused otherwise.
-    regex: Any = Field(None, description=UNSUPPORTED_SAMPLING["regex"])
-    ebnf: Any = Field(None, description=UNSUPPORTED_SAMPLING["ebnf"])
-    json_schema: Any = Field(None, description=UNSUPPORTED_SAMPLING["json_schema"])
-    response_format: Any = Field(None, description="only {'type': 'text'} for now")
+    # Structured output: OpenAI's response_format, or SGLang's grammar fields (at most one).
+    response_format: ResponseFormat | None = None
+    regex: GrammarText | None = None
+    ebnf: GrammarText | None = None
+    json_schema: GrammarText | None = None
+    # SGLang extensions spectral does not act on: accepted while off, refused otherwise.
     lora_path: Any = Field(None, description="not supported: null only")
     return_hidden_states: Any = Field(None, description="not supported: null or false only")
 
-    @field_validator("regex", "ebnf", "json_schema", "lora_path", "return_hidden_states")
+    @field_validator("lora_path", "return_hidden_states")
     @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> None:
+    def _unsupported(cls, value: Any) -> None:
         if value not in (None, False):
-            why = UNSUPPORTED_SAMPLING.get(info.field_name, "spectral does not support it")
-            raise ValueError(f"{why}; send null or leave it out")
+            raise ValueError("spectral does not support it; send null or leave it out")
         return None
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: Any) -> None:
-        if value is not None and value != {"type": "text"}:
-            raise ValueError(
-                "structured outputs (json_object, json_schema) are not supported yet; "
-                "send {'type': 'text'} or leave it out"
-            )
-        return None
+    def grammar_fields(self) -> dict[str, str]:
+        """The sampling parameters of the requested structure (none for text)."""
+        out = {k: getattr(self, k) for k in ("regex", "ebnf", "json_schema") if getattr(self, k)}
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            if out:
+                raise InvalidRequestError(
+                    f"response_format: give it or {', '.join(out)}, not both", "response_format"
+                )
+            if fmt.type == "json_object":
+                out["json_schema"] = JSON_OBJECT_SCHEMA
+            else:
+                schema = fmt.json_schema.json_schema if fmt.json_schema else None
+                out["json_schema"] = json.dumps(schema if schema is not None else {})
+        return out
 
     def sampling_dict(self, max_tokens: int | None) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -126,6 +155,7 @@ class CommonSampling(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
         }
+        params |= self.grammar_fields()
         if max_tokens is not None:
             params["max_new_tokens"] = max_tokens
         for name in ("top_k", "min_p", "repetition_penalty"):

@@ -1,12 +1,17 @@
-"""What the scheduler sends the worker each step, and what comes back. Plain lists only, so a
-message encodes without pickle when the worker lives in another process."""
+"""What the scheduler sends the worker each step, and what comes back. Plain lists (and the
+vocabulary mask as a tensor, which travels as a raw frame), so a message encodes without pickle
+when the worker lives in another process."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from spectral.forward import ForwardMode
 from spectral.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -55,6 +60,9 @@ class WorkerBatch:
     # request the head drafts for.
     draft_tokens: list[list[int] | None] | None = None
     draft_parents: list[list[int] | None] | None = None
+    # Structured output: per request, a bitmask of the tokens its grammar allows next (32 to an
+    # int32; -1 rows allow all), or None when no request has a grammar.
+    vocab_mask: torch.Tensor | None = None
 
 
 @dataclass

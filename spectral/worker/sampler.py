@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from spectral import faults
+from spectral.constrained import apply_bitmask
 from spectral.worker.io import RequestSampling
 
 
@@ -103,14 +104,19 @@ def request_step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + 12_345) % (2**63 - 1)
 
 
-def sample(logits: torch.Tensor, sampling: list[RequestSampling]) -> SampleOutput:
-    """logits: [B, vocab] float32, one row per request in `sampling`."""
+def sample(
+    logits: torch.Tensor, sampling: list[RequestSampling], vocab_mask: torch.Tensor | None = None
+) -> SampleOutput:
+    """logits: [B, vocab] float32, one row per request in `sampling`; `vocab_mask` (grammars'
+    bitmasks) applies after the penalties, before temperature and the filters."""
     for s in sampling:
         faults.inject("worker", s.rid)
     want_logprobs = any(s.return_logprob or s.top_logprobs_num for s in sampling)
     logprobs_all = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
     adjusted = apply_penalties(logits, sampling)
+    if vocab_mask is not None:
+        adjusted = apply_bitmask(adjusted, vocab_mask)
     greedy = [s.params.is_greedy for s in sampling]
     next_ids = adjusted.argmax(dim=-1)
     if not all(greedy):

@@ -133,12 +133,6 @@ class OpenAI(Backend):
         )
 
     def _kwargs(self, ctx: Context, params: SamplingParams, op: str) -> dict[str, Any]:
-        if params.regex is not None:
-            raise NotImplementedError(
-                f"gen(regex={params.regex!r}): regex constraints are not supported by this "
-                "backend (the OpenAI API has no regex constraint); drop regex= and check the "
-                "output with re.fullmatch instead"
-            )
         kwargs: dict[str, Any] = {"model": self.model, **params.to_openai()}
         if not self.is_chat_model:
             return {**kwargs, "prompt": ctx.text}
@@ -160,7 +154,12 @@ class OpenAI(Backend):
         except self._openai.APIConnectionError as err:
             raise ConnectionError(f"cannot reach {where}: {err}") from err
         except self._openai.APIStatusError as err:
-            raise BackendError(f"{where} answered HTTP {err.status_code}: {err.message}") from err
+            hint = ""
+            if "regex" in kwargs.get("extra_body", {}):
+                hint = " (gen(regex=...) needs a server that takes SGLang's regex extension)"
+            raise BackendError(
+                f"{where} answered HTTP {err.status_code}: {err.message}{hint}"
+            ) from err
 
 
 def _closest(generated: str, choices: list[str]) -> str:

@@ -125,12 +125,6 @@ class RuntimeEndpoint(Backend):
     # ---- HTTP --------------------------------------------------------------------------------
 
     def _gen_body(self, ctx: Context, params: SamplingParams) -> dict[str, Any]:
-        if params.regex is not None:
-            raise NotImplementedError(
-                f"gen(regex={params.regex!r}): regex constraints are not supported by this "
-                "backend (the spectral server has no grammar support yet); drop regex= and "
-                "check the output with re.fullmatch instead"
-            )
         return {"text": ctx.text, "sampling_params": params.to_native()}
 
     def _call(self, path: str, body: dict[str, Any] | None = None) -> Any:
