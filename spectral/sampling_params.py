@@ -89,8 +89,9 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError unless every field is allowed (and, given the vocabulary
-        size, every stop token id is in it)."""
-        check_model(SamplingParamsModel, dataclasses.asdict(self))
+        size, every stop token id is in it). A grammar's text is not parsed again: it was when
+        the parameters were made from the client's dict, and the scheduler compiles it."""
+        check_model(SamplingParamsModel, dataclasses.asdict(self), parse_grammar=False)
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if t >= vocab_size]
             if bad:
@@ -257,7 +258,7 @@ class SamplingParamsModel(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _one_grammar_that_compiles(self) -> SamplingParamsModel:
+    def _one_grammar_that_compiles(self, info: ValidationInfo) -> SamplingParamsModel:
         given = [kind for kind in ("regex", "json_schema", "ebnf") if getattr(self, kind)]
         if len(given) > 1:
             raise InvalidRequestError(
@@ -265,7 +266,7 @@ class SamplingParamsModel(BaseModel):
                 f"{' and '.join(given)})",
                 given[1],
             )
-        if given:
+        if given and (info.context or {}).get("parse_grammar", True):
             from spectral.constrained import grammar_error
 
             why = grammar_error(given[0], getattr(self, given[0]))
@@ -309,10 +310,11 @@ class SamplingParamsModel(BaseModel):
         return SamplingParams(**values)
 
 
-def check_model(model: type[BaseModel], data: Any, where: str = "") -> Any:
-    """`model.model_validate(data)`, with a failure turned into InvalidRequestError."""
+def check_model(model: type[BaseModel], data: Any, where: str = "", **context: Any) -> Any:
+    """`model.model_validate(data)` (validators see `context`), with a failure turned into
+    InvalidRequestError."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=context or None)
     except ValidationError as err:
         raise validation_error(err.errors(), where, list(model.model_fields)) from None
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,11 +12,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from spectral.server.data_parallel import free_port  # noqa: F401 (tests import it here)
 
 
 def start_server(*flags: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:

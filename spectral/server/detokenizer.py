@@ -38,6 +38,8 @@ class IncrementalDetokenizer:
         self.text = ""  # everything decoded so far (cut at a stop string once found)
         self.sent = 0  # characters of `text` already handed out
         self.stopped: str | None = None  # the stop string that ended the text
+        # Where a stop regex's match may be starting in `text` (a partial match), if anywhere.
+        self.regex_pending: int | None = None
 
     def _decode(self, ids: list[int]) -> str:
         return self.params.decode(self.tokenizer, ids)
@@ -74,8 +76,11 @@ class IncrementalDetokenizer:
             found = [(self.text.find(s, start), s) for s in self.stop]
             hits = [(i, i + len(s), s) for i, s in found if i >= 0]
         if self.params.stop_regex:
-            match = self.params.search_stop_regex(self.text)
-            if match is not None:
+            # One search finds a whole match (the text stops) or a partial one at the end
+            # (held back by _holdback).
+            match = self.params.search_stop_regex(self.text, partial=True)
+            self.regex_pending = match.start() if match is not None and match.partial else None
+            if match is not None and not match.partial:
                 hits.append((match.start(), match.end(), match.group()))
         if hits:
             start, end, stop = min(hits)
@@ -85,11 +90,7 @@ class IncrementalDetokenizer:
     def _holdback(self) -> int:
         """Length of the longest tail of `text` that is a proper prefix of a stop string or
         where a stop regex's match may be starting."""
-        best = 0
-        if self.params.stop_regex:
-            match = self.params.search_stop_regex(self.text, partial=True)
-            if match is not None and match.partial:
-                best = len(self.text) - match.start()
+        best = 0 if self.regex_pending is None else len(self.text) - self.regex_pending
         for stop in self.stop:
             for n in range(min(len(stop) - 1, len(self.text)), best, -1):
                 if self.text.endswith(stop[:n]):

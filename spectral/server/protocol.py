@@ -215,9 +215,9 @@ class GenerateRequest(BaseModel):
         field = "text" if self.text is not None else "input_ids"
         params = self._per_prompt("sampling_params", n)
         each = [(p or SamplingParamsModel()).to_params() for p in params]
+        per_prompt = isinstance(self.sampling_params, list)
         for i, p in enumerate(each):
-            where = f"sampling_params.{i}" if isinstance(self.sampling_params, list) else ""
-            limits.check_sampling(p, where or "sampling_params")
+            limits.check_sampling(p, f"sampling_params.{i}" if per_prompt else "sampling_params")
         total = sum(p.n for p in each)
         limits.check_sequences(total, f"{n} prompts x n" if total > n else f"{n} prompts", field)
         rids = self._per_prompt("rid", n)

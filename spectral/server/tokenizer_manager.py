@@ -99,6 +99,7 @@ class TokenizerManager:
         self.from_detokenizer = self.ctx.socket(zmq.PULL)
         self.from_detokenizer.bind(f"ipc://{ipc_dir}/tokenizer_in")
         self.states: dict[str, ReqState] = {}
+        self._token_texts: dict[int, str] = {}
         self.metrics = Metrics()
         self.calls: dict[str, asyncio.Future] = {}
         self._counter = itertools.count()
@@ -189,7 +190,11 @@ class TokenizerManager:
         return await asyncio.get_running_loop().run_in_executor(self.pool, render)
 
     def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        """A token's text (remembered: logprob entries show it on every streamed chunk)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     def new_rid(self) -> str:
         return f"{uuid.uuid4().hex[:12]}-{next(self._counter)}"
