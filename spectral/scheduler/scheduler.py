@@ -74,13 +74,20 @@ def check_request(
     vocab_size: int,
     max_context_len: int,
     num_kv_slots: int,
+    logprob_start_len: int = -1,
 ) -> None:
     """Raise InvalidRequestError for a request that can never run: an empty or too long
-    prompt, ids outside the vocabulary, parameters out of range, more KV than the pool has.
-    The scheduler checks every request; the server checks before it queues one too."""
+    prompt, ids outside the vocabulary, parameters out of range, more KV than the pool has,
+    prompt logprobs asked from past the prompt's end. The scheduler checks every request; the
+    server checks before it queues one too."""
     n = len(input_ids)
     if n == 0:
         raise InvalidRequestError("the prompt is empty: give a non-empty text or input_ids")
+    if logprob_start_len >= n:
+        raise InvalidRequestError(
+            f"logprob_start_len: {logprob_start_len} is not below the prompt's {n} tokens",
+            "logprob_start_len",
+        )
     bad = [t for t in input_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(
@@ -173,6 +180,7 @@ class Scheduler:
             self.vocab_size,
             self.max_context_len,
             self.kv.allocator.num_slots,
+            req.logprob_start_len if req.return_logprob else -1,
         )
 
     def add_request(self, req: Req) -> None:

@@ -266,14 +266,9 @@ def create_app(
             prompts = [body.input_ids] if not body.is_batch else body.input_ids
         for job in jobs:
             ids = prompts[job.prompt]
+            start = job.logprob_start_len if job.return_logprob else -1
             try:
-                if job.return_logprob and job.logprob_start_len >= len(ids):
-                    raise InvalidRequestError(
-                        f"logprob_start_len: {job.logprob_start_len} is not below the prompt's "
-                        f"{len(ids)} tokens",
-                        "logprob_start_len",
-                    )
-                manager.check(ids, job.params, job.rid)
+                manager.check(ids, job.params, job.rid, start)
             except InvalidRequestError as err:
                 raise batch_error(err, job.prompt, body.is_batch) from None
         group = manager.new_rid() if len(jobs) > 1 else None

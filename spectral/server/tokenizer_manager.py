@@ -199,10 +199,23 @@ class TokenizerManager:
     def new_rid(self) -> str:
         return f"{uuid.uuid4().hex[:12]}-{next(self._counter)}"
 
-    def check(self, input_ids: list[int], params: SamplingParams, rid: str | None) -> None:
+    def check(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        rid: str | None,
+        logprob_start_len: int = -1,
+    ) -> None:
         """Raise InvalidRequestError for a request that can never run (before it is queued,
         so that a batch is refused whole and a stream before its headers)."""
-        check_request(input_ids, params, self.vocab_size, self.context_len, self.num_kv_slots)
+        check_request(
+            input_ids,
+            params,
+            self.vocab_size,
+            self.context_len,
+            self.num_kv_slots,
+            logprob_start_len,
+        )
         if rid is not None and rid in self.states:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "rid")
 
