@@ -50,6 +50,7 @@ class ServerArgs:
     speculative_hybrid_ngram: int | None = None
     speculative_hybrid_merge: bool = False
     speculative_fixed_tree: bool = False
+    speculative_disable_grammar_drafts: bool = False
     speculative_draft_quantization: str = "q8_0"
     speculative_cost_model: str | None = None
     # Server
@@ -195,6 +196,8 @@ class ServerArgs:
             "(default: no limit but the planner's; 1 with --speculative-fixed-tree)",
             "speculative_fixed_tree": "every request verifies the full tree every round, up to "
             "--speculative-max-batch-size, instead of trees sized from the cost model",
+            "speculative_disable_grammar_drafts": "do not draft the text a request's grammar "
+            "forces next (JSON keys and punctuation, a regex's literals)",
             "speculative_draft_quantization": "weights of the draft head's matmuls on the CPU: "
             "q8_0 (GGUF 8-bit blocks, a quarter of float32's memory traffic) or none",
             "speculative_cost_model": "a cost model JSON to plan trees by instead of measuring "

@@ -8,6 +8,12 @@ penalties and before temperature and the filters, so the sampled token always co
 grammar. Stop tokens are allowed only where the grammar may end; the grammar ending finishes
 the request.
 
+Under speculation the worker masks each draft tree node by node: `GrammarFollower` keeps the
+worker's own matcher per request, advanced along the committed output the scheduler sends with
+every step, and `Grammar.tree_bitmask` walks a tree from that state (xgrammar's traversal). Where
+the grammar leaves exactly one way on (a schema's keys and punctuation, a regex's literals),
+`Grammar.forced_tokens` proposes that text as a draft chain.
+
 `grammar_error` checks a grammar's text without a tokenizer (milliseconds), so that the HTTP
 layer refuses a bad one with xgrammar's reason before anything is queued.
 """
@@ -15,9 +21,12 @@ layer refuses a bad one with xgrammar's reason before anything is queued.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
@@ -67,24 +76,34 @@ class GrammarBackend:
             tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids
         )
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
-        self._compiled: dict[tuple[str, str], Any] = {}
+        self._compiled: dict[tuple[str, str], Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
-    def compile(self, kind: str, text: str) -> Any:
+    def compile_later(self, kind: str, text: str) -> Future:
+        """The compiled grammar, compiled on a thread of its own (xgrammar releases the GIL, so
+        the scheduler keeps stepping meanwhile: a large schema takes up to a second). Failures
+        are kept too: the same bad text fails at once the next time."""
         key = (kind, text)
         if key not in self._compiled:
-            if kind == "json_schema":
-                # Any whitespace between elements, as SGLang allows, but at most
-                # MAX_JSON_WHITESPACE characters in a row: sampled small models otherwise fill
-                # their budget with newlines inside an object.
-                compiled = self.compiler.compile_json_schema(
-                    text, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE
-                )
-            elif kind == "regex":
-                compiled = self.compiler.compile_regex(text)
-            else:
-                compiled = self.compiler.compile_grammar(text)
-            self._compiled[key] = compiled
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+            self._compiled[key] = self._pool.submit(self._compile, kind, text)
         return self._compiled[key]
+
+    def compile(self, kind: str, text: str) -> Any:
+        return self.compile_later(kind, text).result()
+
+    def _compile(self, kind: str, text: str) -> Any:
+        if kind == "json_schema":
+            # Any whitespace between elements, as SGLang allows, but at most
+            # MAX_JSON_WHITESPACE characters in a row: sampled small models otherwise fill
+            # their budget with newlines inside an object.
+            return self.compiler.compile_json_schema(
+                text, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE
+            )
+        if kind == "regex":
+            return self.compiler.compile_regex(text)
+        return self.compiler.compile_grammar(text)
 
     def matcher(self, kind: str, text: str, extra_stop_ids: Sequence[int] = ()) -> Grammar:
         """A matcher at the grammar's start; the request's own stop token ids end it too."""
@@ -92,6 +111,41 @@ class GrammarBackend:
         stops = sorted(set(self.stop_token_ids) | set(extra_stop_ids))
         matcher = xgr.GrammarMatcher(self.compile(kind, text), override_stop_tokens=stops)
         return Grammar(matcher, self.vocab_size)
+
+
+class GrammarFollower:
+    """The worker's own matchers for the requests under a grammar, each advanced along the
+    committed output the scheduler sends every step (the scheduler's matchers live in its
+    process). A request seen again continues from where it was; one whose output no longer
+    extends what was followed (a reused rid) starts over. The least recently seen requests are
+    forgotten beyond `capacity` (followed again from the start if they come back)."""
+
+    def __init__(self, make_backend: Callable[[], GrammarBackend], capacity: int = 1024) -> None:
+        self._make_backend = make_backend
+        self._backend: GrammarBackend | None = None
+        self.capacity = capacity
+        # rid -> (grammar kind and text, extra stop ids), matcher, output it has accepted
+        self._followed: OrderedDict[str, tuple[tuple, Grammar, list[int]]] = OrderedDict()
+
+    def follow(
+        self, rid: str, grammar: tuple[str, str], stop_ids: Sequence[int], output: list[int]
+    ) -> Grammar:
+        """The matcher of request `rid` after `output`."""
+        key = (grammar, tuple(stop_ids))
+        entry = self._followed.pop(rid, None)
+        if entry is None or entry[0] != key or output[: len(entry[2])] != entry[2]:
+            if self._backend is None:
+                self._backend = self._make_backend()
+            entry = (key, self._backend.matcher(*grammar, stop_ids), [])
+        _, matched, done = entry
+        for token in output[len(done) :]:
+            if not matched.accept(token):
+                raise RuntimeError(f"token {token} does not continue the request's grammar")
+        entry = (key, matched, list(output))
+        self._followed[rid] = entry
+        while len(self._followed) > self.capacity:
+            self._followed.popitem(last=False)
+        return matched
 
 
 class Grammar:
@@ -113,6 +167,39 @@ class Grammar:
         """Row `row` of `bitmask`: the tokens that may come next."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def tree_bitmask(
+        self, tokens: torch.Tensor, next_token: torch.Tensor, next_sibling: torch.Tensor
+    ) -> torch.Tensor:
+        """[nodes, words]: row j holds the tokens the grammar allows after the path from the
+        root (the last committed token, node 0) to node j. A node the grammar rejects cannot
+        be accepted (its parent's row forbids it), so its row, its descendants' and that of a
+        node ending the grammar are never sampled from; they allow every token, so that no row
+        is all -inf. The matcher's state is unchanged."""
+        nodes = tokens.shape[0]
+        mask = allocate_bitmask(nodes, self.vocab_size)
+        self.matcher.traverse_draft_tree(
+            next_token.contiguous(), next_sibling.contiguous(), tokens.contiguous(), mask
+        )
+        mask[(mask == 0).all(dim=1)] = -1
+        return mask
+
+    def forced_tokens(self, encode: Callable[[str], list[int]], limit: int) -> list[int]:
+        """Up to `limit` tokens of the only text the grammar allows next (empty where it allows
+        a choice), tokenized by `encode` and cut where the grammar stops taking them."""
+        text = self.matcher.find_jump_forward_string()
+        if not text or limit <= 0:
+            return []
+        taken: list[int] = []
+        for token in encode(text)[:limit]:
+            if not self.matcher.accept_token(token):
+                break
+            taken.append(token)
+            if self.matcher.is_terminated():
+                break
+        if taken:
+            self.matcher.rollback(len(taken))
+        return taken
+
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """[rows, words] int32, every token allowed."""
@@ -120,8 +207,22 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` with the tokens each row's bitmask forbids set to -inf (a new tensor)."""
-    vocab = logits.shape[-1]
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab]
-    return logits.masked_fill(~allowed, float("-inf"))
+    """Set the logits each row's bitmask forbids to -inf, in place (rows that allow every token
+    are skipped). Returns `logits`. In numpy, single-threaded: at one or a few rows a torch op's
+    thread wake-up costs more than the work."""
+    words = bitmask.numpy()
+    rows = np.flatnonzero((words != -1).any(axis=1))
+    if rows.size == 0:
+        return logits
+    # Token t is bit t % 32 of word t // 32: on a little-endian machine, bit t of the words'
+    # bytes read in order, least significant bit first.
+    bits = np.unpackbits(words[rows].view(np.uint8), axis=1, bitorder="little")
+    bits = bits[:, : logits.shape[-1]]
+    if logits.dtype == torch.float32 and logits.is_contiguous():
+        values = logits.numpy()
+        for row, allowed in zip(rows.tolist(), bits):
+            np.putmask(values[row], allowed == 0, -np.inf)
+        return logits
+    forbidden = torch.from_numpy(bits) == 0
+    logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
+    return logits

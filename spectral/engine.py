@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from spectral import faults
 from spectral.args import ServerArgs
 from spectral.logprobs import logprob_meta
-from spectral.models.config import ModelConfig
+from spectral.models.config import ModelConfig, stop_token_ids
 from spectral.models.resolve import model_files_dir
 from spectral.sampling_params import InvalidRequestError, SamplingParams
 from spectral.scheduler.req import Req
@@ -54,7 +54,7 @@ class Engine:
             max_running_requests=args.max_running_requests,
             max_context_len=self.context_len,
             max_prefill_tokens=args.max_prefill_tokens,
-            eos_token_ids=self._eos_ids(config),
+            eos_token_ids=stop_token_ids(config, self.tokenizer),
             vocab_size=config.vocab_size,
             chunked_prefill_size=args.chunked_prefill_size,
             schedule_policy=args.schedule_policy,
@@ -63,12 +63,6 @@ class Engine:
         )
         self._rid_counter = itertools.count()
         self._start_loop()
-
-    def _eos_ids(self, config: ModelConfig) -> tuple[int, ...]:
-        ids = set(config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
 
     # ---- driving the scheduler -----------------------------------------------------------------
     # Whoever waits for results drives: a caller of generate() runs scheduler steps itself while

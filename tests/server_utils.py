@@ -81,7 +81,9 @@ def run_bench_serving(
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM, and if the server is not gone in 30 s, kill its whole process group."""
+    """SIGTERM, and if the server is not gone in 30 s, kill its whole process group. Every
+    process the server started must be gone within 10 s of its exit (AssertionError)."""
+    children = descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=30)
@@ -89,6 +91,11 @@ def stop_server(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [cmdline(p) for p in children if alive(p)]
+    assert not survivors, f"processes outlived the server's SIGTERM: {survivors}"
 
 
 def descendants(pid: int) -> list[int]:

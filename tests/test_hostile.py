@@ -52,9 +52,10 @@ def hostile(peaky_model_dir):
         "detokenizer,scheduler,worker",
     )
     before = server_processes(proc)
+    assert len(before) >= 4  # the server, its detokenizer, scheduler and worker
     yield proc, url
     after = server_processes(proc)
-    stop_server(proc)
+    stop_server(proc)  # SIGTERM: every one of them must be gone
     assert after == before, "a process of the server died or was replaced"
 
 

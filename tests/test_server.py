@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
@@ -18,11 +17,9 @@ import torch
 
 from tests.conftest import SERVER_API_KEY
 from tests.server_utils import (
-    alive,
     cmdline,
     descendants,
     start_server,
-    stop_server,
     wait_idle_and_accounted,
 )
 
@@ -251,19 +248,6 @@ def test_a_worker_that_fails_to_start_stops_the_server_with_an_error(tiny_model_
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-
-
-def test_sigterm_leaves_no_child_process(tiny_model_dir):
-    proc, _ = start_server(
-        "--model-path", tiny_model_dir, "--dtype", "float32", "--max-total-tokens", "2048"
-    )
-    children = descendants(proc.pid)
-    assert len(children) >= 3  # detokenizer, scheduler, worker
-    stop_server(proc)
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(alive(p) for p in children)
 
 
 def test_a_non_streaming_client_that_gives_up_frees_its_request(server):

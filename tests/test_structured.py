@@ -1,10 +1,8 @@
 """Structured outputs (regex, json_schema, ebnf through xgrammar) in plain decoding.
 
 Oracles: transformers' model decoding greedily under xgrammar's own matcher and its own mask
-kernel (not spectral's); `re.fullmatch` and `jsonschema` for outputs sampled at temperature
-0.8, alone and in batches mixed with free requests; xgrammar's `apply_token_bitmask_inplace`
-for spectral's mask. A speculative engine decodes a batch holding a grammar request plainly
-(tree masks are not built yet), so its outputs equal plain decoding's.
+kernel (not spectral's); xgrammar's `apply_token_bitmask_inplace` for spectral's mask. Outputs
+sampled under grammars, plainly and speculatively: tests/test_structured_spec.py.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import re
 import jsonschema
 import pytest
 import torch
-import xgrammar as xgr
+import xgrammar as xgr  # the oracle's matcher and kernel
 
 from spectral.constrained import allocate_bitmask, apply_bitmask
 
@@ -128,24 +126,6 @@ def check(kind: str, text: str, output: str) -> None:
         jsonschema.validate(json.loads(output), json.loads(text))
 
 
-def test_sampled_outputs_match_their_grammars_alone_and_mixed_with_free_requests(
-    engine_fp32, tokenizer
-):
-    cases = [("json_schema", json.dumps(s)) for s in SCHEMAS] + [("regex", r) for r in REGEXES]
-    prompts, params = [], []
-    for i, (kind, text) in enumerate(cases):
-        prompts.append(chat(tokenizer, f"Answer number {i}, please."))
-        params.append({"temperature": 0.8, "seed": i, "max_new_tokens": 160, kind: text})
-        prompts.append(chat(tokenizer, f"Tell me a short story number {i}."))
-        params.append({"temperature": 0.8, "seed": i, "max_new_tokens": 12})
-    outs = engine_fp32.generate(input_ids=prompts, sampling_params=params)
-    for (kind, text), out in zip(cases, outs[::2]):
-        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
-        check(kind, text, out["text"])
-    alone = engine_fp32.generate(input_ids=prompts[0], sampling_params=params[0])
-    assert alone["output_ids"] == outs[0]["output_ids"]  # seeded: the same alone as in a batch
-
-
 def test_the_grammar_ends_the_request_even_with_ignore_eos(engine_fp32, tokenizer):
     out = engine_fp32.generate(
         input_ids=chat(tokenizer, "Yes or no?"),
@@ -167,41 +147,23 @@ def test_max_new_tokens_before_the_grammar_ends_gives_length(engine_fp32, tokeni
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
 
 
-def test_the_mask_equals_xgrammars_kernel():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mask_sets_exactly_the_forbidden_logits_to_minus_infinity(dtype):
+    """Against a bit-by-bit reading of the mask (token t is bit t % 32 of word t // 32)."""
     gen = torch.Generator().manual_seed(0)
     vocab = 1000
-    logits = torch.randn((5, vocab), generator=gen)
+    logits = torch.randn((5, vocab), generator=gen).to(dtype)
     mask = allocate_bitmask(5, vocab)
     mask[:] = torch.randint(-(2**31), 2**31 - 1, mask.shape, generator=gen, dtype=torch.int32)
     mask[4] = -1  # a row without a grammar
     expected = logits.clone()
-    xgr.apply_token_bitmask_inplace(expected, mask, vocab_size=vocab)
-    assert torch.equal(apply_bitmask(logits, mask), expected)
-
-
-def test_a_speculative_engine_decodes_grammar_batches_as_plain_decoding(
-    default_model_dir, engine_fp32, tokenizer
-):
-    from spectral import Engine
-
-    spec = Engine(
-        model_path=default_model_dir,
-        dtype="float32",
-        max_total_tokens=8192,
-        speculative_algorithm="NGRAM",
-    )
-    try:
-        prompts = [chat(tokenizer, "Describe a person as JSON."), chat(tokenizer, "Count to 20.")]
-        params = [
-            {"temperature": 0, "max_new_tokens": 32, "json_schema": json.dumps(PERSON)},
-            {"temperature": 0, "max_new_tokens": 24},
-        ]
-        got = spec.generate(input_ids=prompts, sampling_params=params)
-        want = engine_fp32.generate(input_ids=prompts, sampling_params=params)
-        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
-        check("json_schema", json.dumps(PERSON), got[0]["text"])
-    finally:
-        spec.shutdown()
+    for row in range(5):
+        for token in range(vocab):
+            if not (int(mask[row, token // 32]) >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    got = apply_bitmask(logits.clone(), mask)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[4], logits[4])
 
 
 # ---- over HTTP -------------------------------------------------------------------------------
@@ -266,3 +228,49 @@ def test_native_generate_and_openai_completions_take_sglangs_grammar_fields(fp32
         extra_body={"ebnf": COLORS},
     )
     assert re.fullmatch(r"(red|green|blue)(, (red|green|blue)){0,2}", res.choices[0].text)
+
+
+# ---- compiling off the scheduler's path ------------------------------------------------------
+
+
+def test_a_grammar_compiles_while_the_others_decode_and_a_failed_compile_is_refused(
+    peaky_model_dir, monkeypatch
+):
+    """A request waits in `compiling` while its grammar compiles on another thread; the running
+    requests keep decoding meanwhile. It joins once compiled and follows its grammar; a grammar
+    that fails to compile is refused with xgrammar's reason; nothing leaks."""
+    import threading
+
+    from spectral.constrained import GrammarBackend
+    from spectral.sampling_params import SamplingParams
+    from spectral.scheduler.req import Req
+    from tests.conftest import make_scheduler, scheduler_leaks
+
+    release = threading.Event()
+    compile_now = GrammarBackend._compile
+
+    def held_compile(self, kind, text):
+        if text == "(held|back)":
+            release.wait(timeout=30)
+        if text == "fails":
+            raise RuntimeError("[10:00:00] /project/cpp/x.cc:1: no grammar for you")
+        return compile_now(self, kind, text)
+
+    monkeypatch.setattr(GrammarBackend, "_compile", held_compile)
+    s = make_scheduler(peaky_model_dir)
+    free = Req("free", [5, 6, 7], SamplingParams(max_new_tokens=12, temperature=0.0))
+    held = Req("held", [5, 6, 8], SamplingParams(max_new_tokens=12, regex="(held|back)"))
+    bad = Req("bad", [5, 6, 9], SamplingParams(max_new_tokens=12, regex="fails"))
+    for req in (free, bad, held):
+        s.add_request(req)
+    for _ in range(6):
+        s.step()
+    assert held in s.compiling and len(free.output_ids) >= 4
+    assert s.take_rejected() == [("bad", "regex: xgrammar cannot compile it: no grammar for you")]
+    release.set()
+    while s.has_work:
+        s.step()
+    assert held.finished_reason.type == "stop" and free.finished_reason is not None
+    assert s._grammars.compile_later("regex", "(held|back)").done()
+    assert held.output_ids[-1] == 2 and len(held.output_ids) <= 4
+    assert scheduler_leaks(s) == []

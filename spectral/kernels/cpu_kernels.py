@@ -10,6 +10,7 @@ import functools
 import hashlib
 import logging
 import platform
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -28,6 +29,8 @@ SOURCES = [*MATMUL_SOURCES, KERNEL_DIR / "fused_ops.cpp", KERNEL_DIR / "decoder_
 # Builds of the same sources: the widest vector unit the CPU has (what the runtime uses), and
 # narrower ones of the matmuls alone that tests hold to the same references (AVX2 on an
 # AVX-512 CPU, the scalar loops), compiled at -O1 to cost the test suite less time.
+# A build lock older than this was left by a killed build.
+STALE_LOCK_S = 900
 ISA_FLAGS = {
     "native": ["-O3"],
     "avx2": ["-O1", "-mno-avx512f", "-DSPECTRAL_MATMULS_ONLY"],
@@ -46,6 +49,7 @@ def load_cpu_kernels(isa: str = "native") -> ModuleType | None:
     build_dir = DEFAULT_CACHE_DIR / "kernels" / digest.hexdigest()[:16]
     build_dir.mkdir(parents=True, exist_ok=True)
     name = "spectral_cpu_kernels" if isa == "native" else f"spectral_cpu_kernels_{isa}"
+    _remove_stale_lock(build_dir / "lock")
     try:
         from torch.utils.cpp_extension import load
 
@@ -68,6 +72,17 @@ def load_cpu_kernels(isa: str = "native") -> ModuleType | None:
             "PyTorch's; --disable-cpu-kernels runs the PyTorch references"
         )
     return module
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    """torch's build lock left by a process killed while compiling (a build takes about a
+    minute; every later load would wait for that lock forever)."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("removing a stale kernel build lock (%s)", lock)
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
 
 
 def cpu_signature() -> str:

@@ -11,8 +11,9 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from spectral import faults
 from spectral.forward import ForwardMode
@@ -29,7 +30,11 @@ from spectral.speculative.planner import (
     ngram_bucket,
 )
 from spectral.speculative.settings import SpecSettings
+from spectral.speculative.tree import merge_tree_nodes
 from spectral.worker.io import WorkerBatch, WorkerResult
+
+if TYPE_CHECKING:
+    from spectral.constrained import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +44,8 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_HEADROOM_STEPS = 20
+# With only grammars compiling, how long a step waits for one to finish.
+COMPILE_POLL_S = 0.005
 
 
 class Worker(Protocol):
@@ -47,6 +54,8 @@ class Worker(Protocol):
 
 class Detokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
 
 @dataclass
@@ -169,6 +178,8 @@ class Scheduler:
         self.last_mode: ForwardMode | None = None
         self.stats = SchedulerStats()
         self._grammars = None  # GrammarBackend, made for the first request with a grammar
+        self.compiling: list[Req] = []  # requests whose grammar is being compiled
+        self.rejected: list[tuple[str, str]] = []  # (rid, why): refused after add_request
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -184,21 +195,60 @@ class Scheduler:
         )
 
     def add_request(self, req: Req) -> None:
+        """Queue a request; one whose grammar is not compiled yet waits in `compiling` until
+        it is (or, where xgrammar cannot compile it, is refused: `take_rejected`)."""
         self.validate(req)
-        self.attach_grammar(req)
+        grammar = req.sampling_params.grammar
+        if grammar is not None and req.grammar is None:
+            self._grammar_backend().compile_later(*grammar)
+            self.compiling.append(req)
+            return
         self.waiting.append(req)
+
+    def take_rejected(self) -> list[tuple[str, str]]:
+        """(rid, why) of the requests refused since the last call: grammars xgrammar could
+        not compile."""
+        out, self.rejected = self.rejected, []
+        return out
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar has compiled; refuse those whose grammar failed.
+        With nothing else to do, wait a little for a compile to end."""
+        backend = self._grammar_backend()
+        compiles = [backend.compile_later(*r.sampling_params.grammar) for r in self.compiling]
+        if not (self.waiting or self.running or self.chunked):
+            wait(compiles, timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
+        pending = []
+        for req, compiled in zip(self.compiling, compiles):
+            if not compiled.done():
+                pending.append(req)
+                continue
+            try:
+                self.attach_grammar(req)
+            except InvalidRequestError as err:
+                req.finished_reason = FinishReason("abort", message=str(err))
+                self.rejected.append((req.rid, str(err)))
+                continue
+            self.waiting.append(req)
+        self.compiling = pending
+
+    def _grammar_backend(self) -> GrammarBackend:
+        if self._grammars is None:
+            from spectral.constrained import GrammarBackend
+
+            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def attach_grammar(self, req: Req) -> None:
         """Give a request with a regex, json_schema or ebnf its matcher (the grammar compiled
-        once per distinct text); InvalidRequestError where xgrammar cannot compile it."""
+        once per distinct text; waits for the compile); InvalidRequestError where xgrammar
+        cannot compile it."""
         grammar = req.sampling_params.grammar
         if grammar is not None and req.grammar is None:
-            if self._grammars is None:
-                from spectral.constrained import GrammarBackend
-
-                self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
             try:
-                req.grammar = self._grammars.matcher(*grammar, req.sampling_params.stop_token_ids)
+                req.grammar = self._grammar_backend().matcher(
+                    *grammar, req.sampling_params.stop_token_ids
+                )
             except RuntimeError as err:
                 from spectral.constrained import clean_error
 
@@ -209,11 +259,12 @@ class Scheduler:
     def abort(self, rid: str) -> Req | None:
         """Finish request `rid` with reason abort wherever it is, releasing its KV (computed
         tokens are cached). Returns the request, or None if it is unknown or done."""
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                self._finish(req, FinishReason("abort"))
-                return req
+        for queue in (self.compiling, self.waiting):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self._finish(req, FinishReason("abort"))
+                    return req
         if self.chunked is not None and self.chunked.rid == rid:
             req, self.chunked = self.chunked, None
             self._finish(req, FinishReason("abort"))
@@ -227,7 +278,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.compiling)
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; only when idle (returns False otherwise)."""
@@ -264,6 +315,8 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """Run one batch. Returns the requests whose output changed (finished ones included)."""
+        if self.compiling:
+            self._admit_compiled()
         batch = self._next_batch()
         if batch is None:
             return []
@@ -384,13 +437,7 @@ class Scheduler:
     def _decode_batch(self) -> ScheduleBatch | None:
         """Every running request gets one slot for its newest token; when the pool runs
         short, evict cached prefixes, then retract requests (most remaining work first)."""
-        # Requests under a grammar decode plainly for now (tree masks: not built yet), and
-        # with them the whole batch.
-        if (
-            self.spec is not None
-            and len(self.running) <= self.spec.max_batch_size
-            and not any(req.grammar is not None for req in self.running)
-        ):
+        if self.spec is not None and len(self.running) <= self.spec.max_batch_size:
             batch = self._verify_batch()
             if batch is not None:
                 return batch
@@ -448,6 +495,7 @@ class Scheduler:
             if req.draft_tokens is not None:
                 req.draft_tokens = req.draft_tokens[: size - 1]
                 req.draft_parents = req.draft_parents[: size - 1]
+        sizes = [size + self._add_forced_chain(req, size) for req, size in zip(self.running, sizes)]
         sizes_of = {req.rid: size for req, size in zip(self.running, sizes)}
         while kv.available < sum(sizes_of[r.rid] for r in self.running) and len(self.running) > 1:
             self._retract_one()
@@ -464,6 +512,26 @@ class Scheduler:
             MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
         return ScheduleBatch(ForwardMode.TARGET_VERIFY, list(self.running))
+
+    def _add_forced_chain(self, req: Req, size: int) -> int:
+        """Give a request under a grammar the tokens of the text its grammar forces next (at
+        most a tree's depth, within its context), as a chain from the root ahead of its planned
+        tree's nodes (the worker's head tree joins them); returns the nodes added to `size`."""
+        room = self.max_context_len - req.seq_len - size
+        if req.grammar is None or not self.spec.grammar_drafts or room <= 0:
+            return 0
+        forced = req.grammar.forced_tokens(
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            min(self.spec.num_steps, room),
+        )
+        if not forced:
+            return 0
+        given = req.draft_tokens or []
+        tokens, parents = merge_tree_nodes(
+            forced, list(range(len(forced))), given, req.draft_parents or []
+        )
+        req.draft_tokens, req.draft_parents = tokens, parents
+        return len(tokens) - len(given)
 
     def _retract_one(self) -> None:
         victim = max(
@@ -551,6 +619,8 @@ class Scheduler:
         for j, token in enumerate(emitted):
             req.output_ids.append(token)
             appended += 1
+            if req.grammar is not None and not req.grammar.accept(token):
+                raise RuntimeError(f"token {token} does not continue the request's grammar")
             if req.return_logprob:
                 req.output_logprobs.append(result.emitted_logprobs[i][j])
             if req.top_logprobs_num:

@@ -12,7 +12,7 @@ import zmq
 
 from spectral.args import ServerArgs
 from spectral.faults import failure
-from spectral.models.config import ModelConfig
+from spectral.models.config import ModelConfig, stop_token_ids
 from spectral.models.resolve import model_files_dir
 from spectral.sampling_params import InvalidRequestError
 from spectral.scheduler.req import Req
@@ -44,9 +44,6 @@ class SchedulerProcess:
         # The worker loads while this process loads its tokenizer.
         self.worker = RemoteWorker(args, ipc_dir, self.context_len)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
-        eos = set(config.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(f"ipc://{ipc_dir}/scheduler_in")
@@ -60,7 +57,7 @@ class SchedulerProcess:
             max_running_requests=args.max_running_requests,
             max_context_len=self.context_len,
             max_prefill_tokens=args.max_prefill_tokens,
-            eos_token_ids=tuple(sorted(eos)),
+            eos_token_ids=stop_token_ids(config, tokenizer),
             vocab_size=config.vocab_size,
             chunked_prefill_size=args.chunked_prefill_size,
             schedule_policy=args.schedule_policy,
@@ -86,6 +83,9 @@ class SchedulerProcess:
             self._receive(block=not self.scheduler.has_work)
             if self.scheduler.has_work:
                 self._emit(self.scheduler.step())
+                for rid, why in self.scheduler.take_rejected():
+                    self.sent.pop(rid, None)
+                    send_message(self.outbox, RequestRejected(rid, why))
 
     def _receive(self, block: bool) -> None:
         timeout = 100 if block else 0

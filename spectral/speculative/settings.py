@@ -50,6 +50,8 @@ class SpecSettings:
     # every request verifies num_draft_tokens nodes (no planner), and a cost model given by hand
     fixed_tree: bool = False
     cost_model_path: str | None = None
+    # a request under a grammar drafts the text its grammar forces next
+    grammar_drafts: bool = True
     # GGUF block type the draft head's weights are quantized to for the CPU kernels, or None
     draft_quantization: str | None = "Q8_0"
 
@@ -170,5 +172,6 @@ class SpecSettings:
             merge,
             fixed,
             cost_path,
-            None if quant == "none" else quant.upper(),
+            grammar_drafts=not args.speculative_disable_grammar_drafts,
+            draft_quantization=None if quant == "none" else quant.upper(),
         )

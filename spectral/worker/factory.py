@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 
 from spectral.args import ServerArgs
+from spectral.constrained import GrammarBackend, GrammarFollower
+from spectral.models.config import ModelConfig, stop_token_ids
 from spectral.models.resolve import gguf_source, model_files_dir
 from spectral.worker.model_worker import ModelWorker
 from spectral.worker.spec_worker import SpeculativeWorker
@@ -77,6 +79,7 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
         drafter,
         head_tree_size=spec.num_draft_tokens if drafter is not None else None,
         merge_given_trees=spec.hybrid_merge,
+        grammars=GrammarFollower(lambda: grammar_backend(args, worker.config)),
     )
     if not spec.fixed_tree:
         from spectral.kernels.cpu_kernels import cpu_signature
@@ -102,6 +105,15 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
         }
         spec_worker.cost_model = load_or_measure(spec_worker, parts, spec.cost_model_path)
     return spec_worker
+
+
+def grammar_backend(args: ServerArgs, config: ModelConfig) -> GrammarBackend:
+    """The worker's grammar compiler (made for its first request under a grammar): the
+    model's vocabulary and stop tokens, as the scheduler's."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or worker_model_dir(args))
+    return GrammarBackend(tokenizer, config.vocab_size, stop_token_ids(config, tokenizer))
 
 
 def worker_model_dir(args: ServerArgs) -> str:

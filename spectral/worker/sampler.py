@@ -116,7 +116,7 @@ def sample(
 
     adjusted = apply_penalties(logits, sampling)
     if vocab_mask is not None:
-        adjusted = apply_bitmask(adjusted, vocab_mask)
+        adjusted = apply_bitmask(adjusted, vocab_mask)  # in place: the logprobs are taken
     greedy = [s.params.is_greedy for s in sampling]
     next_ids = adjusted.argmax(dim=-1)
     if not all(greedy):

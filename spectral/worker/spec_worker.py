@@ -21,6 +21,7 @@ import dataclasses
 
 import torch
 
+from spectral.constrained import GrammarFollower, apply_bitmask
 from spectral.forward import ForwardBatch, ForwardMode
 from spectral.speculative.cost_model import CostModel
 from spectral.speculative.eagle_drafter import EagleDrafter, shifted_draft_batch
@@ -44,6 +45,7 @@ class SpeculativeWorker:
         drafter: EagleDrafter | None,
         head_tree_size: int | None = None,
         merge_given_trees: bool = False,
+        grammars: GrammarFollower | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -51,6 +53,8 @@ class SpeculativeWorker:
         self.head_tree_size = head_tree_size
         # A request with a given (n-gram) tree verifies it together with the head's tree.
         self.merge_given_trees = merge_given_trees
+        # Follows the requests under a grammar, to mask their trees node by node.
+        self.grammars = grammars
         self.config = target.config
         self.num_kv_slots = target.num_kv_slots
         # What rounds cost here (the factory measures it, or reads it from the cache); the
@@ -99,6 +103,7 @@ class SpeculativeWorker:
         seq_lens = torch.tensor(wb.prefix_lens)
         rows = torch.tensor(wb.req_pool_indices)
         trees, probs = self._trees(wb, rows, seq_lens, sizes)
+        masks = self._grammar_masks(trees, sizes, wb.sampling)
         token_ids: list[int] = []
         positions: list[int] = []
         mask: list[bool] = []
@@ -113,7 +118,7 @@ class SpeculativeWorker:
         batch.capture_layers = self.drafter.capture_layers if self.drafter else ()
         hidden, captured = target.forward_hidden(batch)
         logits = target.model.compute_logits(hidden).cpu()
-        verdict = self._verify(trees, logits, sizes, wb.sampling)
+        verdict = self._verify(trees, logits, sizes, wb.sampling, masks)
 
         offsets = [0]
         for n in sizes:
@@ -159,7 +164,13 @@ class SpeculativeWorker:
         node_tokens = list(wb.draft_tokens or [None] * B)
         node_parents = list(wb.draft_parents or [None] * B)
         given = [toks is not None for toks in node_tokens]
-        drafted = [b for b in range(B) if (self.merge_given_trees or not given[b]) and sizes[b] > 1]
+        # A request under a grammar is given the tokens its grammar forces: the head's tree
+        # joins them.
+        merged = [
+            self.drafter is not None and (self.merge_given_trees or s.params.grammar is not None)
+            for s in wb.sampling
+        ]
+        drafted = [b for b in range(B) if (merged[b] or not given[b]) and sizes[b] > 1]
         probs: list[list[float] | None] = [None] * B
         head_ranks: dict[int, torch.Tensor] = {}
         if drafted:
@@ -180,7 +191,10 @@ class SpeculativeWorker:
             for i, b in enumerate(drafted):
                 toks = trees.tokens[i, 1 : trees.num_nodes[i]].tolist()
                 pars = trees.parents[i, 1 : trees.num_nodes[i]].tolist()
-                if given[b]:
+                if given[b] and wb.sampling[b].params.grammar is not None:
+                    # the grammar's forced tokens first: they are all but certain
+                    toks, pars = merge_tree_nodes(node_tokens[b], node_parents[b], toks, pars)
+                elif given[b]:
                     toks, pars = merge_tree_nodes(toks, pars, node_tokens[b], node_parents[b])
                 else:
                     head_ranks[b] = trees.ranks[i, : trees.num_nodes[i]]
@@ -193,15 +207,36 @@ class SpeculativeWorker:
             out.ranks[b, : ranks.numel()] = ranks
         return out, probs
 
+    def _grammar_masks(
+        self, trees: DraftTrees, sizes: list[int], sampling: list[RequestSampling]
+    ) -> dict[int, torch.Tensor]:
+        """Per request under a grammar (by batch index), the bitmask of each tree node: the
+        tokens its grammar allows after the node's path."""
+        masks: dict[int, torch.Tensor] = {}
+        for b, s in enumerate(sampling):
+            grammar = s.params.grammar
+            if grammar is None:
+                continue
+            if self.grammars is None:
+                raise ValueError("this worker was built without grammar support")
+            matcher = self.grammars.follow(s.rid, grammar, s.params.stop_token_ids, s.output_ids)
+            n = sizes[b]
+            masks[b] = matcher.tree_bitmask(
+                trees.tokens[b, :n], trees.next_token[b, :n], trees.next_sibling[b, :n]
+            )
+        return masks
+
     def _verify(
         self,
         trees: DraftTrees,
         logits: torch.Tensor,
         sizes: list[int],
         sampling: list[RequestSampling],
+        masks: dict[int, torch.Tensor] | None = None,
     ) -> VerifyResult:
         """Accept a path per request: greedy requests by argmax, others by the lossless
-        sampling rule, both on logits adjusted per node as plain decoding would adjust them."""
+        sampling rule, both on logits adjusted per node as plain decoding would adjust them
+        (penalties, then the grammar's mask where `masks` has the request's)."""
         B, n = trees.tokens.shape
         vocab = logits.shape[-1]
         accepted: list[list[int]] = [[] for _ in range(B)]
@@ -215,6 +250,8 @@ class SpeculativeWorker:
             node_sampling = _node_sampling(trees, b, size, sampling[b])
             if node_sampling is not None:
                 block = apply_penalties(block, node_sampling)
+            if masks and b in masks:
+                block = apply_bitmask(block.clone(), masks[b])  # logprobs read the raw logits
             adjusted.append(block)
             offset += size
         if greedy_rows:
