@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from spectral.forward import ForwardBatch
-from spectral.kernels.base import AttentionBackend, DecodeKernelInputs
+from spectral.kernels.base import AttentionBackend, DecodeKernelInputs, query_row_slots
 
 
 @dataclass
@@ -100,26 +100,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _tree_metadata(self, batch: ForwardBatch) -> TorchAttnMetadata:
         """Tree tokens through the decode kernel: each token is a query row whose keys are
-        its request's prefix and its own ancestors in the tree (itself included), packed to
-        the front of its row. No K/V is gathered or copied."""
-        table = self.req_to_token.table
-        num_tokens = sum(batch.extend_lens)
-        width = max(p + n for p, n in zip(batch.prefix_lens, batch.extend_lens))
-        kv_indices = torch.zeros((num_tokens, width), dtype=torch.int64, device=table.device)
-        lens = torch.empty(num_tokens, dtype=torch.int64, device=table.device)
-        start = mask_offset = 0
-        rows = batch.req_pool_indices.tolist()
-        for row, prefix, n in zip(rows, batch.prefix_lens, batch.extend_lens):
-            custom = batch.custom_mask[mask_offset : mask_offset + n * n].view(n, n)
-            mask_offset += n * n
-            slots = table[row, : prefix + n]
-            block = kv_indices[start : start + n]
-            block[:, :prefix] = slots[:prefix]
-            ancestors_first = torch.argsort((~custom).to(torch.int8), dim=1, stable=True)
-            block[:, prefix : prefix + n] = slots[prefix:][ancestors_first]
-            lens[start : start + n] = prefix + custom.sum(dim=1)
-            start += n
-        return TorchAttnMetadata([], kv_indices, lens)
+        its request's prefix and its own ancestors in the tree (itself included). No K/V is
+        gathered or copied."""
+        return TorchAttnMetadata([], *query_row_slots(batch, self.req_to_token.table))
 
     def decode_kernel_inputs(self, batch: ForwardBatch) -> DecodeKernelInputs | None:
         meta: TorchAttnMetadata = batch.attn_metadata

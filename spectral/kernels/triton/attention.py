@@ -1,0 +1,132 @@
+"""Attention over the paged KV cache, one query row at a time.
+
+Every mode reduces to the same problem: query row t attends to the KV slots
+`kv_indices[t, :seq_lens[t]]` of the pool (page size 1). A decode token's keys are its request's
+whole row of the req-to-token table; an extend token's are the prefix and the new tokens up to
+itself; a tree node's are the prefix and its ancestors (the torch backend builds these lists
+for its CPU kernel already). One program per (query row, head) streams the keys in blocks with
+an online softmax, reading K and V of the head's KV group (GQA) in the pool's dtype and
+accumulating in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 32
+
+
+@triton.jit
+def _row_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    indices_ptr,
+    lens_ptr,
+    out_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_it,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    seq_len = tl.load(lens_ptr + row)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + row * stride_qt + head * stride_qh + d, mask=d_ok, other=0.0)
+    q = q.to(tl.float32) * scale
+    best = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < seq_len
+        slots = tl.load(indices_ptr + row * stride_it + n, mask=n_ok, other=0)
+        both = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+            mask=both,
+            other=0.0,
+        )
+        scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+        scores = tl.where(n_ok, scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=0))
+        weights = tl.exp(scores - new_best)
+        rescale = tl.exp(best - new_best)
+        v = tl.load(
+            v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+            mask=both,
+            other=0.0,
+        )
+        total = total * rescale + tl.sum(weights, axis=0)
+        acc = acc * rescale + tl.sum(weights[:, None] * v.to(tl.float32), axis=0)
+        best = new_best
+    out = acc / total
+    tl.store(
+        out_ptr + row * stride_ot + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
+
+
+def row_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    kv_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """q [T, H, D]; k_pool, v_pool [slots, KVH, D] (H a multiple of KVH); kv_indices [T, L]
+    int64 slots, of which row t uses the first seq_lens[t] (>= 1). Returns [T, H, D] in q's
+    dtype: softmax(q k^T * scaling) v over each row's slots."""
+    T, H, D = q.shape
+    kv_heads = k_pool.shape[1]
+    if H % kv_heads:
+        raise ValueError(f"{H} query heads do not split into {kv_heads} KV heads")
+    if kv_indices.shape[0] != T or seq_lens.shape != (T,):
+        raise ValueError(
+            f"kv_indices must be [T, L] and seq_lens [T] with T = {T} "
+            f"(got {tuple(kv_indices.shape)} and {tuple(seq_lens.shape)})"
+        )
+    q, kv_indices = q.contiguous(), kv_indices.contiguous()
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    _row_attention_kernel[(T, H)](
+        q,
+        k_pool,
+        v_pool,
+        kv_indices,
+        seq_lens.contiguous(),
+        out,
+        scaling,
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        kv_indices.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=H // kv_heads,
+        HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_N=BLOCK_N,
+    )
+    return out
