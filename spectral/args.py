@@ -181,7 +181,8 @@ class ServerArgs:
             "chunked_prefill_size": "prefill long prompts in chunks of this many tokens",
             "schedule_policy": "fcfs (arrival order) or lpm (longest cached prefix first)",
             "disable_radix_cache": "do not share KV between requests with a common prefix",
-            "attention_backend": "auto, torch",
+            "attention_backend": "auto, torch, triton (CUDA; on a CPU only under Triton's "
+            "interpreter, for tests)",
             "disable_cpu_kernels": "use plain PyTorch matmuls instead of spectral's C++ kernels",
             "random_seed": "seed for unseeded sampling",
             "num_threads": "CPU threads of the model worker (default: torch's, one per core)",

@@ -1,5 +1,5 @@
-"""spectral's Triton attention kernel against the torch backend, under Triton's interpreter on
-CPU tensors (the GPU runs of the same kernel: tests/gpu, where a GPU is present)."""
+"""spectral's Triton attention kernel and backend against the torch backend, under Triton's
+interpreter on CPU tensors (the GPU runs of the same kernel: tests/gpu, where a GPU is present)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ pytest.importorskip("triton", reason="triton is not installed (make test install
 
 
 def test_row_attention_equals_the_torch_backend_in_every_mode():
-    """Prefill with and without a cached prefix, decode, draft-tree verification; ragged
-    batches, GQA and MHA; float32 within 1e-5 (tests/triton_cases.py)."""
+    """The kernel: prefill with and without a cached prefix, decode, draft-tree verification;
+    ragged batches, GQA and MHA; float32 within 1e-5. The backend: an Engine's greedy tokens,
+    plainly and with EAGLE3, equal the torch backend's (tests/triton_cases.py)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.triton_cases"],
@@ -25,4 +26,4 @@ def test_row_attention_equals_the_torch_backend_in_every_mode():
     )
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("max error") == 8
+    assert done.stdout.count("max error") == 8 and done.stdout.count("engine,") == 4

@@ -74,7 +74,11 @@ def create_attention_backend(
         from spectral.kernels.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(kv_pool, req_to_token, scaling, kernels)
-    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch")
+    if name == "triton":
+        from spectral.kernels.triton.backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(kv_pool, req_to_token, scaling)
+    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch, triton")
 
 
 def query_row_slots(batch: ForwardBatch, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
