@@ -12,6 +12,8 @@ import pytest
 
 from spectral.args import ServerArgs
 from spectral.models.config import ModelConfig
+from spectral.sampling_params import SamplingParams
+from spectral.scheduler.req import Req
 from spectral.scheduler.scheduler import Scheduler
 from spectral.server.worker_process import RemoteWorker, WorkerDiedError
 from tests.conftest import make_scheduler, scheduler_leaks
@@ -82,6 +84,17 @@ def test_close_leaves_no_process(remote):
     assert worker.process.poll() is not None
 
 
+def grammar_reqs() -> list[Req]:
+    grammars = [
+        {"regex": "(yes|no), [0-9]{2,4}"},
+        {"json_schema": '{"type": "object", "properties": {"a": {"type": "integer"}}}'},
+    ]
+    return [
+        Req(f"g{i}", p, SamplingParams(max_new_tokens=16, temperature=0.0, **g))
+        for i, (p, g) in enumerate(zip(mixed_prompts(2), grammars))
+    ]
+
+
 def test_a_worker_process_hands_its_cost_model_and_draft_confidence_to_the_planner(
     peaky_model_dir, tmp_path
 ):
@@ -100,6 +113,7 @@ def test_a_worker_process_hands_its_cost_model_and_draft_confidence_to_the_plann
         speculative_cost_model=cost_model_file(FLAT_COST),
     )
     expected = run_all(make_scheduler(peaky_model_dir), fresh(mixed_prompts(6)))
+    expected_grammar = run_all(make_scheduler(peaky_model_dir), grammar_reqs())
     with tempfile.TemporaryDirectory() as ipc_dir:
         worker = RemoteWorker(args, ipc_dir, config.max_context_len).wait_ready()
         try:
@@ -110,6 +124,11 @@ def test_a_worker_process_hands_its_cost_model_and_draft_confidence_to_the_plann
             assert scheduler.planner is not None and scheduler.stats.spec_verify_ct > 0
             buckets = scheduler.info()["speculative"]["acceptance"]
             assert any(k.startswith("head:") and k != "head:?" for k in buckets), buckets
+            # Grammars: the worker process follows each request's output with its own matcher
+            # to mask its trees; the tokens are plain decoding's under the same grammars.
+            rounds = scheduler.stats.spec_verify_ct
+            assert run_all(scheduler, grammar_reqs()) == expected_grammar
+            assert scheduler.stats.spec_verify_ct > rounds
             assert scheduler_leaks(scheduler) == []
         finally:
             worker.close()
