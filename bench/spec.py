@@ -22,10 +22,12 @@ and the planner's predicted against measured gain over plain decoding.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -36,25 +38,39 @@ from data import chat, humaneval_prompts, mtbench_first_turns  # noqa: E402
 from spectral import Engine  # noqa: E402
 
 
-def measure(
-    engine: Engine, prompts: list[str], new_tokens: int, temperature: float = 0.0
-) -> tuple[float, list, float]:
-    """(tokens/s, outputs, τ) for generating all prompts, the engine's max_running_requests
-    at a time; τ = 0 without speculation."""
-    params = {"temperature": temperature, "max_new_tokens": new_tokens}
-    if temperature > 0:
-        params["seed"] = 0  # each request its own seeded stream: the same draws in every run
-    engine.generate(prompts[0], {**params, "max_new_tokens": 8})  # warm-up
+def timed_generate(
+    engine: Engine,
+    prompts: list,
+    params: dict | list[dict],
+    during: AbstractContextManager | None = None,
+) -> tuple[list[dict], float, float]:
+    """(outputs, seconds, τ) of generating all prompts at once (the engine's
+    max_running_requests at a time), after a warm-up on the first prompt and with an empty
+    cache; `during` is entered around the timed part only. τ = 0 without speculation."""
+    first = params[0] if isinstance(params, list) else params
+    engine.generate(prompts[0], {**first, "max_new_tokens": 8})  # warm-up
     engine.flush_cache()
     before = engine.get_server_info()["stats"]
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    with during or contextlib.nullcontext():
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        elapsed = time.perf_counter() - start
     after = engine.get_server_info()["stats"]
     rounds = after["spec_verify_ct"] - before["spec_verify_ct"]
     emitted = after["spec_emitted_tokens"] - before["spec_emitted_tokens"]
+    return outs, elapsed, emitted / rounds if rounds else 0.0
+
+
+def measure(
+    engine: Engine, prompts: list[str], new_tokens: int, temperature: float = 0.0
+) -> tuple[float, list, float]:
+    """(tokens/s, outputs, τ) for generating all prompts greedily or at `temperature`."""
+    params = {"temperature": temperature, "max_new_tokens": new_tokens}
+    if temperature > 0:
+        params["seed"] = 0  # each request its own seeded stream: the same draws in every run
+    outs, elapsed, tau = timed_generate(engine, prompts, params)
     tokens = sum(len(o["output_ids"]) for o in outs)
-    return tokens / elapsed, [o["output_ids"] for o in outs], emitted / rounds if rounds else 0.0
+    return tokens / elapsed, [o["output_ids"] for o in outs], tau
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import chat  # noqa: E402
+from spec import timed_generate  # noqa: E402
 
 from spectral import Engine, constrained  # noqa: E402
 from spectral.scheduler.schedule_batch import ScheduleBatch  # noqa: E402
@@ -128,10 +129,13 @@ class GrammarClock:
         self.seconds = 0.0
         self._depth = 0
         self._saved = []
+
+    def __enter__(self) -> GrammarClock:
         for owner, name in self.TARGETS:
             original = getattr(owner, name)
             self._saved.append((owner, name, original))
             setattr(owner, name, self._timed(original))
+        return self
 
     def _timed(self, fn):
         @functools.wraps(fn)
@@ -147,7 +151,7 @@ class GrammarClock:
 
         return timed
 
-    def restore(self) -> None:
+    def __exit__(self, *exc) -> None:
         for owner, name, original in self._saved:
             setattr(owner, name, original)
 
@@ -157,21 +161,8 @@ def measure(engine: Engine, reqs: list[tuple[str, str]], new_tokens: int) -> dic
         {"temperature": 0.0, "max_new_tokens": new_tokens, "json_schema": schema}
         for _, schema in reqs
     ]
-    prompts = [p for p, _ in reqs]
-    engine.generate(prompts[0], params[0])  # warm-up: compiles the first grammar too
-    engine.flush_cache()
-    before = engine.get_server_info()["stats"]
     clock = GrammarClock()
-    start = time.perf_counter()
-    try:
-        outs = engine.generate(prompts, params)
-    finally:
-        clock.restore()
-    elapsed = time.perf_counter() - start
-    after = engine.get_server_info()["stats"]
-    rounds = after["spec_verify_ct"] - before["spec_verify_ct"]
-    emitted = after["spec_emitted_tokens"] - before["spec_emitted_tokens"]
-    tokens = sum(len(o["output_ids"]) for o in outs)
+    outs, elapsed, tau = timed_generate(engine, [p for p, _ in reqs], params, during=clock)
     valid = 0
     for o in outs:
         try:
@@ -180,9 +171,9 @@ def measure(engine: Engine, reqs: list[tuple[str, str]], new_tokens: int) -> dic
         except ValueError:
             pass
     return {
-        "tok_s": tokens / elapsed,
+        "tok_s": sum(len(o["output_ids"]) for o in outs) / elapsed,
         "outputs": [o["output_ids"] for o in outs],
-        "tau": emitted / rounds if rounds else 0.0,
+        "tau": tau,
         "grammar_share": clock.seconds / elapsed,
         "complete_json": valid,
     }

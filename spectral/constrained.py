@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 import torch
 
-GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
 MAX_JSON_WHITESPACE = 16
 # xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:123: "; clients get the rest.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")

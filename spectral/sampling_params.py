@@ -38,6 +38,8 @@ MAX_N = 128
 # A stop regex is searched in the output after every new token; one that backtracks for longer
 # than this finishes its request with an error instead of stalling the scheduler.
 STOP_REGEX_TIMEOUT_S = 0.05
+# The structured-output parameters: at most one per request.
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
 
 
 class InvalidRequestError(ValueError):
@@ -77,7 +79,7 @@ class SamplingParams:
     @property
     def grammar(self) -> tuple[str, str] | None:
         """(kind, text) of the request's grammar, or None."""
-        for kind in ("regex", "json_schema", "ebnf"):
+        for kind in GRAMMAR_KINDS:
             if getattr(self, kind) is not None:
                 return kind, getattr(self, kind)
         return None
@@ -259,7 +261,7 @@ class SamplingParamsModel(BaseModel):
 
     @model_validator(mode="after")
     def _one_grammar_that_compiles(self, info: ValidationInfo) -> SamplingParamsModel:
-        given = [kind for kind in ("regex", "json_schema", "ebnf") if getattr(self, kind)]
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind)]
         if len(given) > 1:
             raise InvalidRequestError(
                 f"{given[1]}: only one of regex, json_schema or ebnf may be given (got "
