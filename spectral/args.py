@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     import torch
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "gguf", "none")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
@@ -83,6 +84,11 @@ class ServerArgs:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda (got {self.device!r})")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} "
+                f"(got {self.attention_backend!r})"
+            )
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1 (got {self.max_total_tokens})")
         if not 0 < self.mem_fraction_static < 1:
@@ -181,8 +187,9 @@ class ServerArgs:
             "chunked_prefill_size": "prefill long prompts in chunks of this many tokens",
             "schedule_policy": "fcfs (arrival order) or lpm (longest cached prefix first)",
             "disable_radix_cache": "do not share KV between requests with a common prefix",
-            "attention_backend": "auto, torch, triton (CUDA; on a CPU only under Triton's "
-            "interpreter, for tests)",
+            "attention_backend": "auto (CPU: torch; CUDA: flashinfer where installed and the "
+            "dtype is bfloat16/float16, else triton), torch, triton (CUDA; on a CPU only under "
+            "Triton's interpreter, for tests), flashinfer (CUDA)",
             "disable_cpu_kernels": "use plain PyTorch matmuls instead of spectral's C++ kernels",
             "random_seed": "seed for unseeded sampling",
             "num_threads": "CPU threads of the model worker (default: torch's, one per core)",

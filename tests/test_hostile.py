@@ -9,6 +9,8 @@ depend on the batch) with a 64-token context and fault injection on (requests wh
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
@@ -17,6 +19,7 @@ import pytest
 
 from tests.fuzz import fuzz
 from tests.server_utils import (
+    alive,
     peak_rss_kib,
     server_processes,
     start_server,
@@ -54,6 +57,8 @@ def hostile(peaky_model_dir):
     before = server_processes(proc)
     assert len(before) >= 4  # the server, its detokenizer, scheduler and worker
     yield proc, url
+    if proc.poll() is not None:  # ended by the module's last test, which kills its worker
+        return
     after = server_processes(proc)
     stop_server(proc)  # SIGTERM: every one of them must be gone
     assert after == before, "a process of the server died or was replaced"
@@ -320,3 +325,22 @@ def test_schemathesis_finds_no_5xx_and_no_schema_mismatch(server):
     print(f"\nschemathesis, {FUZZ_EXAMPLES} cases per operation: {counts}")
     assert code == 0, output[-6000:]
     assert counts.get("generated", 0) >= FUZZ_EXAMPLES * 4
+
+
+def test_last_a_killed_worker_stops_the_server_with_an_error(hostile):
+    """The module's last test (it ends the module's server): the worker SIGKILLed, the server
+    exits with an error within seconds and every process of it is gone."""
+    proc, _ = hostile
+    family = server_processes(proc)
+    workers = [pid for pid, cmd in family.items() if "spectral.server.worker_process" in cmd]
+    assert len(workers) == 1
+    os.kill(workers[0], signal.SIGKILL)
+    try:
+        assert proc.wait(timeout=10) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [family[pid] for pid in family if alive(pid)]

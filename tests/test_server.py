@@ -17,9 +17,7 @@ import torch
 
 from tests.conftest import SERVER_API_KEY
 from tests.server_utils import (
-    cmdline,
     descendants,
-    start_server,
     wait_idle_and_accounted,
 )
 
@@ -215,22 +213,6 @@ def test_wrong_api_key_is_refused_but_health_is_open(server):
     doc = httpx.get(server + "/openapi.json", headers=HEADERS, timeout=10).json()
     assert "401" in doc["paths"]["/v1/models"]["get"]["responses"]
     assert "401" not in doc["paths"]["/health"]["get"]["responses"]
-
-
-def test_killing_the_worker_stops_the_server_with_an_error(tiny_model_dir):
-    proc, _ = start_server(
-        "--model-path", tiny_model_dir, "--dtype", "float32", "--max-total-tokens", "2048"
-    )
-    try:
-        workers = [
-            p for p in descendants(proc.pid) if "spectral.server.worker_process" in cmdline(p)
-        ]
-        assert len(workers) == 1
-        os.kill(workers[0], signal.SIGKILL)
-        assert proc.wait(timeout=10) != 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_a_worker_that_fails_to_start_stops_the_server_with_an_error(tiny_model_dir, tmp_path):

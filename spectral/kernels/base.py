@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import ModuleType
@@ -67,9 +68,10 @@ def create_attention_backend(
     device: str,
     kernels: ModuleType | None = None,
 ) -> AttentionBackend:
-    """`auto` picks by device: cpu → torch. `kernels` (spectral's CPU kernels) serve decode."""
+    """`auto` picks by device (`default_attention_backend`). `kernels` (spectral's CPU
+    kernels) serve the torch backend's decode and tree steps."""
     if name == "auto":
-        name = "torch"
+        name = default_attention_backend(device, kv_pool.dtype)
     if name == "torch":
         from spectral.kernels.torch_backend import TorchAttentionBackend
 
@@ -78,7 +80,36 @@ def create_attention_backend(
         from spectral.kernels.triton.backend import TritonAttentionBackend
 
         return TritonAttentionBackend(kv_pool, req_to_token, scaling)
-    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch, triton")
+    if name == "flashinfer":
+        from spectral.kernels.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(kv_pool, req_to_token, scaling)
+    raise ValueError(
+        f"unknown attention backend {name!r}; available: auto, torch, triton, flashinfer"
+    )
+
+
+def default_attention_backend(device: str, dtype: torch.dtype) -> str:
+    """CPU: torch (with the CPU kernels). CUDA: flashinfer where it is installed and the KV
+    cache is float16 or bfloat16 (its kernels' types), else triton."""
+    if not device.startswith("cuda"):
+        return "torch"
+    if dtype in (torch.float16, torch.bfloat16) and importlib.util.find_spec("flashinfer"):
+        return "flashinfer"
+    return "triton"
+
+
+def request_mask(
+    prefix: int, num_new: int, custom: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """[num_new, prefix + num_new] bool: every prefix key is visible; among the new tokens,
+    causal when `custom` is None, else what `custom` ([num_new, num_new]) allows."""
+    mask = torch.ones((num_new, prefix + num_new), dtype=torch.bool, device=device)
+    if custom is None:
+        mask[:, prefix:] = torch.ones((num_new, num_new), dtype=torch.bool, device=device).tril()
+    else:
+        mask[:, prefix:] = custom
+    return mask
 
 
 def query_row_slots(batch: ForwardBatch, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

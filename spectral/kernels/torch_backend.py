@@ -15,7 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from spectral.forward import ForwardBatch
-from spectral.kernels.base import AttentionBackend, DecodeKernelInputs, query_row_slots
+from spectral.kernels.base import (
+    AttentionBackend,
+    DecodeKernelInputs,
+    query_row_slots,
+    request_mask,
+)
 
 
 @dataclass
@@ -33,19 +38,6 @@ class TorchAttnMetadata:
     # For the decode kernel: [B, max_seq_len] slots (padding → dummy slot 0) and lengths.
     kv_indices: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
-
-
-def request_mask(
-    prefix: int, num_new: int, custom: torch.Tensor | None, device: torch.device
-) -> torch.Tensor:
-    """[num_new, prefix + num_new] bool: every prefix key is visible; among the new tokens,
-    causal when `custom` is None, else what `custom` ([num_new, num_new]) allows."""
-    mask = torch.ones((num_new, prefix + num_new), dtype=torch.bool, device=device)
-    if custom is None:
-        mask[:, prefix:] = torch.ones((num_new, num_new), dtype=torch.bool, device=device).tril()
-    else:
-        mask[:, prefix:] = custom
-    return mask
 
 
 class TorchAttentionBackend(AttentionBackend):

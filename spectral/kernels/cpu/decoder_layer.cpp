@@ -8,7 +8,8 @@
 //   attn = decode_attention(q, pool)                (each row over its kv_indices)
 //   residual, h = add_rms_norm(attn @ Wo, residual)
 //   return (silu(gate) * up) @ Wdown, residual     (gate | up = h @ Wgate_up)
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/python.h>
 
 #include <cstring>
 #include <string>

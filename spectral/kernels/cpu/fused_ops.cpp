@@ -4,7 +4,8 @@
 //   rotary_inplace: rotate-half rotary embedding of q and k, in place
 //   decode_attention: one query per row over its KV slots, grouped-query heads (the rows of
 //   one verified tree read their shared prefix once)
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/python.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>

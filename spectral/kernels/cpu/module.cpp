@@ -1,15 +1,20 @@
-// The Python module of spectral's CPU kernels: what each source file registers.
-#include <torch/extension.h>
+// The Python module of spectral's CPU kernels, built as one translation unit: torch's headers
+// take most of a build's time (~30 s to parse), so every source file is included here and
+// they are parsed once.
+#include <ATen/ATen.h>
+#include <torch/python.h>
 
 #include "vec.h"
 
-void register_fused_ops(pybind11::module& m);
-void register_packed_linear(pybind11::module& m);
-void register_quant_linear(pybind11::module& m);
-void register_decoder_layer(pybind11::module& m);
+#include "packed_linear.cpp"
+#include "quant_linear.cpp"
+#if !defined(SPECTRAL_MATMULS_ONLY)  // a test build of the matmuls alone
+#include "fused_ops.cpp"
+#include "decoder_layer.cpp"
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-#if !defined(SPECTRAL_MATMULS_ONLY)  // a test build of the matmuls alone
+#if !defined(SPECTRAL_MATMULS_ONLY)
   register_fused_ops(m);
   register_decoder_layer(m);
 #endif

@@ -10,7 +10,8 @@
 // Weights are float32 or bfloat16 (widened in registers; products of two bfloat16 values are
 // exact in float32); x is used in float32; sums are float32 in order of k; the result has the
 // weights' dtype (bfloat16 rounded to nearest even).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/python.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

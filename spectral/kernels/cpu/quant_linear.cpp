@@ -11,7 +11,8 @@
 // kNR int8. d * q is exact in float32 (11 by at most 8 significant bits), so the expanded weight
 // (one fused multiply-add with m) is bit-equal to gguf's own dequantization in float32, and with
 // `round_bf16` it is rounded to bfloat16 first, bit-equal to dequantize-then-cast.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/python.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

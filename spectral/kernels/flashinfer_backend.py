@@ -1,0 +1,139 @@
+"""`--attention-backend flashinfer`: FlashInfer's paged-KV wrappers on CUDA, page size 1.
+
+DECODE goes through the batch decode wrapper; every other mode through the batch prefill
+wrapper, causal for EXTEND and DRAFT_EXTEND, under a custom mask for TARGET_VERIFY and
+DRAFT_DECODE. What the wrappers are planned with is built by `plan_arrays`, a plain function of
+the batch and the req-to-token table that runs (and is tested) on any device.
+
+FlashInfer's kernels take float16 and bfloat16 (not float32): `create_attention_backend`
+chooses Triton for a float32 pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spectral.forward import ForwardBatch
+from spectral.kernels.base import AttentionBackend, request_mask
+from spectral.mem.kv_pool import KVPool
+from spectral.mem.req_to_token import ReqToTokenPool
+
+WORKSPACE_BYTES = 128 * 1024 * 1024
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class FlashInferPlan:
+    """FlashInfer's CSR description of one batch with pages of one token.
+
+    Request i's new tokens are query rows `qo_indptr[i]:qo_indptr[i+1]`; its keys are the pages
+    (= KV slots) `kv_indices[kv_indptr[i]:kv_indptr[i+1]]`, prefix first, then its new tokens;
+    every last page holds one token. `custom_mask`, in the custom-mask modes, is the
+    concatenation over requests of the flattened bool matrix [new tokens, keys] (row-major,
+    True = attend; FlashInfer's mask layout), request i's starting at bit `mask_indptr[i]`.
+    Without it the new tokens are causal among themselves and see the whole prefix."""
+
+    qo_indptr: torch.Tensor  # [B + 1] int32
+    kv_indptr: torch.Tensor  # [B + 1] int32
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32
+    kv_last_page_len: torch.Tensor  # [B] int32
+    custom_mask: torch.Tensor | None = None  # [mask_indptr[-1]] bool
+    mask_indptr: torch.Tensor | None = None  # [B + 1] int32
+
+
+def plan_arrays(batch: ForwardBatch, table: torch.Tensor) -> FlashInferPlan:
+    """The plan of `batch`, whose slots `table` (the req-to-token table) already holds."""
+    device = table.device
+    prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
+    new = torch.tensor(batch.extend_lens, dtype=torch.int64, device=device)
+    seq_lens = prefix + new
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    width = int(seq_lens.max())
+    slots = table[batch.req_pool_indices.to(device), :width]
+    in_row = torch.arange(width, device=device)[None, :] < seq_lens[:, None]
+    plan = FlashInferPlan(
+        qo_indptr=torch.cat((zero, new.cumsum(0))).to(torch.int32),
+        kv_indptr=torch.cat((zero, seq_lens.cumsum(0))).to(torch.int32),
+        kv_indices=slots[in_row].to(torch.int32),
+        kv_last_page_len=torch.ones(batch.batch_size, dtype=torch.int32, device=device),
+    )
+    if batch.custom_mask is None:
+        return plan
+    blocks, offset = [], 0
+    for p, n in zip(batch.prefix_lens, batch.extend_lens):
+        custom = batch.custom_mask[offset : offset + n * n].view(n, n).to(device)
+        blocks.append(request_mask(p, n, custom, device).reshape(-1))
+        offset += n * n
+    mask_indptr = torch.cat((zero, (new * seq_lens).cumsum(0))).to(torch.int32)
+    return FlashInferPlan(
+        plan.qo_indptr,
+        plan.kv_indptr,
+        plan.kv_indices,
+        plan.kv_last_page_len,
+        torch.cat(blocks),
+        mask_indptr,
+    )
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    """Plans its wrapper at the first layer of each forward (when the query heads are known)
+    and runs it at every layer over the pool's K and V viewed as pages of one token."""
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, scaling: float) -> None:
+        super().__init__(kv_pool, req_to_token, scaling)
+        if kv_pool.dtype not in DTYPES:
+            raise ValueError(
+                f"the flashinfer backend takes a float16 or bfloat16 KV cache (got "
+                f"{kv_pool.dtype}); use --attention-backend triton for float32"
+            )
+        import flashinfer
+
+        device = kv_pool.k[0].device
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=True
+        )
+        self._planned: object = None
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        batch.attn_metadata = plan_arrays(batch, self.req_to_token.table)
+        self._planned = None
+
+    def _plan(self, plan: FlashInferPlan, num_heads: int, batch: ForwardBatch) -> object:
+        _, num_kv_heads, head_dim = self.kv_pool.k[0].shape
+        dtype = self.kv_pool.dtype
+        layout = (
+            plan.kv_indptr,
+            plan.kv_indices,
+            plan.kv_last_page_len,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            1,  # page size
+        )
+        common = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=self.scaling)
+        if batch.mode.is_decode():
+            self.decode.plan(*layout, **common)
+            return self.decode
+        # The unpacked mask: FlashInfer packs it per request itself (its indptr in bytes).
+        self.prefill.plan(
+            plan.qo_indptr,
+            *layout,
+            custom_mask=plan.custom_mask,
+            causal=plan.custom_mask is None,
+            **common,
+        )
+        return self.prefill
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
+        if self._planned is None:
+            self._planned = self._plan(batch.attn_metadata, q.shape[1], batch)
+        pages = (self.kv_pool.k[layer_id].unsqueeze(1), self.kv_pool.v[layer_id].unsqueeze(1))
+        out = self._planned.run(q.to(self.kv_pool.dtype).contiguous(), pages)
+        return out.reshape(q.shape[0], -1).to(q.dtype)

@@ -1,0 +1,82 @@
+"""Random attention batches over a paged KV pool, for testing backends against the torch one."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from spectral.forward import ForwardBatch, ForwardMode
+from spectral.mem.kv_pool import KVPool
+from spectral.mem.req_to_token import ReqToTokenPool
+from spectral.speculative.tree import trees_from_parents
+
+
+@dataclass
+class AttentionCase:
+    pool: KVPool  # one layer, random K/V in every slot
+    table: ReqToTokenPool  # each request's prefix and new slots written, shuffled across the pool
+    batch: ForwardBatch
+    q: torch.Tensor  # [T, heads, head_dim]
+    k: torch.Tensor  # [T, kv_heads, head_dim], the new tokens' keys (not yet in the pool)
+    v: torch.Tensor
+    scaling: float
+
+
+def random_case(
+    rng: random.Random,
+    mode: ForwardMode,
+    prefixes: list[int],
+    news: list[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> AttentionCase:
+    """A batch of `mode` whose request i has prefixes[i] cached tokens and news[i] new ones (in
+    TARGET_VERIFY, a random draft tree of news[i] nodes), in table rows from 1 (row 0 unused)."""
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    total = sum(p + n for p, n in zip(prefixes, news))
+    pool = KVPool(total + 8, 1, kv_heads, head_dim, torch.float32, "cpu")
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))
+    table = ReqToTokenPool(len(prefixes) + 2, max(p + n for p, n in zip(prefixes, news)) + 1)
+    free = list(range(1, total + 8))
+    rng.shuffle(free)
+    rows, new_slots, masks = [], [], []
+    for i, (prefix, n) in enumerate(zip(prefixes, news)):
+        row = i + 1
+        slots = [free.pop() for _ in range(prefix + n)]
+        table.write(row, 0, slots)
+        rows.append(row)
+        new_slots += slots[prefix:]
+        if mode.uses_custom_mask():
+            parents = [rng.randrange(0, j + 1) for j in range(n - 1)]
+            tree = trees_from_parents([1], [[2] * (n - 1)], [parents], n)
+            masks.append(tree.mask[0].reshape(-1))
+    T = sum(news)
+    batch = ForwardBatch(
+        mode=mode,
+        input_ids=torch.zeros(T, dtype=torch.int64),
+        positions=torch.zeros(T, dtype=torch.int64),
+        out_cache_loc=torch.tensor(new_slots),
+        req_pool_indices=torch.tensor(rows),
+        prefix_lens=prefixes,
+        extend_lens=news,
+        custom_mask=torch.cat(masks) if masks else None,
+    )
+    q = torch.randn((T, heads, head_dim), generator=gen)
+    k = torch.randn((T, kv_heads, head_dim), generator=gen)
+    v = torch.randn((T, kv_heads, head_dim), generator=gen)
+    return AttentionCase(pool, table, batch, q, k, v, head_dim**-0.5)
+
+
+# (mode, prefix lengths, new-token counts): ragged batches of every mode, prefixes of 0 and > 0.
+CASES = [
+    (ForwardMode.EXTEND, [0, 0], [5, 17]),
+    (ForwardMode.EXTEND, [9, 40, 0], [3, 1, 6]),
+    (ForwardMode.DECODE, [7, 70, 1, 33], [1, 1, 1, 1]),
+    (ForwardMode.TARGET_VERIFY, [12, 45], [6, 9]),
+]
+# (heads, kv heads, head dim): GQA; MHA with a head dim of 24.
+SHAPES = [(4, 2, 16), (3, 3, 24)]
