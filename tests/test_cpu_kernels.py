@@ -249,13 +249,18 @@ def test_gguf_blocks_expand_to_ggufs_own_dequantization(kind, n, k):
     check_gguf_expansion(kind, n, k)
 
 
+@pytest.fixture(scope="module")
+def default_gguf() -> gguf.GGUFReader:
+    from spectral.models.resolve import default_model_file
+
+    return gguf.GGUFReader(default_model_file())
+
+
 @pytest.mark.parametrize(
     "name", ["blk.0.ffn_down.weight", "blk.7.attn_q.weight", "token_embd.weight"]
 )
-def test_the_default_models_blocks_expand_to_ggufs_own_dequantization(name):
-    from spectral.models.resolve import default_model_file
-
-    tensor = next(t for t in gguf.GGUFReader(default_model_file()).tensors if t.name == name)
+def test_the_default_models_blocks_expand_to_ggufs_own_dequantization(name, default_gguf):
+    tensor = next(t for t in default_gguf.tensors if t.name == name)
     rows = torch.from_numpy(np.array(tensor.data[:200]))
     k = int(tensor.shape[0])
     reference = torch.from_numpy(gguf.quants.dequantize(rows.numpy(), tensor.tensor_type))

@@ -14,7 +14,7 @@ PROMPTS = [
     "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n",
     "1, 2, 3, 5, 8, 13,",
 ]
-NEW_TOKENS = 48
+NEW_TOKENS = 32
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:

@@ -186,8 +186,9 @@ def test_eagle3_greedy_output_equals_plain_decoding(
         speculative_draft_model_path=eagle3_head,
         **opts,
     )
-    reqs = run(s, prompts(20), at_once=at_once, temperature=0.0)
-    assert [r.output_ids for r in reqs] == plain_outputs
+    count = 10 if at_once == 1 else 20  # one at a time: the first ten
+    reqs = run(s, prompts(20)[:count], at_once=at_once, temperature=0.0)
+    assert [r.output_ids for r in reqs] == plain_outputs[:count]
     assert s.stats.spec_verify_ct > 0
     assert all(r.spec_verify_ct > 0 for r in reqs)
 

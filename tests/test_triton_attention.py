@@ -12,10 +12,12 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed (make test installs it)")
 
 
-def test_row_attention_equals_the_torch_backend_in_every_mode():
-    """The kernel: prefill with and without a cached prefix, decode, draft-tree verification;
-    ragged batches, GQA and MHA; float32 within 1e-5. The backend: an Engine's greedy tokens,
-    plainly and with EAGLE3, equal the torch backend's (tests/triton_cases.py)."""
+def test_the_triton_backend_equals_the_torch_backend_in_every_mode():
+    """The backend's kernels (`row_attention` for decode, the tiled `extend_attention` for
+    prefill with and without a cached prefix, several tiles long, and draft-tree
+    verification); ragged batches, GQA and MHA; float32 within 1e-5. An Engine with the
+    backend gives the torch backend's greedy tokens, plainly and with EAGLE3
+    (tests/triton_cases.py)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.triton_cases"],
@@ -26,4 +28,4 @@ def test_row_attention_equals_the_torch_backend_in_every_mode():
     )
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("max error") == 8 and done.stdout.count("engine,") == 4
+    assert done.stdout.count("max error") == 12 and done.stdout.count("engine,") == 3

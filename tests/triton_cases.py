@@ -7,23 +7,24 @@ from __future__ import annotations
 import random
 import sys
 
-from spectral.kernels.base import query_row_slots
 from spectral.kernels.torch_backend import TorchAttentionBackend
-from spectral.kernels.triton.attention import row_attention
+from spectral.kernels.triton.backend import TritonAttentionBackend
 from tests.attention_cases import CASES, SHAPES, AttentionCase, random_case
 
 TOLERANCE = 1e-5
 
 
 def max_error(case: AttentionCase) -> float:
-    """Largest difference between the Triton kernel and the torch backend (SDPA under its
-    masks) for one batch; the keys of the new tokens are written by the torch backend."""
+    """Largest difference between the Triton backend (`row_attention` for DECODE, the tiled
+    `extend_attention` for the other modes) and the torch backend (SDPA under its masks) for
+    one batch. Both write the same new keys into the pool."""
     torch_backend = TorchAttentionBackend(case.pool, case.table, case.scaling, kernels=None)
     torch_backend.init_forward_metadata(case.batch)
-    expected = torch_backend.forward(case.q, case.k, case.v, 0, case.batch)  # writes the new keys
-    kv_indices, lens = query_row_slots(case.batch, case.table.table)
-    got = row_attention(case.q, case.pool.k[0], case.pool.v[0], kv_indices, lens, case.scaling)
-    return float((got.reshape(expected.shape) - expected).abs().max())
+    expected = torch_backend.forward(case.q, case.k, case.v, 0, case.batch)
+    triton_backend = TritonAttentionBackend(case.pool, case.table, case.scaling)
+    triton_backend.init_forward_metadata(case.batch)
+    got = triton_backend.forward(case.q, case.k, case.v, 0, case.batch)
+    return float((got - expected).abs().max())
 
 
 def engines_agree() -> bool:
@@ -54,25 +55,24 @@ def engines_agree() -> bool:
     }
     prompts = [[5, 6, 7, 8, 9], [12, 13]]
     outputs = []
-    for backend in ("torch", "triton"):
-        for spec in ({}, eagle3):
-            engine = Engine(
-                model_path=model,
-                dtype="float32",
-                max_total_tokens=1024,
-                attention_backend=backend,
-                **spec,
-            )
-            outs = engine.generate(
-                input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 4}
-            )
-            rounds = engine.scheduler.stats.spec_verify_ct
-            engine.shutdown()
-            outputs.append([o["output_ids"] for o in outs])
-            print(f"engine, {backend} attention, {'EAGLE3' if spec else 'plain'}: {outputs[-1]}")
-            if spec and rounds == 0:
-                print("no speculative round ran")
-                return False
+    for backend, spec in (("torch", {}), ("triton", {}), ("triton", eagle3)):
+        engine = Engine(
+            model_path=model,
+            dtype="float32",
+            max_total_tokens=1024,
+            attention_backend=backend,
+            **spec,
+        )
+        outs = engine.generate(
+            input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 4}
+        )
+        rounds = engine.scheduler.stats.spec_verify_ct
+        engine.shutdown()
+        outputs.append([o["output_ids"] for o in outs])
+        print(f"engine, {backend} attention, {'EAGLE3' if spec else 'plain'}: {outputs[-1]}")
+        if spec and rounds == 0:
+            print("no speculative round ran")
+            return False
     return all(out == outputs[0] for out in outputs)
 
 
@@ -82,7 +82,10 @@ def main() -> int:
     for heads, kv_heads, head_dim in SHAPES:
         for mode, prefixes, news in CASES:
             err = max_error(random_case(rng, mode, prefixes, news, heads, kv_heads, head_dim))
-            print(f"{mode.name:14s} heads {heads}/{kv_heads} dim {head_dim}: max error {err:.2e}")
+            print(
+                f"{mode.name:14s} {prefixes}/{news} heads {heads}/{kv_heads} dim {head_dim}: "
+                f"max error {err:.2e}"
+            )
             worst = max(worst, err)
     return 0 if worst <= TOLERANCE and engines_agree() else 1
 

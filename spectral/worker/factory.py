@@ -87,6 +87,7 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
 
         parts = {
             "machine": cpu_signature(),
+            "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "model": str(Path(worker_model_dir(args)).resolve()),

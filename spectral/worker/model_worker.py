@@ -147,7 +147,7 @@ class ModelWorker:
         hidden, captured = self.forward_hidden(batch)
         ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
         last = hidden if batch.num_tokens == batch.batch_size else hidden[ends]
-        out = sample(self.model.compute_logits(last).cpu(), wb.sampling, wb.vocab_mask)
+        out = sample(self.model.compute_logits(last), wb.sampling, wb.vocab_mask)
         input_logprobs = self._input_logprobs(wb, batch, hidden) if wb.input_logprob_starts else []
         result = WorkerResult(
             out.next_token_ids.tolist(), out.logprobs, out.top_logprobs, input_logprobs
@@ -168,7 +168,8 @@ class ModelWorker:
                     targets = targets + [wb.input_logprob_next[i]]
                 rows = hidden[offset + first - start : offset + first - start + len(targets)]
                 logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
-                scores = logprobs.gather(1, torch.tensor(targets)[:, None])[:, 0].tolist()
+                chosen = torch.tensor(targets, device=logprobs.device)[:, None]
+                scores = logprobs.gather(1, chosen)[:, 0].tolist()
             input_logprobs.append(scores)
             offset += ext
         return input_logprobs

@@ -40,7 +40,9 @@ def apply_penalties(logits: torch.Tensor, sampling: list[RequestSampling]) -> to
         vocab = logits.shape[-1]
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(
-                sorted(set(s.penalty_prompt_ids) | set(s.output_ids)), dtype=torch.long
+                sorted(set(s.penalty_prompt_ids) | set(s.output_ids)),
+                dtype=torch.long,
+                device=out.device,
             )
             if seen.numel():
                 vals = out[row, seen]
@@ -48,7 +50,8 @@ def apply_penalties(logits: torch.Tensor, sampling: list[RequestSampling]) -> to
                     vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
                 )
         if s.output_ids and (p.frequency_penalty or p.presence_penalty):
-            counts = torch.bincount(torch.tensor(s.output_ids, dtype=torch.long), minlength=vocab)
+            ids = torch.tensor(s.output_ids, dtype=torch.long, device=out.device)
+            counts = torch.bincount(ids, minlength=vocab)
             counts = counts.to(out.dtype)
             out[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
                 out.dtype
@@ -58,7 +61,10 @@ def apply_penalties(logits: torch.Tensor, sampling: list[RequestSampling]) -> to
 
 def filtered_probs(logits: torch.Tensor, sampling: list[RequestSampling]) -> torch.Tensor:
     """Softmax(logits / T) with top-k, top-p and min-p applied and renormalised, per row."""
-    temps = torch.tensor([max(s.params.temperature, 1e-6) for s in sampling], dtype=logits.dtype)
+    device = logits.device
+    temps = torch.tensor(
+        [max(s.params.temperature, 1e-6) for s in sampling], dtype=logits.dtype, device=device
+    )
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     needs_filter = [
         s.params.top_k > 0 or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in sampling
@@ -67,10 +73,12 @@ def filtered_probs(logits: torch.Tensor, sampling: list[RequestSampling]) -> tor
         return probs
     sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[-1]
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in sampling])
-    top_p = torch.tensor([s.params.top_p for s in sampling], dtype=probs.dtype)
-    min_p = torch.tensor([s.params.min_p for s in sampling], dtype=probs.dtype)
-    ranks = torch.arange(vocab)[None, :]
+    top_k = torch.tensor(
+        [s.params.top_k if s.params.top_k > 0 else vocab for s in sampling], device=device
+    )
+    top_p = torch.tensor([s.params.top_p for s in sampling], dtype=probs.dtype, device=device)
+    min_p = torch.tensor([s.params.min_p for s in sampling], dtype=probs.dtype, device=device)
+    ranks = torch.arange(vocab, device=device)[None, :]
     drop = ranks >= top_k[:, None]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop |= mass_before >= top_p[:, None]
@@ -84,19 +92,23 @@ def filtered_probs(logits: torch.Tensor, sampling: list[RequestSampling]) -> tor
 def sample_from_probs(probs: torch.Tensor, sampling: list[RequestSampling]) -> torch.Tensor:
     """One token per row by the exponential race argmax(p / E), E ~ Exp(1).
 
-    A seeded request draws E from a generator seeded by (seed, tokens generated so far), so
-    its output does not depend on the batch it runs in.
+    A seeded request draws E from a CPU generator seeded by (seed, tokens generated so far), so
+    its output depends neither on the batch it runs in nor on the device.
     """
     noise = torch.empty_like(probs)
     unseeded = [i for i, s in enumerate(sampling) if s.params.seed is None]
     if unseeded:
         noise[unseeded] = torch.empty(
-            (len(unseeded), probs.shape[-1]), dtype=probs.dtype
+            (len(unseeded), probs.shape[-1]), dtype=probs.dtype, device=probs.device
         ).exponential_()
-    for i, s in enumerate(sampling):
-        if s.params.seed is not None:
+    seeded = [i for i, s in enumerate(sampling) if s.params.seed is not None]
+    if seeded:
+        draws = torch.empty((len(seeded), probs.shape[-1]), dtype=probs.dtype)
+        for row, i in enumerate(seeded):
+            s = sampling[i]
             gen = torch.Generator().manual_seed(request_step_seed(s.params.seed, len(s.output_ids)))
-            noise[i] = torch.empty(probs.shape[-1], dtype=probs.dtype).exponential_(generator=gen)
+            draws[row].exponential_(generator=gen)
+        noise[seeded] = draws.to(probs.device)
     return (probs / noise).argmax(dim=-1)
 
 
@@ -127,10 +139,20 @@ def sample(
     logprobs: list[float | None] = [None] * len(sampling)
     top: list[list[tuple[float, int]] | None] = [None] * len(sampling)
     if logprobs_all is not None:
+        # Every row's chosen and top logprobs in one tensor, copied to the host once.
+        k = max(s.top_logprobs_num for s in sampling)
+        chosen = logprobs_all.gather(1, next_ids[:, None])
+        parts = [chosen.double()]
+        if k:
+            vals, ids = logprobs_all.topk(k, dim=-1)
+            parts += [vals.double(), ids.double()]
+        host = torch.cat(parts, dim=1).tolist()
         for i, s in enumerate(sampling):
             if s.return_logprob:
-                logprobs[i] = float(logprobs_all[i, next_ids[i]])
+                logprobs[i] = host[i][0]
             if s.top_logprobs_num:
-                vals, ids = logprobs_all[i].topk(s.top_logprobs_num)
-                top[i] = list(zip(vals.tolist(), ids.tolist()))
+                n = s.top_logprobs_num
+                top[i] = [
+                    (v, int(t)) for v, t in zip(host[i][1 : 1 + n], host[i][1 + k : 1 + k + n])
+                ]
     return SampleOutput(next_ids, logprobs, top)

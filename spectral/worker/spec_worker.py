@@ -100,8 +100,9 @@ class SpeculativeWorker:
     def _verify_round(self, wb: WorkerBatch) -> WorkerResult:
         target = self.target
         sizes = list(wb.extend_lens)
-        seq_lens = torch.tensor(wb.prefix_lens)
-        rows = torch.tensor(wb.req_pool_indices)
+        device = target.req_to_token.table.device
+        seq_lens = torch.tensor(wb.prefix_lens, device=device)
+        rows = torch.tensor(wb.req_pool_indices, device=device)
         trees, probs = self._trees(wb, rows, seq_lens, sizes)
         masks = self._grammar_masks(trees, sizes, wb.sampling)
         token_ids: list[int] = []
@@ -117,7 +118,7 @@ class SpeculativeWorker:
         batch = target.to_forward_batch(verify_wb)
         batch.capture_layers = self.drafter.capture_layers if self.drafter else ()
         hidden, captured = target.forward_hidden(batch)
-        logits = target.model.compute_logits(hidden).cpu()
+        logits = target.model.compute_logits(hidden)  # stays on the device
         verdict = self._verify(trees, logits, sizes, wb.sampling, masks)
 
         offsets = [0]
@@ -134,9 +135,10 @@ class SpeculativeWorker:
             accepted_lens = [len(acc) for acc in verdict.accepted]
             draft_batch = ForwardBatch(
                 mode=ForwardMode.DRAFT_EXTEND,
-                input_ids=torch.tensor([t for e in verdict.emitted for t in e]),
+                input_ids=torch.tensor([t for e in verdict.emitted for t in e], device=device),
                 positions=torch.tensor(
-                    [p + i for p, a in zip(wb.prefix_lens, accepted_lens) for i in range(a)]
+                    [p + i for p, a in zip(wb.prefix_lens, accepted_lens) for i in range(a)],
+                    device=device,
                 ),
                 out_cache_loc=slots[kept_rows_t],
                 req_pool_indices=batch.req_pool_indices,
@@ -178,9 +180,15 @@ class SpeculativeWorker:
                 raise ValueError("a TARGET_VERIFY batch without draft trees needs a draft head")
             index = torch.tensor(drafted)
             head_n = [(self.head_tree_size or n) if given[b] else sizes[b] for b in drafted]
-            # A tree of n nodes is at most n - 1 deep: deeper levels would not be kept.
-            scores, tokens, parents = self.drafter.draft(
-                rows[index], seq_lens[index], num_steps=max(head_n) - 1
+            # A tree of n nodes is at most n - 1 deep: deeper levels would not be kept. The
+            # candidates come to the host (trees are built there), in one copy each.
+            scores, tokens, parents = (
+                t.cpu()
+                for t in self.drafter.draft(
+                    rows[index.to(rows.device)],
+                    seq_lens[index.to(rows.device)],
+                    num_steps=max(head_n) - 1,
+                )
             )
             roots = torch.tensor(wb.input_ids)[index]
             trees = select_eagle_trees(roots, scores, tokens, parents, head_n)
@@ -255,14 +263,14 @@ class SpeculativeWorker:
             adjusted.append(block)
             offset += size
         if greedy_rows:
-            ids = torch.full((len(greedy_rows), n), -1, dtype=torch.int64)
+            ids = torch.full((len(greedy_rows), n), -1, dtype=torch.int64, device=logits.device)
             for i, b in enumerate(greedy_rows):
                 ids[i, : sizes[b]] = adjusted[b].argmax(dim=-1)
             part = verify_greedy(_select(trees, greedy_rows), ids)
             for i, b in enumerate(greedy_rows):
                 accepted[b], emitted[b] = part.accepted[i], part.emitted[i]
         if sampled_rows:
-            probs = torch.zeros((len(sampled_rows), n, vocab))
+            probs = torch.zeros((len(sampled_rows), n, vocab), device=logits.device)
             generators: list[torch.Generator | None] = []
             for i, b in enumerate(sampled_rows):
                 s = sampling[b]
@@ -273,6 +281,8 @@ class SpeculativeWorker:
                     seed = request_step_seed(s.params.seed, len(s.output_ids))
                     gen = torch.Generator().manual_seed(seed)
                 generators.append(gen)
+            # The walk runs on the host: one copy of the filtered distributions.
+            probs = probs.cpu()
             part = verify_sampling(_select(trees, sampled_rows), probs, generators=generators)
             for i, b in enumerate(sampled_rows):
                 accepted[b], emitted[b] = part.accepted[i], part.emitted[i]
@@ -294,7 +304,7 @@ class SpeculativeWorker:
                 continue
             rows = torch.tensor(verdict.accepted[b]) + offsets[b]
             logprobs = torch.log_softmax(logits[rows], dim=-1)
-            chosen = torch.tensor(verdict.emitted[b])
+            chosen = torch.tensor(verdict.emitted[b], device=logits.device)
             emitted_logprobs.append(logprobs.gather(1, chosen[:, None])[:, 0].tolist())
             if s.top_logprobs_num:
                 values, ids = logprobs.topk(s.top_logprobs_num, dim=-1)

@@ -27,13 +27,13 @@ def _row_attention_kernel(
     lens_ptr,
     out_ptr,
     scale,
+    stride_it,
     stride_qt,
     stride_qh,
     stride_ks,
     stride_kh,
     stride_vs,
     stride_vh,
-    stride_it,
     stride_ot,
     stride_oh,
     GROUP: tl.constexpr,
@@ -94,10 +94,7 @@ def row_attention(
     """q [T, H, D]; k_pool, v_pool [slots, KVH, D] (H a multiple of KVH); kv_indices [T, L]
     int64 slots, of which row t uses the first seq_lens[t] (>= 1). Returns [T, H, D] in q's
     dtype: softmax(q k^T * scaling) v over each row's slots."""
-    T, H, D = q.shape
-    kv_heads = k_pool.shape[1]
-    if H % kv_heads:
-        raise ValueError(f"{H} query heads do not split into {kv_heads} KV heads")
+    T, H, _ = q.shape
     if kv_indices.shape[0] != T or seq_lens.shape != (T,):
         raise ValueError(
             f"kv_indices must be [T, L] and seq_lens [T] with T = {T} "
@@ -107,6 +104,7 @@ def row_attention(
     out = torch.empty_like(q)
     if T == 0:
         return out
+    strides, shapes = launch_layout(q, k_pool, v_pool, out)
     _row_attention_kernel[(T, H)](
         q,
         k_pool,
@@ -115,18 +113,29 @@ def row_attention(
         seq_lens.contiguous(),
         out,
         scaling,
-        q.stride(0),
-        q.stride(1),
-        k_pool.stride(0),
-        k_pool.stride(1),
-        v_pool.stride(0),
-        v_pool.stride(1),
         kv_indices.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=H // kv_heads,
-        HEAD_DIM=D,
-        BLOCK_D=triton.next_power_of_2(D),
+        *strides,
+        **shapes,
         BLOCK_N=BLOCK_N,
     )
     return out
+
+
+def launch_layout(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor
+) -> tuple[tuple[int, ...], dict[str, int]]:
+    """What both attention kernels take about their tensors: the token and head strides of q,
+    the K and V pools and out, and the head shapes (query heads per KV head, the head dim
+    and its power-of-two block). Raises where the query heads do not split into KV groups."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_pool.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not split into {kv_heads} KV heads")
+    strides = (q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1))
+    strides += (v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1))
+    shapes = dict(
+        GROUP=heads // kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    )
+    return strides, shapes

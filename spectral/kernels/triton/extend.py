@@ -1,0 +1,187 @@
+"""Attention of many new tokens per request, in tiles: prefill over a cached prefix (causal) and
+draft-tree verification (a custom mask among the new tokens).
+
+One program per (request, head, block of BLOCK_M new tokens) holds its queries in a tile and
+streams the request's keys from the req-to-token table in blocks of BLOCK_N, so each key block
+is read once per query block instead of once per query (what `row_attention` does, which
+suits one query per request). Scores and values go through `tl.dot`; the softmax is online, in
+float32. A key is visible to new token i when it is in the prefix, or it is new token j with
+j <= i (causal) or mask[i, j] (custom). Causal blocks stop at their last query's position.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from spectral.kernels.triton.attention import launch_layout
+
+BLOCK_M = 16
+BLOCK_N = 32
+MASKED = -1.0e30  # a finite floor: a row with no visible key in a block keeps weight 0, no NaN
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    rows_ptr,
+    prefix_ptr,
+    new_ptr,
+    q_start_ptr,
+    mask_ptr,
+    mask_start_ptr,
+    out_ptr,
+    scale,
+    stride_table,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CUSTOM_MASK: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    block = tl.program_id(2)
+    num_new = tl.load(new_ptr + req)
+    if block * BLOCK_M >= num_new:
+        return
+    prefix = tl.load(prefix_ptr + req)
+    row = tl.load(rows_ptr + req)
+    q_start = tl.load(q_start_ptr + req)
+    kv_head = head // GROUP
+
+    m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < num_new
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    best = tl.full([BLOCK_M], MASKED, tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if CUSTOM_MASK:
+        end = prefix + num_new
+        mask_start = tl.load(mask_start_ptr + req)
+    else:
+        end = tl.minimum(prefix + num_new, prefix + (block + 1) * BLOCK_M)
+    for start in range(0, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        slots = tl.load(table_ptr + row * stride_table + n, mask=n_ok, other=0)
+        kv_ok = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+            mask=kv_ok,
+            other=0.0,
+        )
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores.to(tl.float32) * scale
+        j = n - prefix  # index among the new tokens (negative in the prefix)
+        if CUSTOM_MASK:
+            among_new = j >= 0
+            bits = tl.load(
+                mask_ptr + mask_start + m[:, None] * num_new + j[None, :],
+                mask=m_ok[:, None] & among_new[None, :] & n_ok[None, :],
+                other=0,
+            )
+            visible = (~among_new[None, :] | (bits != 0)) & n_ok[None, :]
+        else:
+            visible = (j[None, :] <= m[:, None]) & n_ok[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        weights = tl.exp(scores - new_best[:, None])
+        rescale = tl.exp(best - new_best)
+        v = tl.load(
+            v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+            mask=kv_ok,
+            other=0.0,
+        )
+        total = total * rescale + tl.sum(weights, axis=1)
+        if IEEE:
+            update = tl.dot(weights.to(v.dtype), v, input_precision="ieee")
+        else:
+            update = tl.dot(weights.to(v.dtype), v)
+        acc = acc * rescale[:, None] + update.to(tl.float32)
+        best = new_best
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]  # padding rows may see no key
+    tl.store(
+        out_ptr + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    scaling: float,
+    custom_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [T, H, D]: the new tokens of B requests, request after request; request b's are
+    extend_lens[b] tokens after prefix_lens[b] cached ones, its slots (prefix, then new) in
+    `table` row rows[b]. `custom_mask`, when given, is the concatenation over requests of the
+    flattened bool [n, n] among their new tokens (ForwardBatch's layout); else causal.
+    Returns [T, H, D] in q's dtype."""
+    T, H, _ = q.shape
+    if int(extend_lens.sum()) != T:
+        raise ValueError(f"extend_lens sum to {int(extend_lens.sum())}, not the {T} query rows")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    zero = torch.zeros(1, dtype=torch.int64, device=q.device)
+    q_starts = torch.cat((zero, extend_lens.cumsum(0)[:-1]))
+    if custom_mask is None:
+        mask, mask_starts = zero, zero
+    else:
+        mask = custom_mask.to(torch.int8).contiguous()
+        mask_starts = torch.cat((zero, (extend_lens * extend_lens).cumsum(0)[:-1]))
+    strides, shapes = launch_layout(q, k_pool, v_pool, out)
+    grid = (extend_lens.numel(), H, triton.cdiv(int(extend_lens.max()), BLOCK_M))
+    _extend_kernel[grid](
+        q,
+        k_pool,
+        v_pool,
+        table,
+        rows,
+        prefix_lens,
+        extend_lens,
+        q_starts,
+        mask,
+        mask_starts,
+        out,
+        scaling,
+        table.stride(0),
+        *strides,
+        **shapes,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        CUSTOM_MASK=custom_mask is not None,
+        IEEE=q.dtype == torch.float32,
+    )
+    return out
