@@ -11,7 +11,7 @@ import torch
 from spectral.forward import ForwardBatch, ForwardMode
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
-from spectral.speculative.tree import trees_from_parents
+from spectral.speculative.tree import DraftTrees, select_eagle_trees
 
 
 @dataclass
@@ -55,7 +55,8 @@ def random_case(
     head_dim: int,
 ) -> AttentionCase:
     """A batch of `mode` whose request i has prefixes[i] cached tokens and news[i] new ones (in
-    TARGET_VERIFY, a random draft tree of news[i] nodes), in table rows from 1 (row 0 unused)."""
+    the custom-mask modes, an EAGLE-2 tree of news[i] nodes), in table rows from 1 (row 0
+    unused)."""
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     total = sum(p + n for p, n in zip(prefixes, news))
     pool = KVPool(total + 8, 1, kv_heads, head_dim, torch.float32, "cpu")
@@ -72,9 +73,7 @@ def random_case(
         rows.append(row)
         new_slots += slots[prefix:]
         if mode.uses_custom_mask():
-            parents = [rng.randrange(0, j + 1) for j in range(n - 1)]
-            tree = trees_from_parents([1], [[2] * (n - 1)], [parents], n)
-            masks.append(tree.mask[0].reshape(-1))
+            masks.append(eagle_tree(rng, n).mask[0, :n, :n].reshape(-1))
     T = sum(news)
     batch = ForwardBatch(
         mode=mode,
@@ -90,6 +89,27 @@ def random_case(
     k = torch.randn((T, kv_heads, head_dim), generator=gen)
     v = torch.randn((T, kv_heads, head_dim), generator=gen)
     return AttentionCase(pool, table, batch, q, k, v, head_dim**-0.5)
+
+
+def eagle_tree(rng: random.Random, n: int) -> DraftTrees:
+    """A tree of n nodes (root included) as the EAGLE-2 selection keeps it: the best n - 1 of
+    2n random candidates, each scoring below its parent."""
+    scores: list[float] = []
+    parents: list[int] = []
+    for c in range(2 * n):
+        parent = rng.randrange(-1, c) if c else -1
+        scores.append((scores[parent] if parent >= 0 else 0.0) - rng.random() * 2)
+        parents.append(parent)
+    tokens = [10 * c + rng.randrange(5) for c in range(2 * n)]
+    tree = select_eagle_trees(
+        torch.tensor([1]),
+        torch.tensor([scores]),
+        torch.tensor([tokens]),
+        torch.tensor([parents]),
+        n,
+    )
+    assert tree.num_nodes[0] == n
+    return tree
 
 
 # (mode, prefix lengths, new-token counts): ragged batches of every mode, prefixes of 0 and > 0.
