@@ -1,5 +1,8 @@
-"""FlashInfer's planning arrays, built on the CPU: equal to what the torch backend attends over,
-and, read the way FlashInfer's documentation defines them, giving the torch backend's output."""
+"""The FlashInfer backend on the CPU: its planning arrays equal what the torch backend attends
+over and, read the way FlashInfer's documentation defines them, give the torch backend's
+output; the backend drives stand-ins of FlashInfer's wrappers (their documented signatures,
+computing on the CPU) to the torch backend's output in every mode. FlashInfer's own kernels
+run in tests/gpu."""
 
 from __future__ import annotations
 
@@ -20,31 +23,144 @@ MORE_CASES = CASES + [
 ]
 
 
-def read_as_flashinfer(case: AttentionCase, plan: FlashInferPlan) -> torch.Tensor:
-    """Attention by the documented meaning of the arrays (page size 1, NHD pages): request i's
-    query rows qo_indptr[i]:qo_indptr[i+1] over the pages kv_indices[kv_indptr[i]:kv_indptr[i+1]]
-    (the last holding kv_last_page_len[i] tokens); under a custom mask, the flattened
-    [qo_len, kv_len] block at mask_indptr[i]; else causal aligned to the end of the keys."""
-    q, pool = case.q, case.pool
-    heads, group = q.shape[1], q.shape[1] // pool.k[0].shape[1]
-    out = torch.empty(q.shape[0], heads, q.shape[2])
-    for i in range(len(plan.qo_indptr) - 1):
-        q0, q1 = int(plan.qo_indptr[i]), int(plan.qo_indptr[i + 1])
-        pages = plan.kv_indices[int(plan.kv_indptr[i]) : int(plan.kv_indptr[i + 1])].long()
-        kv_len = len(pages) - 1 + int(plan.kv_last_page_len[i])
-        keys, values = pool.k[0][pages][:kv_len], pool.v[0][pages][:kv_len]
+def paged_attention(
+    q: torch.Tensor,
+    pages: tuple[torch.Tensor, torch.Tensor],
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    sm_scale: float,
+    custom_mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Attention as FlashInfer's documentation defines its arrays, in float32: request i's query
+    rows qo_indptr[i]:qo_indptr[i+1] over the pages kv_indices[kv_indptr[i]:kv_indptr[i+1]] of
+    the NHD cache ([pages, page_size, KV heads, dim]; the last page holding
+    kv_last_page_len[i] tokens); under a custom mask, request i's flattened [qo_len, kv_len]
+    block, the blocks laid end to end; else causal aligned to the end of the keys, or none."""
+    k_cache, v_cache = pages
+    page_size = k_cache.shape[1]
+    heads, group = q.shape[1], q.shape[1] // k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    mask_start = 0
+    for i in range(len(qo_indptr) - 1):
+        q0, q1 = int(qo_indptr[i]), int(qo_indptr[i + 1])
+        used = kv_indices[int(kv_indptr[i]) : int(kv_indptr[i + 1])].long()
+        kv_len = (len(used) - 1) * page_size + int(kv_last_page_len[i])
+        keys = k_cache[used].flatten(0, 1)[:kv_len].float()
+        values = v_cache[used].flatten(0, 1)[:kv_len].float()
         qo_len = q1 - q0
-        if plan.custom_mask is not None:
-            m0 = int(plan.mask_indptr[i])
-            visible = plan.custom_mask[m0 : m0 + qo_len * kv_len].view(qo_len, kv_len)
-        else:
-            rows = torch.arange(qo_len)[:, None]
+        rows = torch.arange(qo_len)[:, None]
+        if custom_mask is not None:
+            visible = custom_mask[mask_start : mask_start + qo_len * kv_len].view(qo_len, kv_len)
+            mask_start += qo_len * kv_len
+        elif causal:
             visible = torch.arange(kv_len)[None, :] <= rows + kv_len - qo_len
+        else:
+            visible = torch.ones((qo_len, kv_len), dtype=torch.bool)
         for h in range(heads):
-            scores = q[q0:q1, h] @ keys[:, h // group].T * case.scaling
+            scores = q[q0:q1, h].float() @ keys[:, h // group].T * sm_scale
             weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
             out[q0:q1, h] = weights @ values[:, h // group]
-    return out.reshape(q.shape[0], -1)
+    return out
+
+
+def read_as_flashinfer(case: AttentionCase, plan: FlashInferPlan) -> torch.Tensor:
+    """The plan applied to the case's pool as pages of one token."""
+    pages = (case.pool.k[0].unsqueeze(1), case.pool.v[0].unsqueeze(1))
+    out = paged_attention(
+        case.q,
+        pages,
+        plan.qo_indptr,
+        plan.kv_indptr,
+        plan.kv_indices,
+        plan.kv_last_page_len,
+        case.scaling,
+        plan.custom_mask,
+        causal=True,
+    )
+    return out.reshape(case.q.shape[0], -1)
+
+
+class StandInWrappers:
+    """flashinfer's two wrappers with their documented signatures, computing by
+    `paged_attention` on the CPU; each records what it was planned with."""
+
+    class BatchPrefillWithPagedKVCacheWrapper:
+        def __init__(self, float_workspace_buffer, kv_layout="NHD"):
+            assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
+            self.planned = None
+
+        def plan(
+            self,
+            qo_indptr,
+            paged_kv_indptr,
+            paged_kv_indices,
+            paged_kv_last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            page_size,
+            head_dim_vo=None,
+            custom_mask=None,
+            packed_custom_mask=None,
+            causal=False,
+            sm_scale=None,
+            q_data_type="float16",
+            kv_data_type=None,
+        ):
+            self.planned = dict(
+                arrays=(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len),
+                heads=(num_qo_heads, num_kv_heads, head_dim_qk, page_size),
+                custom_mask=custom_mask,
+                causal=causal,
+                sm_scale=sm_scale,
+                dtypes=(q_data_type, kv_data_type),
+            )
+
+        def run(self, q, paged_kv_cache):
+            p = self.planned
+            assert q.dtype == p["dtypes"][0] and paged_kv_cache[0].dtype == p["dtypes"][1]
+            assert q.shape[1:] == (p["heads"][0], p["heads"][2])
+            assert paged_kv_cache[0].shape[1:] == (p["heads"][3], p["heads"][1], p["heads"][2])
+            out = paged_attention(
+                q, paged_kv_cache, *p["arrays"], p["sm_scale"], p["custom_mask"], p["causal"]
+            )
+            return out.to(q.dtype)
+
+    class BatchDecodeWithPagedKVCacheWrapper(BatchPrefillWithPagedKVCacheWrapper):
+        def __init__(self, float_workspace_buffer, kv_layout="NHD", use_tensor_cores=False):
+            super().__init__(float_workspace_buffer, kv_layout)
+
+        def plan(
+            self,
+            indptr,
+            indices,
+            last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            *,
+            q_data_type="float16",
+            kv_data_type=None,
+            sm_scale=None,
+        ):
+            rows = torch.arange(len(indptr), dtype=torch.int32)  # one query per request
+            super().plan(
+                rows,
+                indptr,
+                indices,
+                last_page_len,
+                num_qo_heads,
+                num_kv_heads,
+                head_dim,
+                page_size,
+                sm_scale=sm_scale,
+                q_data_type=q_data_type,
+                kv_data_type=kv_data_type,
+            )
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}h{s[1]}kv{s[2]}d")
@@ -105,3 +221,31 @@ def test_the_default_backend_follows_the_device_dtype_and_flashinfers_presence(m
     assert default_attention_backend("cuda", torch.bfloat16) == "triton"
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         ServerArgs(model_path="default", attention_backend="flash")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_backend_drives_flashinfers_wrappers_as_documented(monkeypatch, dtype):
+    """FlashInferAttentionBackend against flashinfer's wrappers as documented (a stand-in with
+    their signatures, computing on the CPU), every mode: the torch backend's output in float32
+    within the dtype's rounding; a float32 pool is refused with what to use instead."""
+    import sys
+
+    from spectral.kernels.flashinfer_backend import FlashInferAttentionBackend
+
+    monkeypatch.setitem(sys.modules, "flashinfer", StandInWrappers)
+    rng = random.Random(5)
+    for mode, prefixes, news in MORE_CASES:
+        case = random_case(rng, mode, prefixes, news, 4, 2, 16)
+        oracle = TorchAttentionBackend(case.pool, case.table, case.scaling, kernels=None)
+        oracle.init_forward_metadata(case.batch)
+        expected = oracle.forward(case.q, case.k, case.v, 0, case.batch)
+        low = case.to("cpu", dtype)
+        backend = FlashInferAttentionBackend(low.pool, low.table, low.scaling)
+        backend.init_forward_metadata(low.batch)
+        got = backend.forward(low.q, low.k, low.v, 0, low.batch).float()
+        wrapper = backend.decode if mode.is_decode() else backend.prefill
+        assert wrapper.planned is not None, mode
+        err = float((got - expected).abs().max())
+        assert err < 3e-2, f"{mode.name} {dtype}: max error {err:.2e}"
+    with pytest.raises(ValueError, match="use --attention-backend triton for float32"):
+        FlashInferAttentionBackend(case.pool, case.table, case.scaling)
