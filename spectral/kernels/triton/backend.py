@@ -10,14 +10,14 @@ from dataclasses import dataclass
 import torch
 
 from spectral.forward import ForwardBatch
-from spectral.kernels.base import AttentionBackend, query_row_slots
+from spectral.kernels.base import AttentionBackend
 from spectral.kernels.triton.attention import row_attention
 from spectral.kernels.triton.extend import extend_attention
 
 
 @dataclass
 class RowMetadata:
-    kv_indices: torch.Tensor  # [T, L] slots per query row
+    kv_indices: torch.Tensor  # [B, L] slots per request (its one query row)
     lens: torch.Tensor  # [T]
 
 
@@ -30,8 +30,10 @@ class ExtendMetadata:
 class TritonAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.req_to_token.table
-        if batch.mode.is_decode():
-            batch.attn_metadata = RowMetadata(*query_row_slots(batch, table))
+        if batch.mode.is_decode():  # each request's row of the table, read up to its length
+            lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=table.device)
+            rows = table[batch.req_pool_indices.to(table.device), : max(batch.seq_lens)]
+            batch.attn_metadata = RowMetadata(rows, lens)
             return
         batch.attn_metadata = ExtendMetadata(
             torch.tensor(batch.prefix_lens, dtype=torch.int64, device=table.device),
