@@ -44,7 +44,7 @@ class Engine:
         self.model_dir = model_files_dir(args.model_path, args.model_cache_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or self.model_dir)
         config = ModelConfig.from_pretrained(self.model_dir)
-        self.context_len = args.context_length or config.max_context_len
+        self.context_len = config.context_length(args.context_length)
         self.worker = create_worker(args, self.context_len)
         self.model_config = self.worker.config
         self.scheduler = Scheduler(

@@ -36,6 +36,11 @@ class RemoteError(RuntimeError):
     """An error raised in another process, carried back as text that names its type."""
 
 
+class WorkerLostError(RuntimeError):
+    """The worker is gone (not: it failed on one batch). Nothing can run; the scheduler
+    lets this through instead of failing the batch's requests."""
+
+
 def inject(stage: str, rid: str) -> None:
     if stage in _enabled and rid.startswith(f"fault-{stage}"):
         raise InjectedFault(f"fault injected in the {stage} for request {rid}")

@@ -86,3 +86,47 @@ def test_any_text_streams_back_exactly(tokenizer, text, chunk):
     assert "".join(deltas) == full
     if "\ufffd" not in full:  # (characters the tokenizer cannot encode decode to U+FFFD)
         assert all("\ufffd" not in d for d in deltas)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(st.one_of(st.integers(0, 20), st.integers(0, 49151)), min_size=1, max_size=24),
+    skip=st.booleans(),
+)
+def test_the_tokenizer_json_decoder_decodes_as_transformers(default_decoder, tokenizer, ids, skip):
+    """The detokenizer process's decoder (tokenizer.json alone, no transformers): the same text
+    as transformers' tokenizer for any ids, special ones (ids 0-16 here) included, whether
+    special tokens are skipped or not."""
+    want = tokenizer.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=False)
+    assert default_decoder.decode(ids, skip_special_tokens=skip) == want
+
+
+@pytest.fixture(scope="module")
+def default_decoder(default_model_dir):
+    from spectral.server.detokenizer import TokenizerJsonDecoder, load_decoder
+
+    decoder = load_decoder(default_model_dir)
+    assert isinstance(decoder, TokenizerJsonDecoder)
+    return decoder
+
+
+@pytest.mark.parametrize("change", ["clean_up", "special_elsewhere"])
+def test_a_tokenizer_json_that_would_decode_otherwise_falls_back_to_transformers(
+    default_model_dir, tmp_path, change
+):
+    import json
+    import shutil
+
+    from spectral.server.detokenizer import TokenizerJsonDecoder, load_decoder
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{default_model_dir}/{name}", tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    if change == "clean_up":
+        config["clean_up_tokenization_spaces"] = True
+    else:  # a token only tokenizer_config.json calls special
+        config.setdefault("added_tokens_decoder", {})["300"] = {"content": "x", "special": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    decoder = load_decoder(str(tmp_path))
+    assert not isinstance(decoder, TokenizerJsonDecoder)
+    assert decoder.decode([28, 29]) == load_decoder(default_model_dir).decode([28, 29])

@@ -37,7 +37,8 @@ def remote(peaky_model_dir):
     config = ModelConfig.from_pretrained(peaky_model_dir)
     args = remote_args(peaky_model_dir)
     with tempfile.TemporaryDirectory() as ipc_dir:
-        worker = RemoteWorker(args, ipc_dir, config.max_context_len).wait_ready()
+        worker = RemoteWorker(args, ipc_dir).wait_ready()
+        assert worker.ready.max_context_len == config.max_context_len  # it read the config
         yield worker, config
         worker.close()
 
@@ -115,7 +116,7 @@ def test_a_worker_process_hands_its_cost_model_and_draft_confidence_to_the_plann
     expected = run_all(make_scheduler(peaky_model_dir), fresh(mixed_prompts(6)))
     expected_grammar = run_all(make_scheduler(peaky_model_dir), grammar_reqs())
     with tempfile.TemporaryDirectory() as ipc_dir:
-        worker = RemoteWorker(args, ipc_dir, config.max_context_len).wait_ready()
+        worker = RemoteWorker(args, ipc_dir).wait_ready()
         try:
             assert worker.cost_model == CostModel.from_dict(FLAT_COST)
             scheduler = remote_scheduler(worker, config, args.spec_settings())

@@ -28,6 +28,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     hf_config: PretrainedConfig
 
+    def context_length(self, override: int | None = None) -> int:
+        """The context served: `override` (--context-length) where given, else the model's."""
+        return override or self.max_context_len
+
     @classmethod
     def from_pretrained(cls, model_dir: str) -> ModelConfig:
         hf = AutoConfig.from_pretrained(model_dir)

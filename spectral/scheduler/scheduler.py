@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from spectral import faults
+from spectral.faults import WorkerLostError
 from spectral.forward import ForwardMode
 from spectral.sampling_params import InvalidRequestError, SamplingParams
 from spectral.scheduler.kv_manager import KVManager
@@ -115,11 +116,6 @@ def check_request(
             f"the pool holds {num_kv_slots}; lower max_new_tokens or raise --max-total-tokens",
             "max_new_tokens",
         )
-
-
-class WorkerLostError(RuntimeError):
-    """The worker is gone (not: it failed on one batch). Nothing can run; the scheduler
-    lets this through instead of failing the batch's requests."""
 
 
 class Scheduler:

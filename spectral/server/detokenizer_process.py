@@ -14,7 +14,7 @@ from spectral.args import ServerArgs
 from spectral.faults import failure
 from spectral.models.resolve import model_files_dir
 from spectral.server.child import parse_child_args, wait_for_work
-from spectral.server.detokenizer import IncrementalDetokenizer
+from spectral.server.detokenizer import IncrementalDetokenizer, load_decoder
 from spectral.server.ipc import recv_message, send_message
 from spectral.server.messages import (
     BatchStrOut,
@@ -27,9 +27,7 @@ logger = logging.getLogger("spectral.detokenizer")
 
 
 def detokenizer_main(args: ServerArgs, ipc_dir: str) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(
+    tokenizer = load_decoder(
         args.tokenizer_path or model_files_dir(args.model_path, args.model_cache_dir)
     )
     ctx = zmq.Context()

@@ -7,16 +7,14 @@ import logging
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import zmq
 
 from spectral.args import ServerArgs
 from spectral.faults import failure
-from spectral.models.config import ModelConfig, stop_token_ids
 from spectral.models.resolve import model_files_dir
 from spectral.sampling_params import InvalidRequestError
-from spectral.scheduler.req import Req
-from spectral.scheduler.scheduler import Scheduler
 from spectral.server.child import parse_child_args
 from spectral.server.ipc import recv_message, send_message
 from spectral.server.messages import (
@@ -30,19 +28,27 @@ from spectral.server.messages import (
 )
 from spectral.server.worker_process import RemoteWorker, WorkerDiedError
 
+if TYPE_CHECKING:  # (imported where used: torch and transformers come after the worker starts)
+    from spectral.scheduler.req import Req
+
 logger = logging.getLogger("spectral.scheduler")
 
 
 class SchedulerProcess:
     def __init__(self, args: ServerArgs, ipc_dir: str) -> None:
+        # The worker's load is the longest part of the start-up: it starts before this process
+        # imports the scheduler (torch, transformers) and loads its tokenizer (this module
+        # imports nothing heavy), which overlaps the two.
+        self.worker = RemoteWorker(args, ipc_dir)
         from transformers import AutoTokenizer
+
+        from spectral.models.config import ModelConfig, stop_token_ids
+        from spectral.scheduler.scheduler import Scheduler
 
         self.args = args
         model_dir = model_files_dir(args.model_path, args.model_cache_dir)
         config = ModelConfig.from_pretrained(model_dir)
-        self.context_len = args.context_length or config.max_context_len
-        # The worker loads while this process loads its tokenizer.
-        self.worker = RemoteWorker(args, ipc_dir, self.context_len)
+        self.context_len = config.context_length(args.context_length)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -102,6 +108,8 @@ class SchedulerProcess:
                 send_message(self.outbox, ControlOut(msg.call_id, self._control(msg.name)))
 
     def _add(self, msg: TokenizedGenerateReq) -> None:
+        from spectral.scheduler.req import Req
+
         req = Req(
             rid=msg.rid,
             input_ids=msg.input_ids,

@@ -4,6 +4,9 @@ The worker process owns the weights and KV tensors. It receives one `WorkerBatch
 a PULL socket and answers with one `WorkerResult` on a PUSH socket, both over ipc:// in a
 private directory. It starts as `python -m spectral.server.worker_process` (no pickled
 bootstrap), announces itself with a `WorkerReady` message, and exits when its parent dies.
+This module imports nothing heavy (torch comes with the worker itself), so that its parent can
+start the worker before importing its own modules: the worker's load is the longest part of a
+server's start-up.
 """
 
 from __future__ import annotations
@@ -18,12 +21,10 @@ from dataclasses import dataclass
 import zmq
 
 from spectral.args import ServerArgs
-from spectral.faults import RemoteError
-from spectral.scheduler.scheduler import WorkerLostError
+from spectral.faults import RemoteError, WorkerLostError
 from spectral.server import messages  # noqa: F401  (registers the message types)
 from spectral.server.child import parse_child_args, spawn_child, wait_for_work
 from spectral.server.ipc import message, recv_message, send_message
-from spectral.speculative.cost_model import CostModel
 from spectral.worker.io import WorkerBatch, WorkerResult
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,9 @@ class WorkerStepError(RemoteError):
     """The worker failed on one batch; the scheduler fails that batch's requests."""
 
 
-def worker_main(args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
+def worker_main(args: ServerArgs, ipc_dir: str) -> None:
+    from spectral.models.config import ModelConfig
+    from spectral.models.resolve import model_files_dir
     from spectral.worker.factory import create_worker
 
     ctx = zmq.Context()
@@ -75,6 +78,8 @@ def worker_main(args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(f"ipc://{ipc_dir}/worker_out")
     try:
+        config = ModelConfig.from_pretrained(model_files_dir(args.model_path, args.model_cache_dir))
+        max_context_len = config.context_length(args.context_length)
         worker = create_worker(args, max_context_len)
     except Exception as err:
         send_message(outbox, WorkerFailed(f"{type(err).__name__}: {err}"))
@@ -107,17 +112,11 @@ class RemoteWorker:
     The process starts at construction; `wait_ready()` (before the first forward) waits for it
     to load, so the caller can do its own start-up meanwhile."""
 
-    def __init__(self, args: ServerArgs, ipc_dir: str, max_context_len: int) -> None:
+    def __init__(self, args: ServerArgs, ipc_dir: str) -> None:
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.PULL)
         self.results.bind(f"ipc://{ipc_dir}/worker_out")
-        self.process = spawn_child(
-            "spectral.server.worker_process",
-            args,
-            ipc_dir,
-            "--max-context-len",
-            str(max_context_len),
-        )
+        self.process = spawn_child("spectral.server.worker_process", args, ipc_dir)
         self.batches = self.ctx.socket(zmq.PUSH)
         self.batches.connect(f"ipc://{ipc_dir}/worker_in")
 
@@ -127,6 +126,8 @@ class RemoteWorker:
         if isinstance(ready, WorkerFailed):
             self.close()
             raise RuntimeError(f"the model worker failed to start: {ready.error}")
+        from spectral.speculative.cost_model import CostModel
+
         self.ready: WorkerReady = ready
         self.num_kv_slots = ready.num_kv_slots
         self.cost_model = CostModel.from_dict(ready.cost_model) if ready.cost_model else None
@@ -168,9 +169,9 @@ class RemoteWorker:
 
 
 def main() -> None:
-    args, ns = parse_child_args("worker", "--max-context-len")
+    args, ns = parse_child_args("worker")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    worker_main(args, ns.ipc_dir, ns.max_context_len)
+    worker_main(args, ns.ipc_dir)
 
 
 if __name__ == "__main__":
