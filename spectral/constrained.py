@@ -24,6 +24,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -122,9 +123,20 @@ class GrammarFollower:
     def __init__(self, make_backend: Callable[[], GrammarBackend], capacity: int = 1024) -> None:
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
+        self._building: Future[GrammarBackend] | None = None
         self.capacity = capacity
         # rid -> (grammar kind and text, extra stop ids), matcher, output it has accepted
         self._followed: OrderedDict[str, tuple[tuple, Grammar, list[int]]] = OrderedDict()
+
+    def prepare(self) -> None:
+        """Build the grammar compiler on a thread now (loading the tokenizer and its xgrammar
+        vocabulary takes seconds in a process that has not imported transformers), so that the
+        first request under a grammar does not stall every step while it loads. Call it once
+        the process is otherwise ready (it competes for the CPU)."""
+        if self._backend is None and self._building is None:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-backend")
+            self._building = pool.submit(self._make_backend)
+            pool.shutdown(wait=False)  # its thread ends with this one task
 
     def follow(
         self, rid: str, grammar: tuple[str, str], stop_ids: Sequence[int], output: list[int]
@@ -134,7 +146,8 @@ class GrammarFollower:
         entry = self._followed.pop(rid, None)
         if entry is None or entry[0] != key or output[: len(entry[2])] != entry[2]:
             if self._backend is None:
-                self._backend = self._make_backend()
+                building = self._building
+                self._backend = building.result() if building else self._make_backend()
             entry = (key, self._backend.matcher(*grammar, stop_ids), [])
         _, matched, done = entry
         for token in output[len(done) :]:
@@ -205,10 +218,21 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def apply_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, kernels: ModuleType | None = None
+) -> torch.Tensor:
     """Set the logits each row's bitmask forbids to -inf, in place (rows that allow every token
-    are skipped). Returns `logits`. In numpy, single-threaded: at one or a few rows a torch op's
-    thread wake-up costs more than the work."""
+    are skipped). Returns `logits`. With spectral's CPU kernels, one pass in C++ over the mask
+    words (~0.02 ms per 49,152-token row); else in numpy, single-threaded: at one or a few rows
+    a torch op's thread wake-up costs more than the work."""
+    if (
+        kernels is not None
+        and logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.is_contiguous()
+    ):
+        kernels.apply_token_bitmask(logits, bitmask.contiguous())
+        return logits
     words = bitmask.numpy()
     rows = np.flatnonzero((words != -1).any(axis=1))
     if rows.size == 0:

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from spectral import faults
 from spectral.args import ServerArgs
+from spectral.constrained import GrammarFollower
 from spectral.logprobs import logprob_meta
 from spectral.models.config import ModelConfig, stop_token_ids
 from spectral.models.resolve import model_files_dir
@@ -61,6 +62,10 @@ class Engine:
             disable_radix_cache=args.disable_radix_cache,
             spec=args.spec_settings(),
         )
+        if getattr(self.worker, "grammars", None) is not None:
+            # In one process the worker follows grammars with the scheduler's compiler (one
+            # vocabulary table, each grammar compiled once).
+            self.worker.grammars = GrammarFollower(self.scheduler.grammar_backend)
         self._rid_counter = itertools.count()
         self._start_loop()
 

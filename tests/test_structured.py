@@ -147,23 +147,51 @@ def test_max_new_tokens_before_the_grammar_ends_gives_length(engine_fp32, tokeni
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
 
 
+@pytest.mark.parametrize("path", ["cpu-kernels", "numpy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_mask_sets_exactly_the_forbidden_logits_to_minus_infinity(dtype):
-    """Against a bit-by-bit reading of the mask (token t is bit t % 32 of word t // 32)."""
+def test_the_mask_sets_exactly_the_forbidden_logits_to_minus_infinity(dtype, path):
+    """Against a bit-by-bit reading of the mask (token t is bit t % 32 of word t // 32), in C++
+    and in numpy; a vocabulary that ends inside a word."""
+    from spectral.kernels.cpu_kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels() if path == "cpu-kernels" else None
     gen = torch.Generator().manual_seed(0)
-    vocab = 1000
+    vocab = 1000  # 31.25 words
     logits = torch.randn((5, vocab), generator=gen).to(dtype)
     mask = allocate_bitmask(5, vocab)
     mask[:] = torch.randint(-(2**31), 2**31 - 1, mask.shape, generator=gen, dtype=torch.int32)
+    mask[3, 2:6] = 0  # whole words forbidden
     mask[4] = -1  # a row without a grammar
     expected = logits.clone()
     for row in range(5):
         for token in range(vocab):
             if not (int(mask[row, token // 32]) >> (token % 32)) & 1:
                 expected[row, token] = float("-inf")
-    got = apply_bitmask(logits.clone(), mask)
+    got = apply_bitmask(logits.clone(), mask, kernels)
     assert torch.equal(got, expected)
     assert torch.equal(got[4], logits[4])
+
+
+def test_a_prepared_follower_builds_its_compiler_once_on_a_thread_of_its_own(tokenizer):
+    """The worker's follower, prepared when its process is ready, builds the grammar compiler
+    on another thread (the first grammar round does not load it inside a step), once."""
+    import threading
+
+    from spectral.constrained import GrammarBackend, GrammarFollower
+
+    built_on = []
+
+    def make_backend() -> GrammarBackend:
+        built_on.append(threading.get_ident())
+        return GrammarBackend(tokenizer, 49152, [2])
+
+    follower = GrammarFollower(make_backend)
+    follower.prepare()
+    follower.prepare()
+    grammar = follower.follow("r1", ("regex", "ab+c"), [], [])
+    assert grammar.accept(tokenizer.convert_tokens_to_ids("a"))
+    follower.follow("r2", ("regex", "x"), [], [])
+    assert len(built_on) == 1 and built_on[0] != threading.get_ident()
 
 
 # ---- over HTTP -------------------------------------------------------------------------------

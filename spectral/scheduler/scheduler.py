@@ -196,7 +196,7 @@ class Scheduler:
         self.validate(req)
         grammar = req.sampling_params.grammar
         if grammar is not None and req.grammar is None:
-            self._grammar_backend().compile_later(*grammar)
+            self.grammar_backend().compile_later(*grammar)
             self.compiling.append(req)
             return
         self.waiting.append(req)
@@ -210,7 +210,7 @@ class Scheduler:
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammar has compiled; refuse those whose grammar failed.
         With nothing else to do, wait a little for a compile to end."""
-        backend = self._grammar_backend()
+        backend = self.grammar_backend()
         compiles = [backend.compile_later(*r.sampling_params.grammar) for r in self.compiling]
         if not (self.waiting or self.running or self.chunked):
             wait(compiles, timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
@@ -228,7 +228,8 @@ class Scheduler:
             self.waiting.append(req)
         self.compiling = pending
 
-    def _grammar_backend(self) -> GrammarBackend:
+    def grammar_backend(self) -> GrammarBackend:
+        """The grammar compiler (and its cache), made at the first request under a grammar."""
         if self._grammars is None:
             from spectral.constrained import GrammarBackend
 
@@ -242,7 +243,7 @@ class Scheduler:
         grammar = req.sampling_params.grammar
         if grammar is not None and req.grammar is None:
             try:
-                req.grammar = self._grammar_backend().matcher(
+                req.grammar = self.grammar_backend().matcher(
                     *grammar, req.sampling_params.stop_token_ids
                 )
             except RuntimeError as err:

@@ -96,6 +96,9 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
             cost.to_dict() if cost is not None else None,
         ),
     )
+    grammars = getattr(worker, "grammars", None)
+    if grammars is not None:  # speculative: the worker follows grammar requests itself
+        grammars.prepare()
     parent = os.getppid()
     while wait_for_work(inbox, parent):
         batch = recv_message(inbox)

@@ -147,7 +147,8 @@ class ModelWorker:
         hidden, captured = self.forward_hidden(batch)
         ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
         last = hidden if batch.num_tokens == batch.batch_size else hidden[ends]
-        out = sample(self.model.compute_logits(last), wb.sampling, wb.vocab_mask)
+        logits = self.model.compute_logits(last)
+        out = sample(logits, wb.sampling, wb.vocab_mask, self.model.kernels)
         input_logprobs = self._input_logprobs(wb, batch, hidden) if wb.input_logprob_starts else []
         result = WorkerResult(
             out.next_token_ids.tolist(), out.logprobs, out.top_logprobs, input_logprobs

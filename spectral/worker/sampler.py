@@ -7,6 +7,7 @@ whatever the sampling parameters; they are what select-by-logprob and OpenAI `lo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -117,10 +118,14 @@ def request_step_seed(seed: int, step: int) -> int:
 
 
 def sample(
-    logits: torch.Tensor, sampling: list[RequestSampling], vocab_mask: torch.Tensor | None = None
+    logits: torch.Tensor,
+    sampling: list[RequestSampling],
+    vocab_mask: torch.Tensor | None = None,
+    kernels: ModuleType | None = None,
 ) -> SampleOutput:
     """logits: [B, vocab] float32, one row per request in `sampling`; `vocab_mask` (grammars'
-    bitmasks) applies after the penalties, before temperature and the filters."""
+    bitmasks) applies after the penalties, before temperature and the filters (through
+    spectral's CPU `kernels` where given)."""
     for s in sampling:
         faults.inject("worker", s.rid)
     want_logprobs = any(s.return_logprob or s.top_logprobs_num for s in sampling)
@@ -128,7 +133,7 @@ def sample(
 
     adjusted = apply_penalties(logits, sampling)
     if vocab_mask is not None:
-        adjusted = apply_bitmask(adjusted, vocab_mask)  # in place: the logprobs are taken
+        adjusted = apply_bitmask(adjusted, vocab_mask, kernels)  # in place: logprobs are taken
     greedy = [s.params.is_greedy for s in sampling]
     next_ids = adjusted.argmax(dim=-1)
     if not all(greedy):

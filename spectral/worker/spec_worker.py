@@ -259,7 +259,8 @@ class SpeculativeWorker:
             if node_sampling is not None:
                 block = apply_penalties(block, node_sampling)
             if masks and b in masks:
-                block = apply_bitmask(block.clone(), masks[b])  # logprobs read the raw logits
+                # (a copy: the logprobs read the raw logits)
+                block = apply_bitmask(block.clone(), masks[b], self.target.model.kernels)
             adjusted.append(block)
             offset += size
         if greedy_rows:

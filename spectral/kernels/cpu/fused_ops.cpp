@@ -8,6 +8,7 @@
 #include <torch/python.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -371,7 +372,57 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_bu
   return out;
 }
 
+namespace {
+
+// Row by row: every logit whose bit in the row's mask is 0 becomes -inf. Token t is bit t % 32
+// of word t // 32 (xgrammar's layout); a word of all ones (every token allowed) is skipped, a
+// word of zeros is filled at once.
+template <typename T>
+void apply_token_bitmask_impl(T* logits, const uint32_t* mask, int64_t rows, int64_t vocab,
+                              int64_t words) {
+  const T minus_inf = static_cast<T>(-std::numeric_limits<float>::infinity());
+  for (int64_t r = 0; r < rows; ++r) {
+    T* row = logits + r * vocab;
+    const uint32_t* bits = mask + r * words;
+    for (int64_t w = 0; w < words && w * 32 < vocab; ++w) {
+      const uint32_t word = bits[w];
+      if (word == 0xFFFFFFFFu) continue;
+      const int64_t end = std::min<int64_t>(32, vocab - w * 32);
+      T* out = row + w * 32;
+      if (word == 0) {
+        std::fill(out, out + end, minus_inf);
+        continue;
+      }
+      for (int64_t t = 0; t < end; ++t) {
+        if (!((word >> t) & 1u)) out[t] = minus_inf;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// logits [rows, vocab] (float32 or bfloat16, contiguous), in place; bitmask [rows, words] int32.
+void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask) {
+  check_float_or_bf16(logits, "logits");
+  TORCH_CHECK(bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous(),
+              "bitmask must be contiguous int32");
+  TORCH_CHECK(logits.dim() == 2 && bitmask.dim() == 2 && bitmask.size(0) == logits.size(0),
+              "logits [rows, vocab] and bitmask [rows, words] must have the same rows");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), words = bitmask.size(1);
+  TORCH_CHECK(words * 32 >= vocab, "bitmask has ", words, " words, fewer than ", vocab, " bits");
+  const auto* mask = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  if (logits.scalar_type() == torch::kFloat32) {
+    apply_token_bitmask_impl(logits.data_ptr<float>(), mask, rows, vocab, words);
+  } else {
+    apply_token_bitmask_impl(logits.data_ptr<at::BFloat16>(), mask, rows, vocab, words);
+  }
+}
+
 void register_fused_ops(pybind11::module& m) {
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "in place: -inf where the row's token bitmask (int32 words, bit t % 32 of word t // 32) "
+        "is 0");
   m.def("add_rms_norm", &add_rms_norm, "(x [+ residual]) -> RMSNorm; returns (normed, residual)");
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding, in place");
   m.def("decode_attention", &decode_attention, "one query per request over its KV slots");
