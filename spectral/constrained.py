@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -113,6 +113,34 @@ class GrammarBackend:
         return Grammar(matcher, self.vocab_size)
 
 
+T = TypeVar("T")
+
+
+class MadeAhead(Generic[T]):
+    """A value made on first use (`get`), or ahead of it on a thread of its own (`start`): for
+    the grammar compiler, whose table of the vocabulary takes about a second to build (and a
+    worker process must import transformers for it first), so that the first request under a
+    grammar does not pause every running request while it is made."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._value: T | None = None
+        self._making: Future[T] | None = None
+
+    def start(self) -> None:
+        """Make it on a thread now (call once the process is otherwise ready: it competes for
+        the CPU)."""
+        if self._value is None and self._making is None:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="made-ahead")
+            self._making = pool.submit(self._make)
+            pool.shutdown(wait=False)  # its thread ends with this one task
+
+    def get(self) -> T:
+        if self._value is None:
+            self._value = self._making.result() if self._making else self._make()
+        return self._value
+
+
 class GrammarFollower:
     """The worker's own matchers for the requests under a grammar, each advanced along the
     committed output the scheduler sends every step (the scheduler's matchers live in its
@@ -121,22 +149,10 @@ class GrammarFollower:
     forgotten beyond `capacity` (followed again from the start if they come back)."""
 
     def __init__(self, make_backend: Callable[[], GrammarBackend], capacity: int = 1024) -> None:
-        self._make_backend = make_backend
-        self._backend: GrammarBackend | None = None
-        self._building: Future[GrammarBackend] | None = None
+        self.backend = MadeAhead(make_backend)  # the server's worker starts it once ready
         self.capacity = capacity
         # rid -> (grammar kind and text, extra stop ids), matcher, output it has accepted
         self._followed: OrderedDict[str, tuple[tuple, Grammar, list[int]]] = OrderedDict()
-
-    def prepare(self) -> None:
-        """Build the grammar compiler on a thread now (loading the tokenizer and its xgrammar
-        vocabulary takes seconds in a process that has not imported transformers), so that the
-        first request under a grammar does not stall every step while it loads. Call it once
-        the process is otherwise ready (it competes for the CPU)."""
-        if self._backend is None and self._building is None:
-            pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-backend")
-            self._building = pool.submit(self._make_backend)
-            pool.shutdown(wait=False)  # its thread ends with this one task
 
     def follow(
         self, rid: str, grammar: tuple[str, str], stop_ids: Sequence[int], output: list[int]
@@ -145,10 +161,7 @@ class GrammarFollower:
         key = (grammar, tuple(stop_ids))
         entry = self._followed.pop(rid, None)
         if entry is None or entry[0] != key or output[: len(entry[2])] != entry[2]:
-            if self._backend is None:
-                building = self._building
-                self._backend = building.result() if building else self._make_backend()
-            entry = (key, self._backend.matcher(*grammar, stop_ids), [])
+            entry = (key, self.backend.get().matcher(*grammar, stop_ids), [])
         _, matched, done = entry
         for token in output[len(done) :]:
             if not matched.accept(token):

@@ -186,8 +186,8 @@ def test_a_prepared_follower_builds_its_compiler_once_on_a_thread_of_its_own(tok
         return GrammarBackend(tokenizer, 49152, [2])
 
     follower = GrammarFollower(make_backend)
-    follower.prepare()
-    follower.prepare()
+    follower.backend.start()
+    follower.backend.start()
     grammar = follower.follow("r1", ("regex", "ab+c"), [], [])
     assert grammar.accept(tokenizer.convert_tokens_to_ids("a"))
     follower.follow("r2", ("regex", "x"), [], [])
@@ -299,6 +299,6 @@ def test_a_grammar_compiles_while_the_others_decode_and_a_failed_compile_is_refu
     while s.has_work:
         s.step()
     assert held.finished_reason.type == "stop" and free.finished_reason is not None
-    assert s._grammars.compile_later("regex", "(held|back)").done()
+    assert s.grammar_backend().compile_later("regex", "(held|back)").done()
     assert held.output_ids[-1] == 2 and len(held.output_ids) <= 4
     assert scheduler_leaks(s) == []

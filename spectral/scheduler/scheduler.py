@@ -173,7 +173,13 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.last_mode: ForwardMode | None = None
         self.stats = SchedulerStats()
-        self._grammars = None  # GrammarBackend, made for the first request with a grammar
+        from spectral.constrained import GrammarBackend, MadeAhead
+
+        # The grammar compiler: made for the first request under a grammar, or ahead of it
+        # (`start_grammar_backend`).
+        self._grammars = MadeAhead(
+            lambda: GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        )
         self.compiling: list[Req] = []  # requests whose grammar is being compiled
         self.rejected: list[tuple[str, str]] = []  # (rid, why): refused after add_request
 
@@ -229,12 +235,13 @@ class Scheduler:
         self.compiling = pending
 
     def grammar_backend(self) -> GrammarBackend:
-        """The grammar compiler (and its cache), made at the first request under a grammar."""
-        if self._grammars is None:
-            from spectral.constrained import GrammarBackend
+        """The grammar compiler (and its cache)."""
+        return self._grammars.get()
 
-            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._grammars
+    def start_grammar_backend(self) -> None:
+        """Make the grammar compiler on a thread now (about a second), instead of pausing every
+        running request at the first request under a grammar."""
+        self._grammars.start()
 
     def attach_grammar(self, req: Req) -> None:
         """Give a request with a regex, json_schema or ebnf its matcher (the grammar compiled

@@ -82,6 +82,7 @@ class SchedulerProcess:
         }
         send_message(ready, ProcessReady("scheduler", info))
         ready.close(linger=1000)
+        self.scheduler.start_grammar_backend()
 
     def run(self) -> None:
         while True:

@@ -98,7 +98,7 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
     )
     grammars = getattr(worker, "grammars", None)
     if grammars is not None:  # speculative: the worker follows grammar requests itself
-        grammars.prepare()
+        grammars.backend.start()
     parent = os.getppid()
     while wait_for_work(inbox, parent):
         batch = recv_message(inbox)
