@@ -147,11 +147,11 @@ def test_max_new_tokens_before_the_grammar_ends_gives_length(engine_fp32, tokeni
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
 
 
-@pytest.mark.parametrize("path", ["cpu-kernels", "numpy"])
+@pytest.mark.parametrize("path", ["cpu-kernels", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_mask_sets_exactly_the_forbidden_logits_to_minus_infinity(dtype, path):
     """Against a bit-by-bit reading of the mask (token t is bit t % 32 of word t // 32), in C++
-    and in numpy; a vocabulary that ends inside a word."""
+    and through torch; a vocabulary that ends inside a word."""
     from spectral.kernels.cpu_kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels() if path == "cpu-kernels" else None

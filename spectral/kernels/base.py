@@ -112,28 +112,14 @@ def request_mask(
     return mask
 
 
-def query_row_slots(batch: ForwardBatch, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every new token as a query row over the KV slots it attends to: its request's prefix,
-    then the new tokens its mask lets it see (causal without a custom mask; in a tree, its
-    ancestors and itself), packed to the front of its row. Returns (kv_indices [T, L] int64,
-    lens [T]); entries past a row's length are slot 0."""
-    num_tokens = sum(batch.extend_lens)
-    width = max(p + n for p, n in zip(batch.prefix_lens, batch.extend_lens))
-    kv_indices = torch.zeros((num_tokens, width), dtype=torch.int64, device=table.device)
-    lens = torch.empty(num_tokens, dtype=torch.int64, device=table.device)
-    start = mask_offset = 0
-    rows = batch.req_pool_indices.tolist()
-    for row, prefix, n in zip(rows, batch.prefix_lens, batch.extend_lens):
-        if batch.custom_mask is not None:
-            visible = batch.custom_mask[mask_offset : mask_offset + n * n].view(n, n)
-            mask_offset += n * n
-        else:
-            visible = torch.ones((n, n), dtype=torch.bool, device=table.device).tril()
-        slots = table[row, : prefix + n]
-        block = kv_indices[start : start + n]
-        block[:, :prefix] = slots[:prefix]
-        visible_first = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
-        block[:, prefix : prefix + n] = slots[prefix:][visible_first]
-        lens[start : start + n] = prefix + visible.sum(dim=1)
-        start += n
-    return kv_indices, lens
+def request_slots(batch: ForwardBatch, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's KV slots, prefix and new tokens (its row of the req-to-token table up to
+    its length), as ([B, longest] int64 with slot 0 past a request's length, lengths [B])."""
+    seq_lens = batch.seq_lens
+    width = max(seq_lens)
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=table.device)
+    slots = table[batch.req_pool_indices.to(table.device), :width]
+    if min(seq_lens) != width:
+        past = torch.arange(width, device=table.device)[None, :] >= lens[:, None]
+        slots = slots.masked_fill(past, 0)
+    return slots, lens

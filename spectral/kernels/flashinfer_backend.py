@@ -11,12 +11,13 @@ chooses Triton for a float32 pool.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from spectral.forward import ForwardBatch
-from spectral.kernels.base import AttentionBackend, request_mask
+from spectral.kernels.base import AttentionBackend, request_mask, request_slots
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 
@@ -46,13 +47,10 @@ class FlashInferPlan:
 def plan_arrays(batch: ForwardBatch, table: torch.Tensor) -> FlashInferPlan:
     """The plan of `batch`, whose slots `table` (the req-to-token table) already holds."""
     device = table.device
-    prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
+    slots, seq_lens = request_slots(batch, table)
     new = torch.tensor(batch.extend_lens, dtype=torch.int64, device=device)
-    seq_lens = prefix + new
     zero = torch.zeros(1, dtype=torch.int64, device=device)
-    width = int(seq_lens.max())
-    slots = table[batch.req_pool_indices.to(device), :width]
-    in_row = torch.arange(width, device=device)[None, :] < seq_lens[:, None]
+    in_row = torch.arange(slots.shape[1], device=device)[None, :] < seq_lens[:, None]
     plan = FlashInferPlan(
         qo_indptr=torch.cat((zero, new.cumsum(0))).to(torch.int32),
         kv_indptr=torch.cat((zero, seq_lens.cumsum(0))).to(torch.int32),
@@ -67,14 +65,7 @@ def plan_arrays(batch: ForwardBatch, table: torch.Tensor) -> FlashInferPlan:
         blocks.append(request_mask(p, n, custom, device).reshape(-1))
         offset += n * n
     mask_indptr = torch.cat((zero, (new * seq_lens).cumsum(0))).to(torch.int32)
-    return FlashInferPlan(
-        plan.qo_indptr,
-        plan.kv_indptr,
-        plan.kv_indices,
-        plan.kv_last_page_len,
-        torch.cat(blocks),
-        mask_indptr,
-    )
+    return dataclasses.replace(plan, custom_mask=torch.cat(blocks), mask_indptr=mask_indptr)
 
 
 class FlashInferAttentionBackend(AttentionBackend):

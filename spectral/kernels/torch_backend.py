@@ -15,12 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from spectral.forward import ForwardBatch
-from spectral.kernels.base import (
-    AttentionBackend,
-    DecodeKernelInputs,
-    query_row_slots,
-    request_mask,
-)
+from spectral.kernels.base import AttentionBackend, DecodeKernelInputs, request_mask, request_slots
 
 
 @dataclass
@@ -40,19 +35,41 @@ class TorchAttnMetadata:
     seq_lens: torch.Tensor | None = None
 
 
+def query_row_slots(batch: ForwardBatch, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every new token as a query row over the KV slots it attends to: its request's prefix,
+    then the new tokens its mask lets it see (causal without a custom mask; in a tree, its
+    ancestors and itself), packed to the front of its row. Returns (kv_indices [T, L] int64,
+    lens [T]); entries past a row's length are slot 0."""
+    num_tokens = sum(batch.extend_lens)
+    width = max(p + n for p, n in zip(batch.prefix_lens, batch.extend_lens))
+    kv_indices = torch.zeros((num_tokens, width), dtype=torch.int64, device=table.device)
+    lens = torch.empty(num_tokens, dtype=torch.int64, device=table.device)
+    start = mask_offset = 0
+    rows = batch.req_pool_indices.tolist()
+    for row, prefix, n in zip(rows, batch.prefix_lens, batch.extend_lens):
+        if batch.custom_mask is not None:
+            visible = batch.custom_mask[mask_offset : mask_offset + n * n].view(n, n)
+            mask_offset += n * n
+        else:
+            visible = torch.ones((n, n), dtype=torch.bool, device=table.device).tril()
+        slots = table[row, : prefix + n]
+        block = kv_indices[start : start + n]
+        block[:, :prefix] = slots[:prefix]
+        visible_first = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
+        block[:, prefix : prefix + n] = slots[prefix:][visible_first]
+        lens[start : start + n] = prefix + visible.sum(dim=1)
+        start += n
+    return kv_indices, lens
+
+
 class TorchAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = self.req_to_token.table.device
         rows = batch.req_pool_indices.tolist()
         if self._use_decode_kernel(batch):
-            seq_lens = batch.seq_lens
-            max_seq = max(seq_lens)
-            kv_indices = self.req_to_token.table[batch.req_pool_indices, :max_seq]
-            lens = torch.tensor(seq_lens, device=device)
-            if min(seq_lens) != max_seq:
-                pad = torch.arange(max_seq, device=device)[None, :] >= lens[:, None]
-                kv_indices = kv_indices.masked_fill(pad, 0)
-            batch.attn_metadata = TorchAttnMetadata([], kv_indices, lens)
+            batch.attn_metadata = TorchAttnMetadata(
+                [], *request_slots(batch, self.req_to_token.table)
+            )
             return
         if self._use_tree_kernel(batch):
             batch.attn_metadata = self._tree_metadata(batch)

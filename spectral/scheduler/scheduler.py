@@ -594,14 +594,8 @@ class Scheduler:
                 self._finish(req, FinishReason("length", length=0))
                 return True
         token = result.next_token_ids[i]
-        req.output_ids.append(token)
+        self._append_token(req, token, result.logprobs[i], result.top_logprobs[i])
         self.stats.generated_tokens += 1
-        if req.grammar is not None and not req.grammar.accept(token):
-            raise RuntimeError(f"token {token} does not continue the request's grammar")
-        if req.return_logprob:
-            req.output_logprobs.append(result.logprobs[i])
-        if req.top_logprobs_num:
-            req.output_top_logprobs.append(result.top_logprobs[i])
         reason = self._check_finish(req)
         if reason is not None:
             if req in self.running:
@@ -612,6 +606,18 @@ class Scheduler:
             self.running.append(req)
         return True
 
+    @staticmethod
+    def _append_token(req: Req, token: int, logprob: float | None, top: list | None) -> None:
+        """One generated token onto the request: its output, its grammar (a token the grammar
+        refuses cannot come from a correct mask) and the logprobs it asked for."""
+        req.output_ids.append(token)
+        if req.grammar is not None and not req.grammar.accept(token):
+            raise RuntimeError(f"token {token} does not continue the request's grammar")
+        if req.return_logprob:
+            req.output_logprobs.append(logprob)
+        if req.top_logprobs_num:
+            req.output_top_logprobs.append(top)
+
     def _take_verify(self, batch: ScheduleBatch, result: WorkerResult, i: int, req: Req) -> bool:
         """A speculative round: append the emitted tokens up to the first that finishes the
         request; keep the slots of the root and of the appended tokens but the last, free the
@@ -621,14 +627,10 @@ class Scheduler:
         reason = None
         appended = 0
         for j, token in enumerate(emitted):
-            req.output_ids.append(token)
+            logprob = result.emitted_logprobs[i][j] if req.return_logprob else None
+            top = result.emitted_top_logprobs[i][j] if req.top_logprobs_num else None
+            self._append_token(req, token, logprob, top)
             appended += 1
-            if req.grammar is not None and not req.grammar.accept(token):
-                raise RuntimeError(f"token {token} does not continue the request's grammar")
-            if req.return_logprob:
-                req.output_logprobs.append(result.emitted_logprobs[i][j])
-            if req.top_logprobs_num:
-                req.output_top_logprobs.append(result.emitted_top_logprobs[i][j])
             reason = self._check_finish(req)
             if reason is not None:
                 break

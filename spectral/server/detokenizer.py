@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from spectral.sampling_params import SamplingParams
 
@@ -33,10 +33,8 @@ class TokenizerJsonDecoder:
     alone: about 0.1 s to load instead of ~5 s for importing transformers (and torch) and
     building the tokenizer, which the detokenizer process would spend only to decode."""
 
-    def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer as RustTokenizer
-
-        self.backend = RustTokenizer.from_file(str(path))
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend  # a tokenizers.Tokenizer
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True, **_: bool) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -48,16 +46,18 @@ def load_decoder(tokenizer_dir: str) -> Tokenizer:
     token tokenizer_config.json calls special is special there too), else transformers'
     tokenizer."""
     directory = Path(tokenizer_dir)
-    files = directory / "tokenizer.json", directory / "tokenizer_config.json"
-    if all(f.is_file() for f in files):
-        backend = json.loads(files[0].read_text())
-        config = json.loads(files[1].read_text())
-        special = {t["id"] for t in backend.get("added_tokens", []) if t.get("special")}
+    backend_file, config_file = directory / "tokenizer.json", directory / "tokenizer_config.json"
+    if backend_file.is_file() and config_file.is_file():
+        from tokenizers import Tokenizer as RustTokenizer
+
+        backend = RustTokenizer.from_file(str(backend_file))
+        config = json.loads(config_file.read_text())
+        special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         wanted = {
             int(i) for i, t in config.get("added_tokens_decoder", {}).items() if t.get("special")
         }
         if not config.get("clean_up_tokenization_spaces") and wanted <= special:
-            return TokenizerJsonDecoder(files[0])
+            return TokenizerJsonDecoder(backend)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tokenizer_dir)

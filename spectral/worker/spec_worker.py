@@ -182,14 +182,11 @@ class SpeculativeWorker:
             head_n = [(self.head_tree_size or n) if given[b] else sizes[b] for b in drafted]
             # A tree of n nodes is at most n - 1 deep: deeper levels would not be kept. The
             # candidates come to the host (trees are built there), in one copy each.
-            scores, tokens, parents = (
-                t.cpu()
-                for t in self.drafter.draft(
-                    rows[index.to(rows.device)],
-                    seq_lens[index.to(rows.device)],
-                    num_steps=max(head_n) - 1,
-                )
+            on_device = index.to(rows.device)
+            drafts = self.drafter.draft(
+                rows[on_device], seq_lens[on_device], num_steps=max(head_n) - 1
             )
+            scores, tokens, parents = (t.cpu() for t in drafts)
             roots = torch.tensor(wb.input_ids)[index]
             trees = select_eagle_trees(roots, scores, tokens, parents, head_n)
             for i, b in enumerate(drafted):
@@ -254,13 +251,15 @@ class SpeculativeWorker:
         adjusted: list[torch.Tensor] = []
         offset = 0
         for b, size in enumerate(sizes):
-            block = logits[offset : offset + size]
+            raw = logits[offset : offset + size]
+            block = raw
             node_sampling = _node_sampling(trees, b, size, sampling[b])
             if node_sampling is not None:
-                block = apply_penalties(block, node_sampling)
+                block = apply_penalties(block, node_sampling)  # a copy where it changes any
             if masks and b in masks:
-                # (a copy: the logprobs read the raw logits)
-                block = apply_bitmask(block.clone(), masks[b], self.target.model.kernels)
+                # in place, on a copy: the logprobs read the raw logits
+                block = block.clone() if block is raw else block
+                block = apply_bitmask(block, masks[b], self.target.model.kernels)
             adjusted.append(block)
             offset += size
         if greedy_rows:

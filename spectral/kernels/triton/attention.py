@@ -1,8 +1,9 @@
 """Attention over the paged KV cache, one query row at a time: query row t attends to the KV
 slots `kv_indices[t, :seq_lens[t]]` of the pool (page size 1). The Triton backend runs decode
 steps through it (a request's one new token over its row of the req-to-token table); any mode
-can be put this way (`query_row_slots`), but many new tokens per request go through the tiled
-kernel of extend.py, which reads each key block once per tile of queries. One program per
+can be put this way (the torch backend's `query_row_slots`), but many new tokens per request
+go through the tiled kernel of extend.py, which reads each key block once per tile of queries.
+One program per
 (query row, head) streams the keys in blocks with an online softmax, reading K and V of the
 head's KV group (GQA) in the pool's dtype and accumulating in float32.
 """

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from spectral.forward import ForwardBatch
-from spectral.kernels.base import AttentionBackend
+from spectral.kernels.base import AttentionBackend, request_slots
 from spectral.kernels.triton.attention import row_attention
 from spectral.kernels.triton.extend import extend_attention
 
@@ -30,10 +30,8 @@ class ExtendMetadata:
 class TritonAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.req_to_token.table
-        if batch.mode.is_decode():  # each request's row of the table, read up to its length
-            lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=table.device)
-            rows = table[batch.req_pool_indices.to(table.device), : max(batch.seq_lens)]
-            batch.attn_metadata = RowMetadata(rows, lens)
+        if batch.mode.is_decode():  # each request's one new token over its slots
+            batch.attn_metadata = RowMetadata(*request_slots(batch, table))
             return
         batch.attn_metadata = ExtendMetadata(
             torch.tensor(batch.prefix_lens, dtype=torch.int64, device=table.device),
