@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from spectral.models.resolve import resolve_model_path
 
@@ -56,8 +56,12 @@ def engine_fp32(default_model_dir: str):
     engine.shutdown()
 
 
-def make_tiny_llama(path: Path, tokenizer_dir: str, seed: int = 0, **overrides) -> str:
-    """A 2-layer random Llama with the default tokenizer, saved as a HF directory."""
+def make_tiny_llama(
+    path: Path, tokenizer_dir: str, seed: int = 0, model_type: str = "llama", **overrides
+) -> str:
+    """A 2-layer random model (a Llama unless `model_type` says otherwise) with the tokenizer
+    of `tokenizer_dir`, saved as a HF directory; biases, which transformers initialises to
+    zero, drawn like the weights."""
     torch.manual_seed(seed)
     settings = dict(
         vocab_size=49152,
@@ -74,8 +78,10 @@ def make_tiny_llama(path: Path, tokenizer_dir: str, seed: int = 0, **overrides) 
         eos_token_id=2,
     )
     settings.update(overrides)
-    config = LlamaConfig(**settings)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings))
+    for name, param in model.named_parameters():
+        if name.endswith(".bias"):
+            param.data.normal_(0.0, model.config.initializer_range)
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
     return str(path)

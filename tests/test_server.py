@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import SERVER_API_KEY
+from tests.gguf_models import write_foreign_gguf
 from tests.server_utils import (
     descendants,
     wait_idle_and_accounted,
@@ -230,6 +231,42 @@ def test_a_worker_that_fails_to_start_stops_the_server_with_an_error(tiny_model_
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_model_of_an_unsupported_architecture_stops_the_server_at_start(tmp_path):
+    foreign = write_foreign_gguf(tmp_path / "gemma3.gguf", "gemma3")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spectral.launch_server",
+            "--model-path",
+            str(foreign),
+            "--model-cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "GGUF architecture 'gemma3' is not supported; supported: llama, qwen2" in proc.stderr
+
+
+def test_model_info_names_the_architecture_and_the_features_it_uses(server):
+    info = httpx.get(f"{server}/get_model_info", headers=HEADERS).json()
+    assert info["architectures"] == ["LlamaForCausalLM"] and info["model_type"] == "llama"
+    assert info["features"] == {  # SmolLM2-135M's config
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": True,
+        "rope_type": "default",
+        "rope_theta": 100000.0,
+        "num_heads": 9,
+        "num_kv_heads": 3,
+        "head_dim": 64,
+        "sliding_window": None,
+    }
 
 
 def test_a_non_streaming_client_that_gives_up_frees_its_request(server):

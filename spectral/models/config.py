@@ -9,6 +9,8 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from spectral.models.registry import architecture_of
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -32,10 +34,27 @@ class ModelConfig:
         """The context served: `override` (--context-length) where given, else the model's."""
         return override or self.max_context_len
 
+    def features(self) -> dict[str, Any]:
+        """What of its architecture the model uses (for /get_model_info)."""
+        rope_type, theta = rope_settings(self.hf_config)
+        return {
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_type": rope_type,
+            "rope_theta": theta,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "sliding_window": getattr(self.hf_config, "sliding_window", None),
+        }
+
     @classmethod
     def from_pretrained(cls, model_dir: str) -> ModelConfig:
+        """The config of a HF directory; UnsupportedModelError for an architecture spectral
+        does not implement."""
         hf = AutoConfig.from_pretrained(model_dir)
-        archs = getattr(hf, "architectures", None) or ["LlamaForCausalLM"]
+        architecture = architecture_of(hf.to_dict())
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         eos = hf.eos_token_id
@@ -47,7 +66,7 @@ class ModelConfig:
         if window:
             max_ctx = min(max_ctx, window)
         return cls(
-            architecture=archs[0],
+            architecture=architecture,
             hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size,
             num_layers=hf.num_hidden_layers,
@@ -59,7 +78,7 @@ class ModelConfig:
             max_context_len=max_ctx,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False))
-            or archs[0].startswith("Qwen2"),
+            or architecture == "Qwen2ForCausalLM",
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             eos_token_ids=eos_ids,
             hf_config=hf,
@@ -74,13 +93,18 @@ def stop_token_ids(config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def rope_settings(hf: PretrainedConfig) -> tuple[str, float]:
+    """(rope type, rope theta) of a HF config."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return rope_type, float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+
+
 def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim // 2] float32, attention scaling) per the config's rope settings."""
     hf = config.hf_config
-    params = getattr(hf, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type, theta = rope_settings(hf)
     if rope_type == "default":
-        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
         dim = config.head_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0

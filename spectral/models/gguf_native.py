@@ -22,13 +22,14 @@ from torch import nn
 
 from spectral.kernels.linear import PackedWeight
 from spectral.models.config import ModelConfig
+from spectral.models.registry import gguf_architecture
 
 logger = logging.getLogger(__name__)
 
 # The block formats gguf_linear expands.
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-# Architectures whose converter permuted the q and k rows.
-PERMUTED_QK = ("llama", "mistral")
+# GGUF architectures whose converter permuted the q and k rows.
+PERMUTED_QK = ("llama",)
 
 # Our fused Linear (under `layers.{i}.`) and the GGUF tensors of its rows, in order.
 LAYER_LINEARS = {
@@ -111,8 +112,7 @@ def load_gguf_model(
     Returns how many weight matrices are served as blocks."""
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "llama"
+    arch = gguf_architecture(reader, path)
     permuted = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     if arch not in PERMUTED_QK:
         permuted = {}

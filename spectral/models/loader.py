@@ -12,12 +12,11 @@ from torch import nn
 
 from spectral.models.config import ModelConfig
 from spectral.models.llama import LlamaForCausalLM, RotaryEmbedding
+from spectral.models.registry import ARCHITECTURES
 
-ARCHITECTURES: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
+# The model class of each architecture: one decoder serves the Llama family (Qwen2's q/k/v
+# biases come from the config, Mistral's sliding window caps the context served).
+MODEL_CLASSES: dict[str, type[nn.Module]] = dict.fromkeys(ARCHITECTURES.values(), LlamaForCausalLM)
 
 # HF tensor name → (our parameter name, row offset key within a fused matrix or None)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -58,12 +57,7 @@ def _target(config: ModelConfig, name: str) -> tuple[str, slice | None]:
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
     """The model for `config` with uninitialised weights of `dtype` on `device`."""
-    cls = ARCHITECTURES.get(config.architecture)
-    if cls is None:
-        raise ValueError(
-            f"architecture {config.architecture!r} is not supported; supported: "
-            + ", ".join(sorted(ARCHITECTURES))
-        )
+    cls = MODEL_CLASSES[config.architecture]  # ModelConfig refuses any other
     with torch.device("meta"):
         model = cls(config)
     model = model.to_empty(device=device).to(dtype)

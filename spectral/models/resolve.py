@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from spectral.cache import DEFAULT_CACHE_DIR
+from spectral.models.registry import check_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ def extract_gguf(gguf: Path, cache_dir: str | None = None) -> str:
     target = _cache_dir(gguf, cache_dir)
     if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
         return str(target)
+    check_gguf(gguf)  # before transformers, which would read what spectral does not serve
     from transformers import AutoConfig, AutoTokenizer
 
     def write(staging: Path) -> None:

@@ -202,6 +202,7 @@ def create_app(
             "context_length": info.get("context_length"),
             "model_type": info.get("model_type"),
             "architectures": info.get("architectures"),
+            "features": info.get("features"),
         }
 
     @app.get("/get_server_info", response_model=dict[str, Any], responses=ERRORS)

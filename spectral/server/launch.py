@@ -20,7 +20,8 @@ import uvicorn
 import zmq
 
 from spectral.args import ServerArgs
-from spectral.models.resolve import model_files_dir
+from spectral.models.registry import UnsupportedModelError, check_model_dir
+from spectral.models.resolve import ModelNotFoundError, model_files_dir
 from spectral.server.child import spawn_child
 from spectral.server.ipc import recv_message
 from spectral.server.messages import ProcessReady
@@ -71,7 +72,11 @@ def launch_server(args: ServerArgs) -> None:
         return
     # Extracted (once) before the children start, so that they find it; they start before this
     # process imports the HTTP stack and loads its tokenizer, which overlaps their start-up.
-    model_dir = model_files_dir(args.model_path, args.model_cache_dir)
+    try:
+        model_dir = model_files_dir(args.model_path, args.model_cache_dir)
+        check_model_dir(model_dir)
+    except (ModelNotFoundError, UnsupportedModelError) as err:
+        sys.exit(f"spectral: {err}")
     ipc_dir = tempfile.mkdtemp(prefix="spectral-")  # mode 0700
     ctx = zmq.Context()
     ready_sock = ctx.socket(zmq.PULL)
@@ -126,6 +131,7 @@ def launch_server(args: ServerArgs) -> None:
             "tokenizer_path": args.tokenizer_path or model_dir,
             "model_type": info["model_type"],
             "architectures": info["architectures"],
+            "features": info["features"],
             "context_length": info["context_length"],
             "max_total_tokens": info["num_kv_slots"],
             "tp_size": 1,

@@ -307,6 +307,9 @@ class ModelInfo(BaseModel):
     context_length: int | None
     model_type: str | None
     architectures: list[str] | None
+    # What of its architecture the model uses: q/k/v and MLP biases, tied embeddings, rope,
+    # heads, sliding window (spectral's addition to SGLang's fields).
+    features: dict[str, Any] | None
 
 
 class MessageResponse(BaseModel):

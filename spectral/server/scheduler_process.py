@@ -79,6 +79,7 @@ class SchedulerProcess:
             "vocab_size": config.vocab_size,
             "model_type": config.hf_config.model_type,
             "architectures": [config.architecture],
+            "features": config.features(),
         }
         send_message(ready, ProcessReady("scheduler", info))
         ready.close(linger=1000)

@@ -1,0 +1,137 @@
+"""Tiny random models written as GGUF files with gguf-py's writer, the way llama.cpp's converter
+lays them out: its metadata keys, its tensor names, norms and biases in F32, every matrix in one
+format, and a small real byte-level BPE vocabulary (the default model's first tokens and the
+merges that make them)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from spectral.models.resolve import default_model_file
+
+VOCAB_SIZE = 512
+
+
+@dataclass(frozen=True)
+class TinyArch:
+    """One architecture's features, as its GGUF states them."""
+
+    gguf_arch: str  # general.architecture
+    name: str  # general.name
+    tokenizer_pre: str
+    qkv_bias: bool
+    tied: bool
+    rope_theta: float
+
+
+ARCHS = {
+    "llama": TinyArch("llama", "tiny llama", "smollm", False, True, 10000.0),
+    "mistral": TinyArch("llama", "Tiny Mistral Instruct", "smollm", False, False, 1e6),
+    "qwen2": TinyArch("qwen2", "tiny qwen2", "qwen2", True, False, 1e6),
+}
+# Float formats and the block formats spectral serves natively.
+FORMATS = ("F32", "Q4_0", "Q4_1", "Q8_0")
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, CONTEXT = 256, 512, 2, 4, 2, 2048
+
+
+@functools.cache
+def small_vocab(size: int = VOCAB_SIZE) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges): the default model's first `size` tokens (its control
+    tokens, the 256 bytes, then the first merges in order) and the merges among them."""
+    reader = gguf.GGUFReader(str(default_model_file()))
+    tokens_field = reader.fields["tokenizer.ggml.tokens"]
+    types_field = reader.fields["tokenizer.ggml.token_type"]
+    merges_field = reader.fields["tokenizer.ggml.merges"]
+    tokens = [tokens_field.contents(i) for i in range(size)]
+    types = [int(types_field.contents(i)) for i in range(size)]
+    known = set(tokens)
+    merges = []
+    for i in range(len(merges_field.data)):
+        left, right = merges_field.contents(i).split(" ")
+        if left + right not in known:
+            break  # merges come in vocabulary order: the rest make tokens beyond `size`
+        merges.append(f"{left} {right}")
+    return tokens, types, merges
+
+
+def write_tiny_gguf(path: Path, arch: str, fmt: str, seed: int = 0) -> Path:
+    """A 2-layer random model of architecture `arch` with every matrix in format `fmt`."""
+    spec = ARCHS[arch]
+    rng = np.random.default_rng(seed)
+    head_dim = HIDDEN // HEADS
+    qtype = gguf.GGMLQuantizationType[fmt]
+    writer = gguf.GGUFWriter(str(path), spec.gguf_arch)
+    writer.add_name(spec.name)
+    writer.add_context_length(CONTEXT)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(spec.rope_theta)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(VOCAB_SIZE)
+    writer.add_file_type(
+        gguf.LlamaFileType.ALL_F32 if fmt == "F32" else getattr(gguf.LlamaFileType, f"MOSTLY_{fmt}")
+    )
+    tokens, types, merges = small_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(spec.tokenizer_pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+
+    def matrix(name: str, rows: int, cols: int, scale: float) -> None:
+        values = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        if fmt == "F32":
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+
+    def vector(name: str, size: int, mean: float, scale: float) -> None:
+        writer.add_tensor(name, (mean + rng.standard_normal(size) * scale).astype(np.float32))
+
+    matrix("token_embd.weight", VOCAB_SIZE, HIDDEN, 0.1)
+    q_size, kv_size = HEADS * head_dim, KV_HEADS * head_dim
+    for i in range(LAYERS):
+        vector(f"blk.{i}.attn_norm.weight", HIDDEN, 1.0, 0.2)
+        for part, rows in (("q", q_size), ("k", kv_size), ("v", kv_size)):
+            matrix(f"blk.{i}.attn_{part}.weight", rows, HIDDEN, HIDDEN**-0.5)
+            if spec.qkv_bias:  # large enough that dropping them changes every output
+                vector(f"blk.{i}.attn_{part}.bias", rows, 0.0, 1.0)
+        matrix(f"blk.{i}.attn_output.weight", HIDDEN, q_size, q_size**-0.5)
+        vector(f"blk.{i}.ffn_norm.weight", HIDDEN, 1.0, 0.2)
+        matrix(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, HIDDEN**-0.5)
+        matrix(f"blk.{i}.ffn_up.weight", FFN, HIDDEN, HIDDEN**-0.5)
+        matrix(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, FFN**-0.5)
+    vector("output_norm.weight", HIDDEN, 1.0, 0.2)
+    if not spec.tied:
+        matrix("output.weight", VOCAB_SIZE, HIDDEN, 0.2)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_foreign_gguf(path: Path, arch: str) -> Path:
+    """A GGUF of an architecture spectral does not implement (a header and one tensor)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny {arch}")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,172 @@
+"""Every architecture spectral accepts gives transformers' greedy tokens (float32), from GGUF
+files as llama.cpp writes them (served from their blocks, and dequantized at load) and from HF
+directories; the architecture comes from the config's `architectures`, else its `model_type`,
+and anything else is refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from spectral import Engine
+from spectral.kernels.linear import Linear
+from spectral.models.config import ModelConfig
+from spectral.models.registry import UnsupportedModelError
+from spectral.models.resolve import model_files_dir
+from tests.conftest import assert_no_leaks, make_tiny_llama
+from tests.gguf_models import ARCHS, FORMATS, write_foreign_gguf, write_tiny_gguf
+from tests.test_generate_greedy import hf_greedy
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n",
+]
+NEW_TOKENS = 16
+GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+EXPECTED_HF_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+EXPECTED_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "LlamaForCausalLM",  # llama.cpp writes Mistral models as llama
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-ggufs")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("model-cache"))
+
+
+def tiny_gguf(gguf_dir: Path, arch: str, fmt: str) -> Path:
+    path = gguf_dir / f"{arch}-{fmt}.gguf"
+    return path if path.is_file() else write_tiny_gguf(path, arch, fmt)
+
+
+def transformers_greedy(model_dir: str, gguf_file: str | None = None) -> list[list[int]]:
+    """transformers' own greedy tokens for PROMPTS (loading the GGUF itself where given)."""
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, **kwargs)
+    return [hf_greedy(model, tokenizer(p)["input_ids"], NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_gguf_greedy_equals_transformers_loading_the_same_file(gguf_dir, cache_dir, arch, fmt):
+    path = tiny_gguf(gguf_dir, arch, fmt)
+    expected = transformers_greedy(str(gguf_dir), path.name)
+    # A float GGUF is dense either way: "none" differs only where there are blocks.
+    for quantization in ("auto", "none") if fmt != "F32" else ("auto",):
+        engine = Engine(
+            model_path=str(path),
+            dtype="float32",
+            quantization=quantization,
+            max_total_tokens=1024,
+            model_cache_dir=cache_dir,
+        )
+        try:
+            assert engine.model_config.architecture == EXPECTED_CLASS[arch]
+            packed = {
+                m.packed.gguf_type
+                for m in engine.worker.model.modules()
+                if isinstance(m, Linear)
+                if m.packed is not None
+            }
+            # Served from the file's own blocks, or dequantized at load (then packed as dense).
+            native = quantization == "auto" and fmt != "F32"
+            assert packed == ({fmt} if native else {None})
+            outs = engine.generate(PROMPTS, GREEDY)
+            assert [o["output_ids"] for o in outs] == expected, (arch, fmt, quantization)
+            assert_no_leaks(engine)
+        finally:
+            engine.shutdown()
+
+
+def test_a_qwen2_gguf_keeps_its_qkv_biases_and_untied_head(gguf_dir, cache_dir):
+    config = ModelConfig.from_pretrained(
+        model_files_dir(str(tiny_gguf(gguf_dir, "qwen2", "Q8_0")), cache_dir)
+    )
+    assert config.architecture == "Qwen2ForCausalLM"
+    assert config.features() == {
+        "attention_bias": True,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "rope_type": "default",
+        "rope_theta": 1e6,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "sliding_window": None,
+    }
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_hf_directory_greedy_equals_transformers(tmp_path, default_model_dir, model_type):
+    """A HF directory per architecture class, as transformers writes it (Mistral's config with
+    its sliding window, Qwen2's with its biases)."""
+    model_dir = make_tiny_llama(
+        tmp_path,
+        default_model_dir,
+        seed=3,
+        model_type=model_type,
+        rope_theta=1e6,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        max_position_embeddings=1024,
+    )
+    expected = transformers_greedy(model_dir)
+    engine = Engine(model_path=model_dir, dtype="float32", max_total_tokens=1024)
+    try:
+        assert engine.model_config.architecture == EXPECTED_HF_CLASS[model_type]
+        outs = engine.generate(PROMPTS, GREEDY)
+        assert [o["output_ids"] for o in outs] == expected
+    finally:
+        engine.shutdown()
+
+
+def write_config(directory: Path, **fields) -> str:
+    directory.mkdir(exist_ok=True)
+    base = AutoConfig.for_model("llama", vocab_size=512, hidden_size=64, num_attention_heads=4)
+    data = {k: v for k, v in base.to_dict().items() if k not in ("architectures", "model_type")}
+    (directory / "config.json").write_text(json.dumps({**data, **fields}))
+    return str(directory)
+
+
+def test_the_architecture_comes_from_model_type_when_architectures_is_missing(tmp_path):
+    config = ModelConfig.from_pretrained(write_config(tmp_path, model_type="qwen2"))
+    assert config.architecture == "Qwen2ForCausalLM"
+    assert config.attention_bias
+
+
+def test_an_unsupported_architecture_is_refused_by_name(tmp_path):
+    directory = write_config(tmp_path, model_type="gemma", architectures=["GemmaForCausalLM"])
+    with pytest.raises(
+        UnsupportedModelError,
+        match="GemmaForCausalLM.*supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM",
+    ):
+        ModelConfig.from_pretrained(directory)
+
+
+def test_a_model_type_without_an_implementation_is_refused_by_name(tmp_path):
+    directory = write_config(tmp_path / "phi3", model_type="phi3")
+    with pytest.raises(UnsupportedModelError, match="model_type 'phi3'"):
+        ModelConfig.from_pretrained(directory)
+
+
+def test_a_gguf_of_an_unsupported_architecture_is_refused_at_start(gguf_dir, cache_dir):
+    path = write_foreign_gguf(gguf_dir / "phi3.gguf", "phi3")
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'phi3'.*llama, qwen2"):
+        Engine(model_path=str(path), dtype="float32", model_cache_dir=cache_dir)
