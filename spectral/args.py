@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "gguf", "none")
+LOAD_FORMATS = ("auto", "dummy")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
@@ -27,6 +28,7 @@ class ServerArgs:
     device: str = "auto"
     context_length: int | None = None
     quantization: str = "auto"
+    load_format: str = "auto"
     # Memory and scheduling
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.25
@@ -82,6 +84,14 @@ class ServerArgs:
                 f"quantization must be one of {', '.join(QUANTIZATIONS)} "
                 f"(got {self.quantization!r})"
             )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)} (got {self.load_format!r})"
+            )
+        if self.load_format == "dummy" and (
+            self.model_path in ("", "default") or self.model_path.endswith(".gguf")
+        ):
+            raise ValueError("--load-format dummy takes a HF model directory, not a GGUF")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda (got {self.device!r})")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -180,6 +190,9 @@ class ServerArgs:
             "they are (expanded in registers to the dequantized values; other formats "
             "dequantized at load), on the CPU with spectral's kernels; none: every weight "
             "dequantized",
+            "load_format": "auto: the model's weights; dummy: random weights of the model's "
+            "shape, made on the device (benchmarks of a shape without its weights; the model "
+            "directory needs only config.json and a tokenizer)",
             "max_total_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
             "mem_fraction_static": "fraction of free memory given to the KV pool",
             "max_running_requests": "most requests decoding at once",
@@ -255,6 +268,7 @@ class ServerArgs:
                 choices={
                     "dtype": DTYPES,
                     "quantization": QUANTIZATIONS,
+                    "load_format": LOAD_FORMATS,
                     "router_policy": ROUTER_POLICIES,
                 }.get(f.name),
                 help=help_text.get(f.name, ""),

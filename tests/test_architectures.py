@@ -170,3 +170,24 @@ def test_a_gguf_of_an_unsupported_architecture_is_refused_at_start(gguf_dir, cac
     path = write_foreign_gguf(gguf_dir / "phi3.gguf", "phi3")
     with pytest.raises(UnsupportedModelError, match="GGUF architecture 'phi3'.*llama, qwen2"):
         Engine(model_path=str(path), dtype="float32", model_cache_dir=cache_dir)
+
+
+def test_load_format_dummy_serves_the_configs_shape_with_random_weights(tmp_path):
+    from bench.shapes import make_model_dir
+
+    model_dir = make_model_dir(tmp_path / "tiny", "tiny")  # config and tokenizer, no weights
+    engine = Engine(
+        model_path=model_dir, dtype="float32", load_format="dummy", max_total_tokens=512
+    )
+    try:
+        model = engine.worker.model
+        assert model.config.hidden_size == 128 and len(model.layers) == 2
+        weight = model.layers[1].mlp.down_proj.weight
+        assert weight.shape == (128, 256) and 0.015 < float(weight.std()) < 0.025
+        assert torch.equal(model.norm.weight, torch.ones(128))
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+        assert len(out["output_ids"]) == NEW_TOKENS
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="--load-format dummy takes a HF model directory"):
+        Engine(model_path="default", load_format="dummy")

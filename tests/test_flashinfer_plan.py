@@ -88,8 +88,9 @@ class StandInWrappers:
     `paged_attention` on the CPU; each records what it was planned with."""
 
     class BatchPrefillWithPagedKVCacheWrapper:
-        def __init__(self, float_workspace_buffer, kv_layout="NHD"):
+        def __init__(self, float_workspace_buffer, kv_layout="NHD", backend="auto"):
             assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
+            assert backend in ("auto", "fa2", "fa3", "trtllm-gen", "cudnn")
             self.planned = None
 
         def plan(

@@ -83,7 +83,11 @@ class FlashInferAttentionBackend(AttentionBackend):
 
         device = kv_pool.k[0].device
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        # FA2 kernels: they take custom masks, and the decode wrapper's tensor-core path builds
+        # the same JIT module (one per dtype and head dim, ~30 s of nvcc on 16 cores).
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2"
+        )
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=True
         )

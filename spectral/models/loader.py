@@ -102,3 +102,22 @@ def load_model(
     model.requires_grad_(False)
     model.eval()
     return model, config
+
+
+def dummy_model(
+    model_dir: str, dtype: torch.dtype, device: str = "cpu", seed: int = 0
+) -> tuple[nn.Module, ModelConfig]:
+    """The model of `model_dir`'s config with random weights made on `device` (--load-format
+    dummy): matrices and biases normal with std 0.02, norms ones, as transformers initialises
+    a Llama."""
+    config = ModelConfig.from_pretrained(model_dir)
+    model = build_model(config, dtype, device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=generator)
+    model.requires_grad_(False)
+    model.eval()
+    return model, config

@@ -41,6 +41,7 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
         worker_model_dir(args),
         gguf_file=str(gguf_file) if gguf_file is not None else None,
         gguf_native=args.quantization != "none",
+        dummy_weights=args.load_format == "dummy",
         dtype=dtype,
         device=device,
         max_total_tokens=args.max_total_tokens,

@@ -13,7 +13,7 @@ from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.models.config import ModelConfig
 from spectral.models.gguf_native import load_gguf_model
-from spectral.models.loader import build_model, load_model
+from spectral.models.loader import build_model, dummy_model, load_model
 from spectral.worker.io import WorkerBatch, WorkerResult
 from spectral.worker.sampler import sample
 
@@ -46,15 +46,19 @@ class ModelWorker:
         use_cpu_kernels: bool = True,
         gguf_file: str | None = None,
         gguf_native: bool = True,
+        dummy_weights: bool = False,
     ) -> None:
         """The KV pool holds `max_total_tokens` tokens, or what `mem_fraction_static` of the
         memory still free after loading the weights allows. With `gguf_file`, the weights come
         from that file (`model_dir` holds its config): with `gguf_native` and the CPU kernels
-        its blocks are served as they are, else dequantized at load."""
+        its blocks are served as they are, else dequantized at load. With `dummy_weights`, the
+        weights are random, made on `device` (`model_dir` needs only its config)."""
         self.device = device
         self.dtype = dtype
         kernels = load_cpu_kernels() if device == "cpu" and use_cpu_kernels else None
-        if gguf_file is None:
+        if dummy_weights:
+            self.model, self.config = dummy_model(model_dir, dtype, device)
+        elif gguf_file is None:
             self.model, self.config = load_model(model_dir, dtype, device)
         else:
             self.config = ModelConfig.from_pretrained(model_dir)

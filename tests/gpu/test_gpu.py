@@ -1,6 +1,10 @@
 """On a CUDA GPU: the Triton and FlashInfer attention backends against the torch backend in
 every forward mode, sampling and verification on the device, and speculative decoding with
-EAGLE3 giving plain decoding's tokens in float32. Skipped where torch sees no GPU."""
+EAGLE3 giving plain decoding's tokens in float32. Skipped where torch sees no GPU.
+
+Nothing here reads the default model (a lent GPU has no copy): the engines serve tiny models
+with random weights made on the device (--load-format dummy), whose config and tokenizer
+bench/shapes.py writes."""
 
 from __future__ import annotations
 
@@ -27,17 +31,23 @@ MODES = CASES + [
 NEEDS_FLASHINFER = pytest.mark.skipif(
     importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed"
 )
-BACKENDS = [
+TRITON = [
     ("triton", torch.float32, 1e-4),
     ("triton", torch.bfloat16, 3e-2),
     ("triton", torch.float16, 1e-2),
-    pytest.param("flashinfer", torch.bfloat16, 3e-2, marks=NEEDS_FLASHINFER),
-    pytest.param("flashinfer", torch.float16, 1e-2, marks=NEEDS_FLASHINFER),
 ]
+# FlashInfer compiles one JIT module per dtype and head dim (~30 s of nvcc on 16 cores): the
+# head dims of the models measured (64: the default's; 128: Qwen2.5-1.5B's), float16 at one.
+FLASHINFER = [
+    pytest.param("flashinfer", torch.bfloat16, 3e-2, shape, marks=NEEDS_FLASHINFER)
+    for shape in ((9, 3, 64), (12, 2, 128))
+] + [pytest.param("flashinfer", torch.float16, 1e-2, (12, 2, 128), marks=NEEDS_FLASHINFER)]
+CASES_BY_BACKEND = [
+    (*backend, shape) for backend in TRITON for shape in SHAPES + [(32, 8, 128)]
+] + FLASHINFER
 
 
-@pytest.mark.parametrize(("name", "dtype", "tolerance"), BACKENDS)
-@pytest.mark.parametrize("shape", SHAPES + [(32, 8, 128)], ids=str)
+@pytest.mark.parametrize(("name", "dtype", "tolerance", "shape"), CASES_BY_BACKEND, ids=str)
 def test_backend_equals_the_torch_backend_in_every_mode(name, dtype, tolerance, shape):
     rng = random.Random(3)
     for mode, prefixes, news in MODES:
@@ -102,29 +112,49 @@ def test_sampling_on_the_device_equals_the_cpu_and_syncs_a_fixed_number_of_times
     assert run(12) == run(6)
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> tuple[str, str]:
+    """A tiny model directory (random weights come at load) and a random EAGLE-3 head for it."""
+    from bench.shapes import make_model_dir
+    from tests.test_speculative import make_random_head
+
+    model_dir = make_model_dir(tmp_path_factory.mktemp("tiny"), "tiny")
+    return model_dir, make_random_head(tmp_path_factory.mktemp("head"), model_dir, "eagle3")
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_eagle3_on_the_gpu_gives_plain_decodings_tokens_in_float32(default_model_dir, backend):
+def test_eagle3_on_the_gpu_gives_plain_decodings_tokens_in_float32(tiny_model, backend):
     from spectral import Engine
 
-    prompts = [
-        "The capital of France is",
-        "def fibonacci(n):",
-        "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n",
-        "1, 2, 3, 5, 8, 13,",
-    ]
+    model_dir, head_dir = tiny_model
+    prompts = [[5 + i, 40 + 3 * i, 7, 300 + i, 11, 12][: 3 + i] for i in range(4)]
     params = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
-    eagle3 = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "default"}
+    # A fixed tree every round: a random head's drafts are rarely accepted, which the planner
+    # would rightly decline to verify.
+    eagle3 = {
+        "speculative_algorithm": "EAGLE3",
+        "speculative_draft_model_path": head_dir,
+        "speculative_fixed_tree": True,
+        "speculative_max_batch_size": 4,
+    }
     outputs, rounds = [], 0
     for spec in ({}, eagle3):
         engine = Engine(
-            model_path=default_model_dir,
+            model_path=model_dir,
             dtype="float32",
             device="cuda",
+            load_format="dummy",
             attention_backend=backend,
             max_total_tokens=8192,
             **spec,
         )
-        outputs.append([o["output_ids"] for o in engine.generate(prompts, params)])
+        # Weights 50x the initialisation's: sharp next-token distributions, far from ties.
+        target = getattr(engine.worker, "target", engine.worker)  # under a SpeculativeWorker
+        for name, param in target.model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.mul_(50)
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        outputs.append([o["output_ids"] for o in outs])
         rounds = engine.scheduler.stats.spec_verify_ct
         engine.shutdown()
     assert outputs[0] == outputs[1]
