@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spectral.forward import ForwardBatch, ForwardMode  # noqa: E402
-from spectral.kernels.linear import Linear  # noqa: E402
+from spectral.layers.linear import Linear  # noqa: E402
 from spectral.models.resolve import gguf_source, model_files_dir  # noqa: E402
 from spectral.speculative.cost_model import timed as measured  # noqa: E402
 from spectral.worker.model_worker import ModelWorker  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from spectral import Engine
-from spectral.kernels.linear import Linear
+from spectral.layers.linear import Linear
 from spectral.models.config import ModelConfig
 from spectral.models.registry import UnsupportedModelError
 from spectral.models.resolve import model_files_dir

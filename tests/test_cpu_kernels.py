@@ -9,12 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spectral.attention.torch_backend import TorchAttentionBackend
 from spectral.forward import ForwardBatch, ForwardMode
 from spectral.kernels.cpu_kernels import cpu_signature, load_cpu_kernels
-from spectral.kernels.torch_backend import TorchAttentionBackend
+from spectral.layers.norm import RMSNorm
+from spectral.layers.rotary import apply_rotary
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
-from spectral.models.llama import RMSNorm, apply_rotary
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler to build the CPU kernels")
@@ -278,7 +279,7 @@ def test_gguf_linear_is_within_float32_error_of_float64(kind, dtype, rows):
 def test_a_quantized_linear_serves_ggufs_own_quantization_of_its_weight():
     """`quantize_weight` (the draft head's Q8_0 matmuls): the weight quantized by gguf, expanded
     bit-equal to gguf's dequantization of those blocks; a Linear serving it uses it."""
-    from spectral.kernels.linear import Linear, quantize_weight
+    from spectral.layers.linear import Linear, quantize_weight
 
     torch.manual_seed(3)
     w = torch.randn(40, 96)

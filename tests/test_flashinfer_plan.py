@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
+from spectral.attention.flashinfer_backend import FlashInferPlan, plan_arrays
+from spectral.attention.torch_backend import TorchAttentionBackend
 from spectral.forward import ForwardMode
-from spectral.kernels.flashinfer_backend import FlashInferPlan, plan_arrays
-from spectral.kernels.torch_backend import TorchAttentionBackend
 from tests.attention_cases import CASES, SHAPES, AttentionCase, random_case
 
 MORE_CASES = CASES + [
@@ -201,7 +201,7 @@ def test_the_default_backend_follows_the_device_dtype_and_flashinfers_presence(m
     import importlib.util
 
     from spectral.args import ServerArgs
-    from spectral.kernels.base import default_attention_backend
+    from spectral.attention.registry import default_attention_backend
 
     real_find_spec = importlib.util.find_spec
 
@@ -231,7 +231,7 @@ def test_the_backend_drives_flashinfers_wrappers_as_documented(monkeypatch, dtyp
     within the dtype's rounding; a float32 pool is refused with what to use instead."""
     import sys
 
-    from spectral.kernels.flashinfer_backend import FlashInferAttentionBackend
+    from spectral.attention.flashinfer_backend import FlashInferAttentionBackend
 
     monkeypatch.setitem(sys.modules, "flashinfer", StandInWrappers)
     rng = random.Random(5)

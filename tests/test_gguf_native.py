@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spectral.kernels.cpu_kernels import load_cpu_kernels
-from spectral.kernels.linear import Linear
+from spectral.layers.linear import Linear
 from spectral.models.config import ModelConfig
 from spectral.models.gguf_native import dequantize_rows, load_gguf_model
 from spectral.models.loader import build_model, load_model

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 import sys
 
-from spectral.kernels.torch_backend import TorchAttentionBackend
-from spectral.kernels.triton.backend import TritonAttentionBackend
+from spectral.attention.torch_backend import TorchAttentionBackend
+from spectral.attention.triton_backend import TritonAttentionBackend
 from tests.attention_cases import CASES, SHAPES, AttentionCase, random_case
 
 TOLERANCE = 1e-5

@@ -1,5 +1,3 @@
-"""Attention backends: one interface, one implementation per device family."""
-
-from spectral.kernels.base import AttentionBackend, create_attention_backend
-
-__all__ = ["AttentionBackend", "create_attention_backend"]
+"""Raw kernels only: spectral's C++ CPU library and its loader (cpu_kernels), and Triton
+kernels (triton/). The attention backends built on them live in spectral.attention, the layers
+in spectral.layers."""

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from transformers import AutoConfig, PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from spectral.layers.rotary import rope_settings
 from spectral.models.registry import architecture_of
 
 
@@ -91,30 +90,3 @@ def stop_token_ids(config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
-
-
-def rope_settings(hf: PretrainedConfig) -> tuple[str, float]:
-    """(rope type, rope theta) of a HF config."""
-    params = getattr(hf, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    return rope_type, float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
-
-
-def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim // 2] float32, attention scaling) per the config's rope settings."""
-    hf = config.hf_config
-    rope_type, theta = rope_settings(hf)
-    if rope_type == "default":
-        dim = config.head_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, 1.0
-    if rope_type == "dynamic":
-        raise NotImplementedError(
-            "dynamic NTK rope scaling changes with the sequence length and is not supported; "
-            "supported rope types: default, "
-            + ", ".join(sorted(set(ROPE_INIT_FUNCTIONS) - {"dynamic"}))
-        )
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise NotImplementedError(f"unknown rope type {rope_type!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
-    return inv_freq.float(), float(scaling)

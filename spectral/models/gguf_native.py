@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from spectral.kernels.linear import PackedWeight
+from spectral.layers.linear import PackedWeight
 from spectral.models.config import ModelConfig
 from spectral.models.registry import gguf_architecture
 

@@ -16,35 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spectral.attention.base import AttentionBackend, DecodeKernelInputs
 from spectral.forward import ForwardBatch
-from spectral.kernels.base import AttentionBackend, DecodeKernelInputs
-from spectral.kernels.linear import Linear, PackedWeight, linear, pack_weight
-from spectral.models.config import ModelConfig, rope_inverse_frequencies
-
-
-class RMSNorm(nn.Module):
-    kernels: ModuleType | None = None
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.eps = eps
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); without a residual, (norm(x), x).
-
-        The fused kernel writes x + residual into `residual` in place.
-        """
-        if self.kernels is not None and x.device.type == "cpu" and x.is_contiguous():
-            normed, residual = self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
-            return normed, residual
-        if residual is not None:
-            x = x + residual
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype), x
+from spectral.layers.linear import Linear, PackedWeight, linear, pack_weight
+from spectral.layers.norm import RMSNorm
+from spectral.layers.rotary import RotaryEmbedding
+from spectral.models.config import ModelConfig
 
 
 def route_to_cpu_kernels(
@@ -57,43 +34,6 @@ def route_to_cpu_kernels(
             module.set_kernels(kernels, quantize)
         elif isinstance(module, RMSNorm):
             module.kernels = kernels
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables (float32) for every position up to the context length."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        inv_freq, scaling = rope_inverse_frequencies(config)
-        positions = torch.arange(config.max_context_len, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
-
-    def rotate_qkv(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        kernels: ModuleType | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated q [T, H, D] and k [T, KVH, D]; q and k are views into the fused `qkv`, which
-        the kernel rotates in place."""
-        if kernels is not None and qkv.device.type == "cpu" and qkv.stride(1) == 1:
-            num_heads = q.shape[1] + k.shape[1]
-            kernels.rotary_inplace(qkv, num_heads, q.shape[2], self.cos, self.sin, positions)
-            return q, k
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 @dataclass
@@ -218,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         self.kernels: ModuleType | None = None
         self.lm_head_packed: PackedWeight | None = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, config.max_context_len)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:

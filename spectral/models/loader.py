@@ -10,8 +10,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from spectral.layers.rotary import RotaryEmbedding
 from spectral.models.config import ModelConfig
-from spectral.models.llama import LlamaForCausalLM, RotaryEmbedding
+from spectral.models.llama import LlamaForCausalLM
 from spectral.models.registry import ARCHITECTURES
 
 # The model class of each architecture: one decoder serves the Llama family (Qwen2's q/k/v
@@ -61,7 +62,9 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu") ->
     with torch.device("meta"):
         model = cls(config)
     model = model.to_empty(device=device).to(dtype)
-    model.rotary = RotaryEmbedding(config).to(device)
+    model.rotary = RotaryEmbedding(config.hf_config, config.head_dim, config.max_context_len).to(
+        device
+    )
     return model
 
 

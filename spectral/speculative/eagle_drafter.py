@@ -25,8 +25,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from spectral.attention.torch_backend import TorchAttentionBackend
 from spectral.forward import ForwardBatch, ForwardMode
-from spectral.kernels.torch_backend import TorchAttentionBackend
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.speculative.eagle_head import DraftHead

@@ -33,8 +33,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from spectral.kernels.linear import Linear
-from spectral.models.llama import RMSNorm, apply_rotary, route_to_cpu_kernels
+from spectral.layers.linear import Linear
+from spectral.layers.norm import RMSNorm
+from spectral.layers.rotary import apply_rotary
+from spectral.models.llama import route_to_cpu_kernels
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -6,8 +6,8 @@ import logging
 
 import torch
 
+from spectral.attention.registry import create_attention_backend
 from spectral.forward import ForwardBatch, ForwardMode
-from spectral.kernels.base import create_attention_backend
 from spectral.kernels.cpu_kernels import load_cpu_kernels
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool

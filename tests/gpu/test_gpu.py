@@ -15,9 +15,9 @@ import warnings
 import pytest
 import torch
 
+from spectral.attention.registry import create_attention_backend
+from spectral.attention.torch_backend import TorchAttentionBackend
 from spectral.forward import ForwardMode
-from spectral.kernels.base import create_attention_backend
-from spectral.kernels.torch_backend import TorchAttentionBackend
 from tests.attention_cases import CASES, SHAPES, random_case
 
 pytestmark = pytest.mark.skipif(

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spectral.attention.base import AttentionBackend, request_slots
 from spectral.forward import ForwardBatch
-from spectral.kernels.base import AttentionBackend, request_slots
 from spectral.kernels.triton.attention import row_attention
 from spectral.kernels.triton.extend import extend_attention
 

@@ -14,8 +14,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from spectral.attention.base import (
+    AttentionBackend,
+    DecodeKernelInputs,
+    request_mask,
+    request_slots,
+)
 from spectral.forward import ForwardBatch
-from spectral.kernels.base import AttentionBackend, DecodeKernelInputs, request_mask, request_slots
 
 
 @dataclass

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spectral.attention.base import AttentionBackend, request_mask, request_slots
 from spectral.forward import ForwardBatch
-from spectral.kernels.base import AttentionBackend, request_mask, request_slots
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 

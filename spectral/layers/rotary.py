@@ -1,0 +1,74 @@
+"""Rotary position embeddings: the config's rope (default, or transformers' scaled types) as
+cos/sin tables, applied in place by spectral's CPU kernels where they serve it."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def rope_settings(hf: PretrainedConfig) -> tuple[str, float]:
+    """(rope type, rope theta) of a HF config."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return rope_type, float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+
+
+def rope_inverse_frequencies(hf: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention scaling) per the config's rope settings."""
+    rope_type, theta = rope_settings(hf)
+    if rope_type == "default":
+        dim = head_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+    if rope_type == "dynamic":
+        raise NotImplementedError(
+            "dynamic NTK rope scaling changes with the sequence length and is not supported; "
+            "supported rope types: default, "
+            + ", ".join(sorted(set(ROPE_INIT_FUNCTIONS) - {"dynamic"}))
+        )
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise NotImplementedError(f"unknown rope type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables (float32) for every position up to the context length."""
+
+    def __init__(self, hf_config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inverse_frequencies(hf_config, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def rotate_qkv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        kernels: ModuleType | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated q [T, H, D] and k [T, KVH, D]; q and k are views into the fused `qkv`, which
+        the kernel rotates in place."""
+        if kernels is not None and qkv.device.type == "cpu" and qkv.stride(1) == 1:
+            num_heads = q.shape[1] + k.shape[1]
+            kernels.rotary_inplace(qkv, num_heads, q.shape[2], self.cos, self.sin, positions)
+            return q, k
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
