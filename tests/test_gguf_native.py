@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from spectral.kernels.cpu_kernels import load_cpu_kernels
+from spectral.layers.embedding import dequantize_rows
 from spectral.layers.linear import Linear
 from spectral.models.config import ModelConfig
-from spectral.models.gguf_native import dequantize_rows, load_gguf_model
+from spectral.models.gguf_native import load_gguf_model
 from spectral.models.loader import build_model, load_model
 from spectral.models.resolve import default_model_file, model_files_dir
 from tests.test_generate_greedy import GREEDY, PROMPTS, hf_greedy

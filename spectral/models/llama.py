@@ -21,19 +21,8 @@ from spectral.forward import ForwardBatch
 from spectral.layers.linear import Linear, PackedWeight, linear, pack_weight
 from spectral.layers.norm import RMSNorm
 from spectral.layers.rotary import RotaryEmbedding
+from spectral.layers.routing import route_to_cpu_kernels
 from spectral.models.config import ModelConfig
-
-
-def route_to_cpu_kernels(
-    root: nn.Module, kernels: ModuleType | None, quantize: str | None = None
-) -> None:
-    """Every `Linear` and `RMSNorm` under `root` uses `kernels` (None: plain PyTorch); the
-    Linears pack their weights for them (as GGUF blocks of type `quantize` where given)."""
-    for module in root.modules():
-        if isinstance(module, Linear):
-            module.set_kernels(kernels, quantize)
-        elif isinstance(module, RMSNorm):
-            module.kernels = kernels
 
 
 @dataclass

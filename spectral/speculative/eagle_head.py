@@ -36,7 +36,7 @@ from torch import nn
 from spectral.layers.linear import Linear
 from spectral.layers.norm import RMSNorm
 from spectral.layers.rotary import apply_rotary
-from spectral.models.llama import route_to_cpu_kernels
+from spectral.layers.routing import route_to_cpu_kernels
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
