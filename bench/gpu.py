@@ -3,11 +3,11 @@ Qwen2.5-Coder-1.5B's with random weights made on the device (--load-format dummy
 has neither model's file), in one run.
 
 For each shape and backend: plain decoding tokens/s at each batch size (random prompts of
---prompt-len tokens, --max-new-tokens each, greedy, after a warm-up), and the verify cost
-curve: ms of one speculative round's target forward for 1..64 tree tokens over a 256-token
-prefix, as the tree planner measures it at start-up (NGRAM: no head), against a plain decode
-step. Ratios against the first backend (torch: SDPA per request) of the same shape, measured in
-the same run. Results to --out (JSON).
+--prompt-len tokens, up to --max-new-tokens each, greedy, timed by bench/spec.py's `measure`),
+and the verify cost curve: ms of one speculative round's target forward for 1..64 tree tokens
+over a 256-token prefix, as the tree planner measures it at start-up (NGRAM: no head), against
+a plain decode step. Ratios against the first backend (torch: SDPA per request) of the same
+shape, measured in the same run. Results to --out (JSON).
 
     python bench/gpu.py                                   # bf16, default and 1.5b, batches 1,16
     python bench/gpu.py --device cpu --shapes tiny --backends torch --batches 1,2 \\
@@ -23,7 +23,6 @@ import json
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -31,20 +30,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.shapes import SHAPES, make_model_dir  # noqa: E402
+from bench.spec import measure  # noqa: E402
 from spectral import Engine  # noqa: E402
 
 
-def plain_speed(engine: Engine, batch: int, prompt_len: int, new_tokens: int) -> float:
-    """Tokens/s of `batch` random prompts decoded together (after a short warm-up)."""
-    rng = random.Random(batch)
-    vocab = engine.model_config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
-    params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 4})
-    engine.flush_cache()
-    start = time.perf_counter()
-    engine.generate(input_ids=prompts, sampling_params=params)
-    return batch * new_tokens / (time.perf_counter() - start)
+def random_prompts(vocab_size: int, count: int, length: int) -> list[str]:
+    """Prompts of `length` random tokens in bench/shapes.py's word-level vocabulary ("t7")."""
+    rng = random.Random(count)
+    return [
+        " ".join(f"t{rng.randrange(3, vocab_size)}" for _ in range(length)) for _ in range(count)
+    ]
 
 
 def release(engine: Engine) -> None:
@@ -64,7 +59,11 @@ def measure_backend(model_dir: str, backend: str, args: argparse.Namespace) -> d
         max_total_tokens=max(args.batches) * (args.prompt_len + args.max_new_tokens) + 4096,
     )
     engine = Engine(**common, max_running_requests=max(args.batches))
-    speeds = {b: plain_speed(engine, b, args.prompt_len, args.max_new_tokens) for b in args.batches}
+    vocab = engine.model_config.vocab_size
+    speeds = {
+        b: measure(engine, random_prompts(vocab, b, args.prompt_len), args.max_new_tokens)[0]
+        for b in args.batches
+    }
     release(engine)
     engine = Engine(**common, speculative_algorithm="NGRAM")
     cost = engine.worker.cost_model

@@ -10,7 +10,6 @@ Each side runs in a process of its own (a 1.5B model dequantized to float32 take
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.data import chat  # noqa: E402
 from bench.models import model_file  # noqa: E402
 
 PROMPTS = [
@@ -30,14 +30,8 @@ PROMPTS = [
 
 
 def prompt_ids(tokenizer) -> list[list[int]]:
-    ids = []
-    for kind, text in PROMPTS:
-        if kind == "chat":
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            )
-        ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return ids
+    texts = [chat(tokenizer, text) if kind == "chat" else text for kind, text in PROMPTS]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
 def run_spectral(gguf: Path, new_tokens: int, quantization: str) -> dict:
@@ -65,6 +59,8 @@ def run_transformers(gguf: Path, new_tokens: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tests.test_generate_greedy import hf_greedy  # the tests' oracle (their conftest too)
+
     start = time.perf_counter()
     kwargs = {"gguf_file": gguf.name}
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
@@ -72,24 +68,16 @@ def run_transformers(gguf: Path, new_tokens: int) -> dict:
         str(gguf.parent), dtype=torch.float32, **kwargs
     ).eval()
     loaded = time.perf_counter() - start
-    ids, texts = [], []
-    with torch.no_grad():
-        for prompt in prompt_ids(tokenizer):
-            # Plain greedy steps over transformers' KV cache, past EOS as spectral's ignore_eos
-            # (generate's min_new_tokens would mask EOS instead, changing the argmax).
-            new: list[int] = []
-            past, step = None, torch.tensor([prompt])
-            for _ in range(new_tokens):
-                res = model(step, past_key_values=past, use_cache=True)
-                past = res.past_key_values
-                new.append(int(res.logits[0, -1].argmax()))
-                step = torch.tensor([[new[-1]]])
-            ids.append(new)
-            texts.append(tokenizer.decode(new, skip_special_tokens=True))
-    architecture = type(model).__name__
-    del model
-    gc.collect()
-    return {"architecture": architecture, "load_s": round(loaded, 1), "ids": ids, "texts": texts}
+    # Plain greedy steps over transformers' KV cache, past EOS as spectral's ignore_eos
+    # (generate's min_new_tokens would mask EOS instead, changing the argmax).
+    ids = [hf_greedy(model, prompt, new_tokens) for prompt in prompt_ids(tokenizer)]
+    texts = [tokenizer.decode(new, skip_special_tokens=True) for new in ids]
+    return {
+        "architecture": type(model).__name__,
+        "load_s": round(loaded, 1),
+        "ids": ids,
+        "texts": texts,
+    }
 
 
 def main() -> None:

@@ -88,10 +88,6 @@ class ServerArgs:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)} (got {self.load_format!r})"
             )
-        if self.load_format == "dummy" and (
-            self.model_path in ("", "default") or self.model_path.endswith(".gguf")
-        ):
-            raise ValueError("--load-format dummy takes a HF model directory, not a GGUF")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda (got {self.device!r})")
         if self.attention_backend not in ATTENTION_BACKENDS:

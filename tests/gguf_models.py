@@ -60,7 +60,9 @@ def small_vocab(size: int = VOCAB_SIZE) -> tuple[list[str], list[int], list[str]
     return tokens, types, merges
 
 
-def write_tiny_gguf(path: Path, arch: str, fmt: str, seed: int = 0) -> Path:
+def write_tiny_gguf(
+    path: Path, arch: str, fmt: str, seed: int = 0, architecture_last: bool = False
+) -> Path:
     """A 2-layer random model of architecture `arch` with every matrix in format `fmt`."""
     spec = ARCHS[arch]
     rng = np.random.default_rng(seed)
@@ -118,18 +120,23 @@ def write_tiny_gguf(path: Path, arch: str, fmt: str, seed: int = 0) -> Path:
     if not spec.tied:
         matrix("output.weight", VOCAB_SIZE, HIDDEN, 0.2)
 
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path, architecture_last)
 
 
-def write_foreign_gguf(path: Path, arch: str) -> Path:
+def write_foreign_gguf(path: Path, arch: str, architecture_last: bool = False) -> Path:
     """A GGUF of an architecture spectral does not implement (a header and one tensor)."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny {arch}")
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    return finish(writer, path, architecture_last)
+
+
+def finish(writer: gguf.GGUFWriter, path: Path, architecture_last: bool = False) -> Path:
+    """Write the file; with `architecture_last`, general.architecture after every other key
+    (llama.cpp's writer puts it first)."""
+    if architecture_last:
+        keys = writer.kv_data[0]
+        keys["general.architecture"] = keys.pop("general.architecture")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from spectral import Engine
 from spectral.layers.linear import Linear
 from spectral.models.config import ModelConfig
-from spectral.models.registry import UnsupportedModelError
+from spectral.models.registry import UnsupportedModelError, architecture_in_header, check_gguf
 from spectral.models.resolve import model_files_dir
 from tests.conftest import assert_no_leaks, make_tiny_llama
 from tests.gguf_models import ARCHS, FORMATS, write_foreign_gguf, write_tiny_gguf
@@ -170,6 +170,18 @@ def test_a_gguf_of_an_unsupported_architecture_is_refused_at_start(gguf_dir, cac
     path = write_foreign_gguf(gguf_dir / "phi3.gguf", "phi3")
     with pytest.raises(UnsupportedModelError, match="GGUF architecture 'phi3'.*llama, qwen2"):
         Engine(model_path=str(path), dtype="float32", model_cache_dir=cache_dir)
+
+
+@pytest.mark.parametrize("architecture_last", [False, True], ids=["first", "last"])
+def test_a_ggufs_architecture_is_read_wherever_its_header_puts_it(gguf_dir, architecture_last):
+    """First (llama.cpp's writers): from the header alone; anywhere else: by gguf's reader."""
+    where = "last" if architecture_last else "first"
+    qwen2 = write_tiny_gguf(gguf_dir / f"qwen2-{where}.gguf", "qwen2", "F32", 0, architecture_last)
+    phi3 = write_foreign_gguf(gguf_dir / f"phi3-{where}.gguf", "phi3", architecture_last)
+    assert (architecture_in_header(qwen2) is None) == architecture_last
+    assert check_gguf(qwen2) == "qwen2"
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'phi3'"):
+        check_gguf(phi3)
 
 
 def test_load_format_dummy_serves_the_configs_shape_with_random_weights(tmp_path):

@@ -11,8 +11,6 @@ from spectral.attention.base import AttentionBackend
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 
-BACKENDS = ("torch", "triton", "flashinfer")
-
 
 def create_attention_backend(
     name: str,

@@ -6,6 +6,7 @@ before it starts its children."""
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -60,9 +61,24 @@ def check_model_dir(model_dir: str | Path) -> str:
 def gguf_architecture(reader: Any, path: str | Path) -> str:
     """`general.architecture` of a GGUF (a gguf.GGUFReader over `path`), if spectral reads it."""
     field = reader.fields.get("general.architecture")
-    if field is None:
+    return _readable(field.contents() if field is not None else None, path)
+
+
+def check_gguf(path: str | Path) -> str:
+    """The architecture of the GGUF file at `path`, or refused. llama.cpp's writer puts
+    `general.architecture` first, which is then read from the header alone; other files go
+    through gguf's reader, which parses every metadata array (9 s for a 152k-token vocabulary)."""
+    arch = architecture_in_header(path)
+    if arch is None:
+        import gguf
+
+        return gguf_architecture(gguf.GGUFReader(str(path)), path)
+    return _readable(arch, path)
+
+
+def _readable(arch: str | None, path: str | Path) -> str:
+    if arch is None:
         raise UnsupportedModelError(f"{path}: the GGUF has no general.architecture")
-    arch = field.contents()
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: "
@@ -71,8 +87,20 @@ def gguf_architecture(reader: Any, path: str | Path) -> str:
     return arch
 
 
-def check_gguf(path: str | Path) -> str:
-    """The architecture of the GGUF file at `path`, or refused (reads its header only)."""
-    import gguf
-
-    return gguf_architecture(gguf.GGUFReader(str(path)), path)
+def architecture_in_header(path: str | Path) -> str | None:
+    """The value of the header's first key where that is `general.architecture` (a string),
+    else None. The layout: magic, version (u32), tensor and key counts (u64 each), then each
+    key as a u64 length and bytes, its value type (u32: 8 is a string) and a string's u64
+    length and bytes; little-endian."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if len(head) < 32 or head[:4] != b"GGUF":
+        return None
+    (key_len,) = struct.unpack_from("<Q", head, 24)
+    end = 32 + key_len
+    if head[32:end] != b"general.architecture" or len(head) < end + 12:
+        return None
+    value_type, value_len = struct.unpack_from("<IQ", head, end)
+    if value_type != 8:
+        return None
+    return head[end + 12 : end + 12 + value_len].decode()

@@ -37,6 +37,10 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
     gguf_file = gguf_source(args.model_path)
     if args.quantization == "gguf" and gguf_file is None:
         raise ValueError(f"--quantization gguf needs a GGUF model ({args.model_path} is not one)")
+    if args.load_format == "dummy" and gguf_file is not None:
+        raise ValueError(
+            f"--load-format dummy takes a HF model directory ({args.model_path} is a GGUF)"
+        )
     worker = ModelWorker(
         worker_model_dir(args),
         gguf_file=str(gguf_file) if gguf_file is not None else None,

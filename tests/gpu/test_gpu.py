@@ -149,7 +149,7 @@ def test_eagle3_on_the_gpu_gives_plain_decodings_tokens_in_float32(tiny_model, b
             **spec,
         )
         # Weights 50x the initialisation's: sharp next-token distributions, far from ties.
-        target = getattr(engine.worker, "target", engine.worker)  # under a SpeculativeWorker
+        target = engine.worker.target if spec else engine.worker
         for name, param in target.model.named_parameters():
             if not name.endswith("norm.weight"):
                 param.mul_(50)
