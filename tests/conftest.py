@@ -56,7 +56,7 @@ def engine_fp32(default_model_dir: str):
     engine.shutdown()
 
 
-def make_tiny_llama(
+def make_tiny_model(
     path: Path, tokenizer_dir: str, seed: int = 0, model_type: str = "llama", **overrides
 ) -> str:
     """A 2-layer random model (a Llama unless `model_type` says otherwise) with the tokenizer
@@ -91,7 +91,7 @@ def make_tiny_llama(
 def peaky_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
     """A tiny random Llama with large weights: its next-token distributions are sharp, so greedy
     choices are far from ties and equal-output tests between scheduler settings are robust."""
-    return make_tiny_llama(
+    return make_tiny_model(
         tmp_path_factory.mktemp("peaky-llama"),
         default_model_dir,
         seed=1,
@@ -143,7 +143,7 @@ def scheduler_leaks(s) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
 
 
 def make_worker(

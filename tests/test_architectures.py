@@ -17,7 +17,7 @@ from spectral.layers.linear import Linear
 from spectral.models.config import ModelConfig
 from spectral.models.registry import UnsupportedModelError, architecture_in_header, check_gguf
 from spectral.models.resolve import model_files_dir
-from tests.conftest import assert_no_leaks, make_tiny_llama
+from tests.conftest import assert_no_leaks, make_tiny_model
 from tests.gguf_models import ARCHS, FORMATS, write_foreign_gguf, write_tiny_gguf
 from tests.test_generate_greedy import hf_greedy
 
@@ -117,7 +117,7 @@ def test_a_qwen2_gguf_keeps_its_qkv_biases_and_untied_head(gguf_dir, cache_dir):
 def test_hf_directory_greedy_equals_transformers(tmp_path, default_model_dir, model_type):
     """A HF directory per architecture class, as transformers writes it (Mistral's config with
     its sliding window, Qwen2's with its biases)."""
-    model_dir = make_tiny_llama(
+    model_dir = make_tiny_model(
         tmp_path,
         default_model_dir,
         seed=3,

@@ -38,12 +38,12 @@ from spectral.training.train_data import (
     without_prompts_of,
 )
 from spectral.training.ttt import ttt_loss
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
-    return make_tiny_llama(
+    return make_tiny_model(
         tmp_path_factory.mktemp("tiny-8-layers"),
         default_model_dir,
         num_hidden_layers=8,

@@ -36,11 +36,11 @@ def engines_agree() -> bool:
 
     from spectral import Engine
     from spectral.models.resolve import resolve_model_path
-    from tests.conftest import make_tiny_llama
+    from tests.conftest import make_tiny_model
     from tests.test_speculative import make_random_head
 
     tmp = Path(tempfile.mkdtemp())
-    model = make_tiny_llama(
+    model = make_tiny_model(
         tmp / "model",
         resolve_model_path("default"),
         seed=1,
