@@ -29,10 +29,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spectral.forward import ForwardBatch, ForwardMode  # noqa: E402
+from spectral.core.forward import ForwardBatch, ForwardMode  # noqa: E402
 from spectral.layers.linear import Linear  # noqa: E402
 from spectral.models.resolve import gguf_source, model_files_dir  # noqa: E402
-from spectral.speculative.cost_model import timed as measured  # noqa: E402
+from spectral.worker.cost_measure import timed as measured  # noqa: E402
 from spectral.worker.model_worker import ModelWorker  # noqa: E402
 
 DEFAULT_MS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)

@@ -59,7 +59,7 @@ def measure_backend(model_dir: str, backend: str, args: argparse.Namespace) -> d
         max_total_tokens=max(args.batches) * (args.prompt_len + args.max_new_tokens) + 4096,
     )
     engine = Engine(**common, max_running_requests=max(args.batches))
-    vocab = engine.model_config.vocab_size
+    vocab = engine.model.vocab_size
     speeds = {
         b: measure(engine, random_prompts(vocab, b, args.prompt_len), args.max_new_tokens)[0]
         for b in args.batches

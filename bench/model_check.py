@@ -45,8 +45,8 @@ def run_spectral(gguf: Path, new_tokens: int, quantization: str) -> dict:
     params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
     outs = engine.generate(input_ids=prompt_ids(engine.tokenizer), sampling_params=params)
     result = {
-        "architecture": engine.model_config.architecture,
-        "features": engine.model_config.features(),
+        "architecture": engine.model.architecture,
+        "features": engine.model.features,
         "load_s": round(loaded, 1),
         "ids": [o["output_ids"] for o in outs],
         "texts": [o["text"] for o in outs],

@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from spectral.speculative.settings import SpecSettings
+
 if TYPE_CHECKING:
     import torch
 
@@ -136,14 +138,10 @@ class ServerArgs:
 
             faults.parse_stages(self.fault_injection)  # raises on an unknown stage
         if self.speculative_algorithm is not None:
-            from spectral.speculative.settings import SpecSettings
-
             SpecSettings.from_args(self)  # raises on a bad combination
 
-    def spec_settings(self):
+    def spec_settings(self) -> SpecSettings | None:
         """The speculative-decoding settings with defaults filled in, or None when off."""
-        from spectral.speculative.settings import SpecSettings
-
         return SpecSettings.from_args(self) if self.speculative_algorithm else None
 
     @classmethod

@@ -1,22 +1,9 @@
 """Structured outputs: `regex`, `json_schema` and `ebnf` constraints through xgrammar.
 
-A request's grammar is compiled once per distinct (kind, text) by the scheduler's
-`GrammarBackend` (a cache) and followed by a `GrammarMatcher` whose state is exactly the
-request's committed output. Every step the matcher fills the request's row of a token bitmask
-(one bit per vocabulary entry, 32 to an int32); the worker applies it to the logits after the
-penalties and before temperature and the filters, so the sampled token always continues the
-grammar. Stop tokens are allowed only where the grammar may end; the grammar ending finishes
-the request.
-
-Under speculation the worker masks each draft tree node by node: `GrammarFollower` keeps the
-worker's own matcher per request, advanced along the committed output the scheduler sends with
-every step, and `Grammar.tree_bitmask` walks a tree from that state (xgrammar's traversal). Where
-the grammar leaves exactly one way on (a schema's keys and punctuation, a regex's literals),
-`Grammar.forced_tokens` proposes that text as a draft chain.
-
-`grammar_error` checks a grammar's text without a tokenizer (milliseconds), so that the HTTP
-layer refuses a bad one with xgrammar's reason before anything is queued.
-"""
+A grammar is compiled once per distinct text (`GrammarBackend`); a request's `Grammar` matcher
+is exactly its committed output and fills its row of the token bitmask each step; under
+speculation `GrammarFollower` keeps the worker's own matchers to mask draft trees node by node.
+More in docs/internals.md ("Structured outputs")."""
 
 from __future__ import annotations
 
@@ -236,8 +223,8 @@ def apply_bitmask(
 ) -> torch.Tensor:
     """Set the logits each row's bitmask forbids to -inf, in place; returns `logits`. With
     spectral's CPU kernels, one pass in C++ over the mask words (words of all ones skipped,
-    words of zeros filled at once: ~0.01 ms per JSON-like 49,152-token row); elsewhere (CUDA,
-    --disable-cpu-kernels) the rows that forbid anything, through torch."""
+    words of zeros filled at once); elsewhere (CUDA, --disable-cpu-kernels) the rows that
+    forbid anything, through torch."""
     if (
         kernels is not None
         and logits.device.type == "cpu"

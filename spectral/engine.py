@@ -13,17 +13,15 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from spectral import faults
 from spectral.args import ServerArgs
 from spectral.constrained import GrammarFollower
+from spectral.core.req import Req
 from spectral.logprobs import logprob_meta
-from spectral.models.config import ModelConfig, stop_token_ids
-from spectral.models.resolve import model_files_dir
+from spectral.models.resolved import resolve_model
 from spectral.sampling_params import InvalidRequestError, SamplingParams
-from spectral.scheduler.req import Req
-from spectral.scheduler.scheduler import Scheduler
+from spectral.scheduler.scheduler import build_scheduler
 from spectral.worker.factory import create_worker
 
 logger = logging.getLogger(__name__)
@@ -42,37 +40,20 @@ class Engine:
         args = self.args
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)
-        self.model_dir = model_files_dir(args.model_path, args.model_cache_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or self.model_dir)
-        config = ModelConfig.from_pretrained(self.model_dir)
-        self.context_len = config.context_length(args.context_length)
-        self.worker = create_worker(args, self.context_len)
-        self.model_config = self.worker.config
-        self.scheduler = Scheduler(
-            self.worker,
-            self.tokenizer,
-            num_kv_slots=self.worker.num_kv_slots,
-            max_running_requests=args.max_running_requests,
-            max_context_len=self.context_len,
-            max_prefill_tokens=args.max_prefill_tokens,
-            eos_token_ids=stop_token_ids(config, self.tokenizer),
-            vocab_size=config.vocab_size,
-            chunked_prefill_size=args.chunked_prefill_size,
-            schedule_policy=args.schedule_policy,
-            disable_radix_cache=args.disable_radix_cache,
-            spec=args.spec_settings(),
-        )
-        if getattr(self.worker, "grammars", None) is not None:
+        self.model, self.tokenizer = resolve_model(args)
+        self.worker = create_worker(args, self.model)
+        self.scheduler = build_scheduler(args, self.model, self.worker, self.tokenizer)
+        if self.worker.grammars is not None:
             # In one process the worker follows grammars with the scheduler's compiler (one
             # vocabulary table, each grammar compiled once).
-            self.worker.grammars = GrammarFollower(self.scheduler.grammar_backend)
+            self.worker.grammars = GrammarFollower(self.scheduler.grammars.backend)
         self._rid_counter = itertools.count()
         self._start_loop()
 
     # ---- driving the scheduler -----------------------------------------------------------------
     # Whoever waits for results drives: a caller of generate() runs scheduler steps itself while
-    # it holds the driver lock (kernels run fastest on the thread that made their OpenMP team:
-    # the same steps on a fresh thread ran ~1.6x slower here). Other callers' requests advance
+    # it holds the driver lock (kernels run fastest on the thread that made their OpenMP team;
+    # docs/internals.md). Other callers' requests advance
     # in the same steps. async_generate starts a background driver thread.
 
     def _start_loop(self) -> None:
@@ -169,7 +150,7 @@ class Engine:
             raise RuntimeError("the engine is shut down")
         for req in reqs:
             self.scheduler.validate(req)
-            self.scheduler.attach_grammar(req)
+            self.scheduler.grammars.attach(req)
         for req in reqs:
             self._listeners[req.rid] = listener
             self._inbox.put(("add", req))
@@ -333,7 +314,7 @@ class Engine:
             "cached_tokens": req.cached_tokens,
             "finish_reason": req.finished_reason.to_dict() if req.finished_reason else None,
             "e2e_latency": (req.finished_at or time.perf_counter()) - req.created_at,
-            **req.spec_meta(),
+            **req.spec.meta(),
         }
         if req.return_logprob:
             meta |= logprob_meta(
@@ -346,7 +327,7 @@ class Engine:
     def get_server_info(self) -> dict[str, Any]:
         return {
             "model_path": self.args.model_path,
-            "context_length": self.context_len,
+            "context_length": self.model.context_len,
             **self.scheduler.info(),
         }
 

@@ -1,10 +1,5 @@
 """When a stage fails on one request: what its client is told, and fault injection for tests
-(the stages fail on purpose for chosen requests).
-
-`--fault-injection` names stages (comma-separated: detokenizer, scheduler, worker); each of
-the server's processes enables them at start, and a stage named there raises `InjectedFault`
-while it handles a request whose id starts with `fault-<stage>`. Off (always, outside tests),
-`inject` is a lookup in an empty set.
+(`--fault-injection`: the stages named fail on purpose for chosen requests).
 """
 
 from __future__ import annotations
@@ -42,6 +37,8 @@ class WorkerLostError(RuntimeError):
 
 
 def inject(stage: str, rid: str) -> None:
+    """Raise InjectedFault where `stage` is enabled and the request id starts with
+    `fault-<stage>`; off (always, outside tests) a lookup in an empty set."""
     if stage in _enabled and rid.startswith(f"fault-{stage}"):
         raise InjectedFault(f"fault injected in the {stage} for request {rid}")
 

@@ -1,11 +1,4 @@
-"""SGLang's logprob entries of `meta_info`, built in one place for the server and the Engine.
-
-With `return_logprob`, `input_token_logprobs` (the prompt from `logprob_start_len` on; the first
-has no logprob) and `output_token_logprobs` are always there, empty or not; each entry is
-`(logprob, token id, token text)`, the text filled only with `return_text_in_logprobs`. With
-`top_logprobs_num`, `output_top_logprobs` holds the best tokens of every output position.
-`normalized_prompt_logprob` is the mean of the prompt logprobs given (None without one).
-"""
+"""SGLang's logprob entries of `meta_info`, built in one place for the server and the Engine."""
 
 from __future__ import annotations
 
@@ -21,6 +14,11 @@ def logprob_meta(
     output_top: Sequence[Sequence[tuple[float, int]] | None] | None,
     token_text: Callable[[int], str] | None = None,
 ) -> dict[str, Any]:
+    """`input_token_logprobs` (the first has no logprob) and `output_token_logprobs`, always
+    there, empty or not, as (logprob, token id, token text) with the text only where
+    `token_text` is given; `output_top_logprobs` with `output_top`; and
+    `normalized_prompt_logprob`, the mean of the prompt logprobs given (None without one)."""
+
     def entry(lp: float | None, tok: int) -> Entry:
         return (lp, tok, token_text(tok) if token_text else None)
 

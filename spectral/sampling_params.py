@@ -1,10 +1,8 @@
 """Per-request sampling parameters, with SGLang's names, validated once on arrival.
 
-`SamplingParams` is what the runtime carries (a plain dataclass; its defaults are the only
-statement of them). `SamplingParamsModel` is the one statement of what each parameter may be
-(types, ranges, list lengths): the HTTP layer publishes it in the OpenAPI document, and
-`SamplingParams.from_dict` and `SamplingParams.validate` check against it, so the offline engine
-and the server refuse the same things with the same words.
+`SamplingParams` is what the runtime carries (its defaults are the only statement of them);
+`SamplingParamsModel` is the one statement of what each may be, published in the OpenAPI
+document and checked by `from_dict` and `validate`: the engine and the server refuse alike.
 """
 
 from __future__ import annotations

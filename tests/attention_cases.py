@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spectral.forward import ForwardBatch, ForwardMode
+from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.speculative.tree import DraftTrees, select_eagle_trees

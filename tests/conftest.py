@@ -105,14 +105,13 @@ def make_scheduler(model_dir: str, num_kv_slots: int = 4096, **options):
     from transformers import AutoTokenizer
 
     from spectral.models.config import ModelConfig
+    from spectral.scheduler.config import SchedulerConfig
     from spectral.scheduler.scheduler import Scheduler
 
     config = ModelConfig.from_pretrained(model_dir)
     max_running = options.pop("max_running_requests", 64)
     worker = make_worker(model_dir, num_kv_slots, config.max_context_len, max_running=max_running)
-    return Scheduler(
-        worker,
-        AutoTokenizer.from_pretrained(model_dir),
+    limits = SchedulerConfig(
         num_kv_slots=num_kv_slots,
         max_running_requests=max_running,
         max_context_len=config.max_context_len,
@@ -121,6 +120,7 @@ def make_scheduler(model_dir: str, num_kv_slots: int = 4096, **options):
         vocab_size=config.vocab_size,
         **options,
     )
+    return Scheduler(worker, AutoTokenizer.from_pretrained(model_dir), limits, spec=None)
 
 
 def scheduler_leaks(s) -> list[str]:

@@ -78,7 +78,7 @@ def test_gguf_greedy_equals_transformers_loading_the_same_file(gguf_dir, cache_d
             model_cache_dir=cache_dir,
         )
         try:
-            assert engine.model_config.architecture == EXPECTED_CLASS[arch]
+            assert engine.model.architecture == EXPECTED_CLASS[arch]
             packed = {
                 m.packed.gguf_type
                 for m in engine.worker.model.modules()
@@ -130,7 +130,7 @@ def test_hf_directory_greedy_equals_transformers(tmp_path, default_model_dir, mo
     expected = transformers_greedy(model_dir)
     engine = Engine(model_path=model_dir, dtype="float32", max_total_tokens=1024)
     try:
-        assert engine.model_config.architecture == EXPECTED_HF_CLASS[model_type]
+        assert engine.model.architecture == EXPECTED_HF_CLASS[model_type]
         outs = engine.generate(PROMPTS, GREEDY)
         assert [o["output_ids"] for o in outs] == expected
     finally:

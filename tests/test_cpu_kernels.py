@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spectral.attention.torch_backend import TorchAttentionBackend
-from spectral.forward import ForwardBatch, ForwardMode
+from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.kernels.cpu_kernels import cpu_signature, load_cpu_kernels
 from spectral.layers.norm import RMSNorm
 from spectral.layers.rotary import apply_rotary

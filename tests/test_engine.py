@@ -181,8 +181,10 @@ def test_bad_input_gets_a_clear_error_and_the_engine_keeps_working(engine_fp32, 
 
 
 def test_prompt_longer_than_the_context_is_refused(engine_fp32):
-    ids = [100] * engine_fp32.context_len
-    with pytest.raises(InvalidRequestError, match=f"context length is {engine_fp32.context_len}"):
+    ids = [100] * engine_fp32.model.context_len
+    with pytest.raises(
+        InvalidRequestError, match=f"context length is {engine_fp32.model.context_len}"
+    ):
         engine_fp32.generate(input_ids=ids)
     assert_no_leaks(engine_fp32)
 

@@ -13,7 +13,7 @@ import torch
 
 from spectral.attention.flashinfer_backend import FlashInferPlan, plan_arrays
 from spectral.attention.torch_backend import TorchAttentionBackend
-from spectral.forward import ForwardMode
+from spectral.core.forward import ForwardMode
 from tests.attention_cases import CASES, SHAPES, AttentionCase, random_case
 
 MORE_CASES = CASES + [

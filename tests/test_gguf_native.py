@@ -54,7 +54,8 @@ def from_gguf(dtype: torch.dtype, native_kernels) -> tuple[torch.nn.Module, int]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_weight_expands_to_transformers_dequantized_weights(default_model_dir, dtype):
     """The oracle: transformers' own GGUF conversion (gguf's dequantization), in `dtype`."""
-    reference, config = load_model(default_model_dir, dtype)
+    config = ModelConfig.from_pretrained(default_model_dir)
+    reference = load_model(default_model_dir, config, dtype)
     model, served = from_gguf(dtype, kernels)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert served == len(linears) + 1  # and the LM head
@@ -95,7 +96,9 @@ def test_embedding_rows_dequantize_bit_equal_to_gguf(kind):
 
 def test_a_gguf_dequantized_at_load_equals_transformers_conversion(default_model_dir):
     """--quantization none reads the GGUF too, dequantizing every weight as transformers does."""
-    reference, _ = load_model(default_model_dir, torch.float32)
+    reference = load_model(
+        default_model_dir, ModelConfig.from_pretrained(default_model_dir), torch.float32
+    )
     model, served = from_gguf(torch.float32, None)
     assert served == 0
     got = dict(model.named_parameters())

@@ -12,10 +12,10 @@ import torch
 import zmq
 
 import spectral.server.messages  # noqa: F401  (registers the message types)
-from spectral.forward import ForwardMode
+from spectral.core.forward import ForwardMode
+from spectral.core.worker_io import RequestSampling, WorkerBatch, WorkerResult
 from spectral.sampling_params import SamplingParams
 from spectral.server.ipc import MessageError, decode, encode, message, recv_message, send_message
-from spectral.worker.io import RequestSampling, WorkerBatch, WorkerResult
 
 
 @message

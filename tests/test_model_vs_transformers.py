@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from spectral.forward import ForwardMode
-from spectral.worker.io import WorkerBatch
+from spectral.core.forward import ForwardMode
+from spectral.core.worker_io import WorkerBatch
 from spectral.worker.model_worker import ModelWorker
 from tests.conftest import make_worker
 

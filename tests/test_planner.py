@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from spectral.forward import ForwardMode
+from spectral.core.forward import ForwardMode
 from spectral.speculative.cost_model import CostModel, interpolate
 from spectral.speculative.planner import (
     HEAD,

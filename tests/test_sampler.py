@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from spectral.core.worker_io import RequestSampling
 from spectral.sampling_params import SamplingParams
-from spectral.worker.io import RequestSampling
 from spectral.worker.sampler import apply_penalties, filtered_probs, sample
 
 # Chi-square critical values at p = 0.001 for df 1..8.

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from spectral.core.req import Req
 from spectral.sampling_params import SamplingParams
 from spectral.scheduler.prefill import order_waiting
-from spectral.scheduler.req import Req
 from tests.conftest import make_scheduler, scheduler_leaks
 
 

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from spectral.args import ServerArgs
+from spectral.core.req import Req
 from spectral.models.config import ModelConfig
+from spectral.models.resolved import resolve_model
 from spectral.sampling_params import SamplingParams
-from spectral.scheduler.req import Req
+from spectral.scheduler.config import SchedulerConfig
 from spectral.scheduler.scheduler import Scheduler
 from spectral.speculative.eagle_head import DraftHead, DraftHeadConfig
 from spectral.speculative.tree import select_eagle_trees
@@ -101,20 +102,17 @@ def make_spec_scheduler(
             **{k: v for k, v in options.items() if k.startswith("speculative")},
         },
     )
-    config = ModelConfig.from_pretrained(model_dir)
-    worker = create_worker(args, config.max_context_len)
-    return Scheduler(
-        worker,
-        AutoTokenizer.from_pretrained(model_dir),
+    model, tokenizer = resolve_model(args)
+    limits = SchedulerConfig(
         num_kv_slots=num_kv_slots,
         max_running_requests=args.max_running_requests,
-        max_context_len=config.max_context_len,
+        max_context_len=model.context_len,
         max_prefill_tokens=8192,
         eos_token_ids=(2,),
-        vocab_size=config.vocab_size,
+        vocab_size=model.vocab_size,
         chunked_prefill_size=options.get("chunked_prefill_size"),
-        spec=args.spec_settings(),
     )
+    return Scheduler(create_worker(args, model), tokenizer, limits, args.spec_settings())
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -190,7 +188,7 @@ def test_eagle3_greedy_output_equals_plain_decoding(
     reqs = run(s, prompts(20)[:count], at_once=at_once, temperature=0.0)
     assert [r.output_ids for r in reqs] == plain_outputs[:count]
     assert s.stats.spec_verify_ct > 0
-    assert all(r.spec_verify_ct > 0 for r in reqs)
+    assert all(r.spec.verify_ct > 0 for r in reqs)
 
 
 def test_eagle_head_greedy_output_equals_plain_decoding(
@@ -311,7 +309,7 @@ def test_ngram_accepts_a_continuation_seen_before_and_matches_plain(
     again = run(s, batch, at_once=8, temperature=0.0)
     assert [r.output_ids for r in first] == plain_outputs
     assert [r.output_ids for r in again] == plain_outputs
-    verify_rounds = sum(r.spec_verify_ct for r in again)
+    verify_rounds = sum(r.spec.verify_ct for r in again)
     assert sum(len(r.output_ids) for r in again) / verify_rounds > 3.0
 
 
@@ -339,8 +337,11 @@ def test_planned_tree_sizes_follow_acceptance_and_output_stays_plain(
     )
     run(s, seen, at_once=6, temperature=0.0)
     planned: list[list[int]] = []
-    record = s.planner.record_plan
-    s.planner.record_plan = lambda plan, nodes: (planned.append(list(nodes)), record(plan, nodes))
+    record = s.spec_round.planner.record_plan
+    s.spec_round.planner.record_plan = lambda plan, nodes: (
+        planned.append(list(nodes)),
+        record(plan, nodes),
+    )
     again = run(s, seen + new, at_once=12, temperature=0.0)
     assert [r.output_ids for r in again] == expected
     assert any(len(set(nodes)) > 1 for nodes in planned)  # sizes differ within a round
@@ -399,8 +400,8 @@ def test_hybrid_ngram_mixes_ngram_and_head_trees_and_matches_plain(
     again = run(s, seen + new, at_once=12, temperature=0.0)
     assert [r.output_ids for r in again] == expected
     assert any(0 < drafted < size for drafted, size in head_rows)  # mixed rounds
-    tau_seen = sum(len(r.output_ids) for r in again[:6]) / sum(r.spec_verify_ct for r in again[:6])
-    tau_first = sum(len(r.output_ids) for r in first) / sum(r.spec_verify_ct for r in first)
+    tau_seen = sum(len(r.output_ids) for r in again[:6]) / sum(r.spec.verify_ct for r in again[:6])
+    tau_first = sum(len(r.output_ids) for r in first) / sum(r.spec.verify_ct for r in first)
     assert tau_seen > max(3.0, tau_first)
 
 
@@ -592,7 +593,7 @@ def test_queued_head_kv_writes_land_before_the_head_reads_and_the_newest_wins(
 ) -> None:
     """write_kv defers the head's KV: nothing is written until a read (or a full queue), then
     every queued slot holds what the head computes for it, a slot queued twice its newest."""
-    from spectral.forward import ForwardBatch, ForwardMode
+    from spectral.core.forward import ForwardBatch, ForwardMode
 
     s = make_spec_scheduler(
         peaky_model_dir, speculative_algorithm="EAGLE3", speculative_draft_model_path=eagle3_head

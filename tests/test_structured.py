@@ -113,7 +113,7 @@ def test_greedy_under_a_grammar_equals_transformers_under_xgrammar(
         input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 40, kind: text}
     )
     expected = oracle_greedy(
-        hf_model, tokenizer, ids, kind, text, 40, list(engine_fp32.scheduler.eos_token_ids)
+        hf_model, tokenizer, ids, kind, text, 40, list(engine_fp32.model.stop_token_ids)
     )
     assert out["output_ids"] == expected
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
@@ -270,8 +270,8 @@ def test_a_grammar_compiles_while_the_others_decode_and_a_failed_compile_is_refu
     import threading
 
     from spectral.constrained import GrammarBackend
+    from spectral.core.req import Req
     from spectral.sampling_params import SamplingParams
-    from spectral.scheduler.req import Req
     from tests.conftest import make_scheduler, scheduler_leaks
 
     release = threading.Event()
@@ -293,12 +293,14 @@ def test_a_grammar_compiles_while_the_others_decode_and_a_failed_compile_is_refu
         s.add_request(req)
     for _ in range(6):
         s.step()
-    assert held in s.compiling and len(free.output_ids) >= 4
-    assert s.take_rejected() == [("bad", "regex: xgrammar cannot compile it: no grammar for you")]
+    assert held in s.grammars.compiling and len(free.output_ids) >= 4
+    assert s.grammars.take_rejected() == [
+        ("bad", "regex: xgrammar cannot compile it: no grammar for you")
+    ]
     release.set()
     while s.has_work:
         s.step()
     assert held.finished_reason.type == "stop" and free.finished_reason is not None
-    assert s.grammar_backend().compile_later("regex", "(held|back)").done()
+    assert s.grammars.backend().compile_later("regex", "(held|back)").done()
     assert held.output_ids[-1] == 2 and len(held.output_ids) <= 4
     assert scheduler_leaks(s) == []

@@ -14,27 +14,20 @@ import torch.nn.functional as F
 
 from spectral.models.config import ModelConfig
 from spectral.speculative.eagle_head import load_draft_head
-from spectral.training.train import (
-    Teacher,
-    TeacherCache,
-    TrainConfig,
-    chain_accept_length,
-    collate,
-    draft_vocabulary,
-    evaluate,
-    export,
-    new_head,
-    remap_output_rows,
-    resolve_device,
-    train,
-    training_files,
-)
+from spectral.training.batching import collate
+from spectral.training.config import TrainConfig, resolve_device
+from spectral.training.draft_vocab import draft_vocabulary, remap_output_rows
+from spectral.training.evaluate import chain_accept_length, evaluate
+from spectral.training.head import export, new_head
+from spectral.training.teacher import Teacher, TeacherCache
+from spectral.training.train import train
 from spectral.training.train_data import (
     Sample,
     generate_answers,
     generate_second_turns,
     load_samples,
     sharegpt_first_turns,
+    training_files,
     without_prompts_of,
 )
 from spectral.training.ttt import ttt_loss

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spectral.forward import ForwardMode
-from spectral.worker.io import WorkerBatch
+from spectral.core.forward import ForwardMode
+from spectral.core.worker_io import WorkerBatch
 from spectral.worker.model_worker import ModelWorker
 from tests.conftest import make_worker
 

@@ -11,9 +11,11 @@ import time
 import pytest
 
 from spectral.args import ServerArgs
-from spectral.models.config import ModelConfig
+from spectral.core.model import ResolvedModel
+from spectral.core.req import Req
+from spectral.models.resolved import load_tokenizer, resolve_model
 from spectral.sampling_params import SamplingParams
-from spectral.scheduler.req import Req
+from spectral.scheduler.config import SchedulerConfig
 from spectral.scheduler.scheduler import Scheduler
 from spectral.server.worker_process import RemoteWorker, WorkerDiedError
 from tests.conftest import make_scheduler, scheduler_leaks
@@ -34,43 +36,38 @@ def remote_args(model_dir: str, **options) -> ServerArgs:
 
 @pytest.fixture()
 def remote(peaky_model_dir):
-    config = ModelConfig.from_pretrained(peaky_model_dir)
     args = remote_args(peaky_model_dir)
+    model, _ = resolve_model(args)
     with tempfile.TemporaryDirectory() as ipc_dir:
-        worker = RemoteWorker(args, ipc_dir).wait_ready()
-        assert worker.ready.max_context_len == config.max_context_len  # it read the config
-        yield worker, config
+        worker = RemoteWorker(args, model, ipc_dir).wait_ready()
+        yield worker, model
         worker.close()
 
 
-def remote_scheduler(worker: RemoteWorker, config: ModelConfig, spec=None) -> Scheduler:
-    from transformers import AutoTokenizer
-
-    return Scheduler(
-        worker,
-        AutoTokenizer.from_pretrained(config.hf_config._name_or_path),
+def remote_scheduler(worker: RemoteWorker, model: ResolvedModel, spec=None) -> Scheduler:
+    limits = SchedulerConfig(
         num_kv_slots=worker.num_kv_slots,
         max_running_requests=16,
-        max_context_len=config.max_context_len,
+        max_context_len=model.context_len,
         max_prefill_tokens=8192,
         eos_token_ids=(2,),
-        vocab_size=config.vocab_size,
-        spec=spec,
+        vocab_size=model.vocab_size,
     )
+    return Scheduler(worker, load_tokenizer(model.tokenizer_dir), limits, spec)
 
 
 def test_outputs_through_the_worker_process_equal_in_process(peaky_model_dir, remote):
-    worker, config = remote
+    worker, model = remote
     assert worker.num_kv_slots == 4096
     expected = run_all(make_scheduler(peaky_model_dir), fresh(mixed_prompts(12)))
-    scheduler = remote_scheduler(worker, config)
+    scheduler = remote_scheduler(worker, model)
     assert run_all(scheduler, fresh(mixed_prompts(12))) == expected
     assert scheduler_leaks(scheduler) == []
 
 
 def test_a_killed_worker_is_reported_within_seconds(remote):
-    worker, config = remote
-    scheduler = remote_scheduler(worker, config)
+    worker, model = remote
+    scheduler = remote_scheduler(worker, model)
     os.kill(worker.process.pid, signal.SIGKILL)
     scheduler.add_request(fresh([[5, 6, 7]])[0])
     start = time.monotonic()
@@ -106,23 +103,23 @@ def test_a_worker_process_hands_its_cost_model_and_draft_confidence_to_the_plann
     from tests.test_speculative import FLAT_COST, cost_model_file, make_random_head
 
     head = make_random_head(tmp_path / "head", peaky_model_dir, "eagle3")
-    config = ModelConfig.from_pretrained(peaky_model_dir)
     args = remote_args(
         peaky_model_dir,
         speculative_algorithm="EAGLE3",
         speculative_draft_model_path=head,
         speculative_cost_model=cost_model_file(FLAT_COST),
     )
+    model, _ = resolve_model(args)
     expected = run_all(make_scheduler(peaky_model_dir), fresh(mixed_prompts(6)))
     expected_grammar = run_all(make_scheduler(peaky_model_dir), grammar_reqs())
     with tempfile.TemporaryDirectory() as ipc_dir:
-        worker = RemoteWorker(args, ipc_dir).wait_ready()
+        worker = RemoteWorker(args, model, ipc_dir).wait_ready()
         try:
             assert worker.cost_model == CostModel.from_dict(FLAT_COST)
-            scheduler = remote_scheduler(worker, config, args.spec_settings())
+            scheduler = remote_scheduler(worker, model, args.spec_settings())
             reqs = fresh(mixed_prompts(6))
             assert run_all(scheduler, reqs) == expected
-            assert scheduler.planner is not None and scheduler.stats.spec_verify_ct > 0
+            assert scheduler.spec_round.planner is not None and scheduler.stats.spec_verify_ct > 0
             buckets = scheduler.info()["speculative"]["acceptance"]
             assert any(k.startswith("head:") and k != "head:?" for k in buckets), buckets
             # Grammars: the worker process follows each request's output with its own matcher

@@ -8,7 +8,7 @@ from types import ModuleType
 
 import torch
 
-from spectral.forward import ForwardBatch
+from spectral.core.forward import ForwardBatch
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 

@@ -1,12 +1,8 @@
 """`--attention-backend flashinfer`: FlashInfer's paged-KV wrappers on CUDA, page size 1.
 
-DECODE goes through the batch decode wrapper; every other mode through the batch prefill
-wrapper, causal for EXTEND and DRAFT_EXTEND, under a custom mask for TARGET_VERIFY and
-DRAFT_DECODE. What the wrappers are planned with is built by `plan_arrays`, a plain function of
-the batch and the req-to-token table that runs (and is tested) on any device.
-
-FlashInfer's kernels take float16 and bfloat16 (not float32): `create_attention_backend`
-chooses Triton for a float32 pool.
+DECODE through the batch decode wrapper, every other mode through the batch prefill wrapper
+(causal, or under the tree mask). `plan_arrays` builds what they are planned with, on any
+device. The kernels take float16 and bfloat16 only: `auto` picks Triton for a float32 pool.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from spectral.attention.base import AttentionBackend, request_mask, request_slots
-from spectral.forward import ForwardBatch
+from spectral.core.forward import ForwardBatch
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 
@@ -27,14 +23,11 @@ DTYPES = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class FlashInferPlan:
-    """FlashInfer's CSR description of one batch with pages of one token.
-
-    Request i's new tokens are query rows `qo_indptr[i]:qo_indptr[i+1]`; its keys are the pages
-    (= KV slots) `kv_indices[kv_indptr[i]:kv_indptr[i+1]]`, prefix first, then its new tokens;
-    every last page holds one token. `custom_mask`, in the custom-mask modes, is the
-    concatenation over requests of the flattened bool matrix [new tokens, keys] (row-major,
-    True = attend; FlashInfer's mask layout), request i's starting at bit `mask_indptr[i]`.
-    Without it the new tokens are causal among themselves and see the whole prefix."""
+    """FlashInfer's CSR description of one batch with pages of one token: request i's new
+    tokens are query rows `qo_indptr[i]:qo_indptr[i+1]`, its keys the pages (= KV slots)
+    `kv_indices[kv_indptr[i]:kv_indptr[i+1]]`, prefix first. `custom_mask` (custom-mask modes)
+    concatenates each request's flattened bool [new tokens, keys] (True = attend) from bit
+    `mask_indptr[i]`; without it new tokens are causal among themselves over the prefix."""
 
     qo_indptr: torch.Tensor  # [B + 1] int32
     kv_indptr: torch.Tensor  # [B + 1] int32
@@ -84,7 +77,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         device = kv_pool.k[0].device
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # FA2 kernels: they take custom masks, and the decode wrapper's tensor-core path builds
-        # the same JIT module (one per dtype and head dim, ~30 s of nvcc on 16 cores).
+        # the same JIT module (one per dtype and head dim, compiled once).
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend="fa2"
         )

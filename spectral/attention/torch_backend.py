@@ -1,10 +1,7 @@
-"""Attention in plain PyTorch: per request, gather its K/V by slot index and run SDPA under an
-explicit mask.
-
-This backend runs on any device and is the oracle the other backends are tested against.
-Requests are attended one at a time, so no work is spent on padding. With spectral's CPU
-kernels, decode batches and draft-tree verification go through the fused decode-attention
-kernel instead (a tree token is a query row over its prefix and its ancestors).
+"""Attention in plain PyTorch, on any device: per request (no work spent on padding), gather
+its K/V by slot and run SDPA under an explicit mask. The oracle the other backends are tested
+against. With spectral's CPU kernels, decode batches and tree verification go through the
+fused decode-attention kernel instead (a tree token: a query row over prefix and ancestors).
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from spectral.attention.base import (
     request_mask,
     request_slots,
 )
-from spectral.forward import ForwardBatch
+from spectral.core.forward import ForwardBatch
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from spectral.attention.base import AttentionBackend, request_slots
-from spectral.forward import ForwardBatch
+from spectral.core.forward import ForwardBatch
 from spectral.kernels.triton.attention import row_attention
 from spectral.kernels.triton.extend import extend_attention
 

@@ -1,16 +1,9 @@
 """How roles are rendered into the prompt text.
 
-The server does not publish its tokenizer's chat template, so the runtime backend renders
-ChatML, the template of the default model (SmolLM2-135M-Instruct):
-
-    <|im_start|>user\\nHello<|im_end|>\\n
-
-Pass another `ChatTemplate` to the backend for a model with a different template.
-
-One difference from SmolLM2's own template: that one adds a system message ("You are a helpful
-AI assistant named SmolLM, ...") when a conversation has none, and so does the server's
-`/v1/chat/completions`; `CHATML` adds nothing. A program that starts with `system(...)`
-renders the same prompt both ways.
+The server does not publish its chat template, so the backends render ChatML (the default
+model's) unless given another `ChatTemplate`. Unlike the default model's own template and the
+server's chat API, `CHATML` adds no system message to a conversation without one: a program
+that starts with `system(...)` renders the same prompt both ways.
 """
 
 from __future__ import annotations

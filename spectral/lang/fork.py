@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Generic, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from spectral.lang.state import ProgramState
+S = TypeVar("S", bound="ForkableState")
 
 
-class ProgramStateGroup:
+class ForkableState(Protocol):
+    """What a fork reads and writes of a program state. `ProgramState` provides it; naming it
+    here keeps the dependency one way (state imports fork, not the reverse)."""
+
+    _text: str
+    _variables: dict[str, Any]
+    _meta_info: dict[str, dict[str, Any]]
+    _assigned: list[str]  # variable names set by this state, in order
+
+    def sync(self) -> None: ...
+
+    def _set_var(self, name: str | None, value: Any, meta: dict[str, Any]) -> None: ...
+
+    def __iadd__(self: S, other: str) -> S: ...
+
+
+class ProgramStateGroup(Generic[S]):
     """The branches of `s.fork(n)`: index them (`forks[i] += ...`), iterate them, `join()`."""
 
-    def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
+    def __init__(self, states: list[S], parent: S) -> None:
         self.states = states
         self.parent = parent
         self._fork_text_len = len(parent._text)
@@ -20,13 +35,13 @@ class ProgramStateGroup:
     def __len__(self) -> int:
         return len(self.states)
 
-    def __iter__(self) -> Iterator[ProgramState]:
+    def __iter__(self) -> Iterator[S]:
         return iter(self.states)
 
-    def __getitem__(self, index: int) -> ProgramState:
+    def __getitem__(self, index: int) -> S:
         return self.states[index]
 
-    def __setitem__(self, index: int, value: ProgramState) -> None:
+    def __setitem__(self, index: int, value: S) -> None:
         # `forks[i] += x` ends with `forks[i] = forks[i]`; nothing else may be assigned.
         if value is not self.states[index]:
             raise TypeError("the branches of a fork cannot be replaced; use forks[i] += ...")
@@ -35,7 +50,8 @@ class ProgramStateGroup:
         """Wait for every branch, then merge into the parent state.
 
         "gather_variable" (the default): each variable set in any branch becomes a list on
-        the parent, one value per branch (None where a branch did not set it).
+        the parent, one value per branch (where a branch did not set it: its value at the fork,
+        or None).
         "concate_and_append": the text each branch added is appended to the parent, in
         branch order."""
         for state in self.states:

@@ -1,13 +1,10 @@
 """ProgramState: the `s` of a program.
 
-`s += expr` only queues `expr`; a worker thread owned by the state runs the queue in order,
-so the branches of a fork generate concurrently (and batch together on the server). Reading
-the state (`s["name"]`, `s.text()`, `s.fork`, ...) waits for the queue to drain and re-raises
-the first error the worker hit; after an error the rest of the queue is dropped.
-
-A state run with `stream=True` is filled by the program in a background thread. Read from
-any other thread, it waits for the whole program before answering, except `text_iter`, which
-hands out text as it is generated.
+`s += expr` only queues `expr`; the state's worker thread runs the queue in order, so fork
+branches generate concurrently. Reads (`s["name"]`, `s.text()`, `s.fork`, ...) wait for the
+queue and re-raise the worker's first error (the rest of the queue is then dropped). A
+`stream=True` program fills its state in a background thread; other threads' reads wait for
+the whole program, except `text_iter`.
 """
 
 from __future__ import annotations
@@ -153,7 +150,7 @@ class ProgramState:
 
     # ---- forks -----------------------------------------------------------------------------
 
-    def fork(self, size: int = 1) -> ProgramStateGroup:
+    def fork(self, size: int = 1) -> ProgramStateGroup[ProgramState]:
         """`size` copies of this state (text, messages, variables) that run independently.
         The shared text is sent to the backend first (`cache_prefix`), so that the branches
         reuse its KV cache."""

@@ -82,11 +82,3 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             hf_config=hf,
         )
-
-
-def stop_token_ids(config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
-    """The tokens that end generation: the model's EOS ids and the tokenizer's."""
-    ids = set(config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))

@@ -1,10 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over the paged KV cache.
 
-Projections are fused at load time (q|k|v into `qkv_proj`, gate|up into `gate_up_proj`) so a
-layer costs four matmuls. Normalisation runs in float32 and rotary embeddings in the model
-dtype, in the same order of operations as transformers, so float32 outputs match it closely.
-Where the worker provides spectral's CPU kernels, norms and rotary run fused and matmuls over
-weights packed at load; the PyTorch code below is their reference and the path everywhere else.
+Projections are fused at load time (q|k|v into `qkv_proj`, gate|up into `gate_up_proj`).
+Normalisation runs in float32 and rotary in the model dtype, in transformers' order of
+operations, so float32 outputs match it. Where the worker provides spectral's CPU kernels, the
+layers run through them; the PyTorch code is their reference and the path everywhere else.
 """
 
 from __future__ import annotations
@@ -17,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from spectral.attention.base import AttentionBackend, DecodeKernelInputs
-from spectral.forward import ForwardBatch
-from spectral.layers.linear import Linear, PackedWeight, linear, pack_weight
+from spectral.core.forward import ForwardBatch
+from spectral.layers.linear import Linear, PackedWeight
+from spectral.layers.logits import LogitsHead
 from spectral.layers.norm import RMSNorm
 from spectral.layers.rotary import RotaryEmbedding
 from spectral.layers.routing import route_to_cpu_kernels
@@ -145,20 +145,32 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.kernels: ModuleType | None = None
-        self.lm_head_packed: PackedWeight | None = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, config.max_context_len)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_head = LogitsHead(self._lm_head_weight)
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.weight
+        return self.lm_head.weight
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """The dense LM head (empty where only GGUF blocks of it are kept)."""
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.weight
-        return self.lm_head.weight
+        return self.logits_head.weight
+
+    @property
+    def lm_head_packed(self) -> PackedWeight | None:
+        """The LM head as the CPU kernels stream it (GGUF blocks are attached here at load)."""
+        return self.logits_head.packed
+
+    @lm_head_packed.setter
+    def lm_head_packed(self, packed: PackedWeight | None) -> None:
+        self.logits_head.packed = packed
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of `input_ids` (from GGUF blocks where the model keeps those)."""
@@ -170,14 +182,9 @@ class LlamaForCausalLM(nn.Module):
         route_to_cpu_kernels(self, kernels)
         for layer in self.layers:
             layer.fuse(kernels)
-        # Tied to the embedding, the LM head needs a packed copy of its own (lookups read rows);
-        # GGUF blocks attached before stay.
-        if kernels is None or self.lm_head_packed is None:
-            self.lm_head_packed = (
-                pack_weight(self.lm_head_weight, kernels)
-                if self.config.tie_word_embeddings
-                else self.lm_head.packed
-            )
+        # Tied to the embedding, the LM head packs a copy of its own (lookups read rows).
+        tied = self.config.tie_word_embeddings
+        self.logits_head.set_kernels(kernels, None if tied else self.lm_head.packed)
 
     def forward(
         self, batch: ForwardBatch, backend: AttentionBackend
@@ -206,4 +213,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [R, vocab] for the given rows of final hidden states."""
-        return linear(hidden, self.lm_head_weight, None, self.kernels, self.lm_head_packed).float()
+        return self.logits_head(hidden)

@@ -69,10 +69,10 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu") ->
 
 
 def load_model(
-    model_dir: str, dtype: torch.dtype, device: str = "cpu"
-) -> tuple[nn.Module, ModelConfig]:
-    """The model of a HF directory (config.json and safetensors), in `dtype` on `device`."""
-    config = ModelConfig.from_pretrained(model_dir)
+    model_dir: str, config: ModelConfig, dtype: torch.dtype, device: str = "cpu"
+) -> nn.Module:
+    """The model of a HF directory's safetensors (`config` read from it), in `dtype` on
+    `device`."""
     model = build_model(config, dtype, device)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
@@ -104,16 +104,15 @@ def load_model(
         raise ValueError(f"{model_dir}: weights missing for {', '.join(missing[:5])}")
     model.requires_grad_(False)
     model.eval()
-    return model, config
+    return model
 
 
 def dummy_model(
-    model_dir: str, dtype: torch.dtype, device: str = "cpu", seed: int = 0
-) -> tuple[nn.Module, ModelConfig]:
-    """The model of `model_dir`'s config with random weights made on `device` (--load-format
-    dummy): matrices and biases normal with std 0.02, norms ones, as transformers initialises
-    a Llama."""
-    config = ModelConfig.from_pretrained(model_dir)
+    config: ModelConfig, dtype: torch.dtype, device: str = "cpu", seed: int = 0
+) -> nn.Module:
+    """The model of `config` with random weights made on `device` (--load-format dummy):
+    matrices and biases normal with std 0.02, norms ones, as transformers initialises a
+    Llama."""
     model = build_model(config, dtype, device)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
@@ -123,4 +122,4 @@ def dummy_model(
             param.data.normal_(0.0, 0.02, generator=generator)
     model.requires_grad_(False)
     model.eval()
-    return model, config
+    return model

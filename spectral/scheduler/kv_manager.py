@@ -7,9 +7,9 @@ the allocator, in the tree (evictable or protected), or owned by one request
 
 from __future__ import annotations
 
+from spectral.core.req import Req
 from spectral.mem.allocator import OutOfSlotsError, TokenSlotAllocator
 from spectral.mem.radix_cache import RadixCache, TreeNode
-from spectral.scheduler.req import Req
 
 
 class KVManager:

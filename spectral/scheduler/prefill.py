@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable
 
+from spectral.core.req import Req
 from spectral.mem.radix_cache import common_prefix_len
 from spectral.scheduler.kv_manager import KVManager
-from spectral.scheduler.req import Req
 
 # Future output counted per request is capped, as in SGLang.
 CLIP_MAX_NEW_TOKENS = 4096
@@ -119,3 +119,18 @@ def order_waiting(waiting: deque[Req], policy: str, kv: KVManager, running: list
         turn[id(req)] = share[req.group_key]
         share[req.group_key] += 1
     return sorted(ordered, key=lambda r: turn[id(r)])
+
+
+def fan_out_victim(running: list[Req], req: Req) -> Req | None:
+    """Every row is taken and `req`'s group has none: the newest request of the group holding
+    the most rows, if it holds at least two, to retract so that no client's fan-out keeps
+    another client waiting for a whole generation. None: nothing to retract."""
+    groups: dict[str, list[Req]] = {}
+    for other in running:
+        groups.setdefault(other.group_key, []).append(other)
+    if req.group_key in groups:
+        return None
+    largest = max(groups.values(), key=len, default=[])
+    if len(largest) < 2:
+        return None
+    return min(largest, key=lambda r: (len(r.output_ids), -r.created_at))

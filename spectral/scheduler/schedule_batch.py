@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from spectral.constrained import allocate_bitmask
-from spectral.forward import ForwardMode
-from spectral.scheduler.req import Req
-from spectral.worker.io import RequestSampling, WorkerBatch
+from spectral.core.forward import ForwardMode
+from spectral.core.req import Req
+from spectral.core.worker_io import RequestSampling, WorkerBatch
 
 
 @dataclass
@@ -102,7 +102,7 @@ class ScheduleBatch:
 
     def _verify_batch(self, banned_for: dict[str, list[int]]) -> WorkerBatch:
         """One speculative round: each request's root (its last token) at position seq_len
-        and one slot per tree node in `req.spec_slots`; n-gram trees travel along (None for a
+        and one slot per tree node in `req.spec.slots`; n-gram trees travel along (None for a
         request whose tree the worker's draft head expands)."""
         table_writes = []
         for req in self.reqs:
@@ -110,19 +110,19 @@ class ScheduleBatch:
             if stale is not None and stale < req.seq_len:
                 table_writes.append((req.req_pool_idx, stale, req.kv_slots[stale:]))
             req.table_stale_from = None
-        given = any(req.draft_tokens is not None for req in self.reqs)
+        given = any(req.spec.draft_tokens is not None for req in self.reqs)
         return WorkerBatch(
             mode=self.mode,
             input_ids=[req.output_ids[-1] for req in self.reqs],
             positions=[req.seq_len for req in self.reqs],
-            out_cache_loc=[s for req in self.reqs for s in req.spec_slots],
+            out_cache_loc=[s for req in self.reqs for s in req.spec.slots],
             req_pool_indices=[req.req_pool_idx for req in self.reqs],
             prefix_lens=[req.seq_len for req in self.reqs],
-            extend_lens=[len(req.spec_slots) for req in self.reqs],
+            extend_lens=[len(req.spec.slots) for req in self.reqs],
             sampling=[self._sampling(req, banned_for) for req in self.reqs],
             table_writes=table_writes,
-            draft_tokens=[req.draft_tokens for req in self.reqs] if given else None,
-            draft_parents=[req.draft_parents for req in self.reqs] if given else None,
+            draft_tokens=[req.spec.draft_tokens for req in self.reqs] if given else None,
+            draft_parents=[req.spec.draft_parents for req in self.reqs] if given else None,
         )
 
     @staticmethod

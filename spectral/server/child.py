@@ -17,9 +17,13 @@ from typing import Any
 
 from spectral import faults
 from spectral.args import ServerArgs
+from spectral.core.model import ResolvedModel
 
 
-def spawn_child(module: str, args: ServerArgs, ipc_dir: str, *extra: str) -> subprocess.Popen:
+def spawn_child(
+    module: str, args: ServerArgs, model: ResolvedModel, ipc_dir: str
+) -> subprocess.Popen:
+    """Start `python -m module` with the server args and the resolved model as JSON."""
     return subprocess.Popen(
         [
             sys.executable,
@@ -29,24 +33,24 @@ def spawn_child(module: str, args: ServerArgs, ipc_dir: str, *extra: str) -> sub
             ipc_dir,
             "--args-json",
             json.dumps(dataclasses.asdict(args)),
-            *extra,
+            "--model-json",
+            model.to_json(),
         ]
     )
 
 
-def parse_child_args(role: str, *extra_int_flags: str) -> tuple[ServerArgs, argparse.Namespace]:
+def parse_child_args(role: str) -> tuple[ServerArgs, ResolvedModel, argparse.Namespace]:
     """Parse a child's command line, set up its logging, and tie its life to its parent's."""
     ap = argparse.ArgumentParser(description=f"spectral {role} process (started by spectral)")
     ap.add_argument("--ipc-dir", required=True)
     ap.add_argument("--args-json", required=True)
-    for flag in extra_int_flags:
-        ap.add_argument(flag, type=int, required=True)
+    ap.add_argument("--model-json", required=True)
     ns = ap.parse_args()
     args = ServerArgs(**json.loads(ns.args_json))
     faults.enable(args.fault_injection)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role}: %(message)s")
     die_with_parent()
-    return args, ns
+    return args, ResolvedModel.from_json(ns.model_json), ns
 
 
 def wait_for_work(sock: Any, parent: int) -> bool:

@@ -1,12 +1,6 @@
-"""`spectral serve --dp-size N`: N spectral servers behind sglang-router.
-
-Each server is a whole spectral server (its own tokenizer, scheduler, worker and detokenizer
-processes) on loopback, on the ports after `--port`; sglang-router (SGLang's load balancer, the
-optional extra `spectral[router]`) listens on `--host:--port` and spreads requests over them
-with its cache-aware policy (requests that share a prefix go where that prefix is cached).
-Servers elsewhere join with `--worker-urls`. A server that dies is reported here and the router
-stops sending it requests (its health checks and circuit breaker); SIGTERM stops everything.
-"""
+"""`spectral serve --dp-size N`: N spectral servers on loopback behind sglang-router (its
+cache-aware policy sends requests that share a prefix where it is cached); servers elsewhere
+join with `--worker-urls`. Details in docs/internals.md."""
 
 from __future__ import annotations
 

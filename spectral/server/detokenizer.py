@@ -1,12 +1,8 @@
 """Incremental detokenization: text deltas that never split a UTF-8 character, and stop
 strings found even when they span several tokens.
 
-`IncrementalDetokenizer` keeps one request's state. Each `push(new_ids)` returns the text that
-is safe to show now: it waits while the decoded tail is an incomplete character (the tokenizer
-shows U+FFFD), and holds back a tail that could still become a stop string. When a stop string
-or a match of a stop regex appears, the text is cut before it (unless `no_stop_trim`) and
-`stopped` is set. Text where a match of a stop regex may be starting (the regex matches it
-partially) is held back like a stop string's prefix.
+`IncrementalDetokenizer` keeps one request's state; each `push(new_ids)` returns the text safe
+to show now, holding back an incomplete character and any tail that could still become a stop.
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ class Tokenizer(Protocol):
 class TokenizerJsonDecoder:
     """Decoding as transformers' fast tokenizers do it (the `tokenizers` model's own decode,
     with `spaces_between_special_tokens` ignored and no clean-up), read from tokenizer.json
-    alone: about 0.1 s to load instead of ~5 s for importing transformers (and torch) and
-    building the tokenizer, which the detokenizer process would spend only to decode."""
+    alone: the detokenizer process then starts without importing transformers and torch."""
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend  # a tokenizers.Tokenizer
@@ -64,6 +59,11 @@ def load_decoder(tokenizer_dir: str) -> Tokenizer:
 
 
 class IncrementalDetokenizer:
+    """One request's detokenizer. It waits while the decoded tail is an incomplete character
+    (the tokenizer shows U+FFFD) and holds back text that could still become a stop string or
+    a stop regex's match; once one appears the text is cut before it (unless `no_stop_trim`)
+    and `stopped` is set."""
+
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
         self.tokenizer = tokenizer

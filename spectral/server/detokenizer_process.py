@@ -10,9 +10,8 @@ from typing import Any
 import zmq
 
 from spectral import faults
-from spectral.args import ServerArgs
+from spectral.core.model import ResolvedModel
 from spectral.faults import failure
-from spectral.models.resolve import model_files_dir
 from spectral.server.child import parse_child_args, wait_for_work
 from spectral.server.detokenizer import IncrementalDetokenizer, load_decoder
 from spectral.server.ipc import recv_message, send_message
@@ -26,10 +25,8 @@ from spectral.server.messages import (
 logger = logging.getLogger("spectral.detokenizer")
 
 
-def detokenizer_main(args: ServerArgs, ipc_dir: str) -> None:
-    tokenizer = load_decoder(
-        args.tokenizer_path or model_files_dir(args.model_path, args.model_cache_dir)
-    )
+def detokenizer_main(model: ResolvedModel, ipc_dir: str) -> None:
+    tokenizer = load_decoder(model.tokenizer_dir)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(f"ipc://{ipc_dir}/detokenizer_in")
@@ -99,8 +96,8 @@ def _text_delta(
 
 
 def main() -> None:
-    args, ns = parse_child_args("detokenizer")
-    detokenizer_main(args, ns.ipc_dir)
+    _, model, ns = parse_child_args("detokenizer")
+    detokenizer_main(model, ns.ipc_dir)
 
 
 if __name__ == "__main__":

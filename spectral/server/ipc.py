@@ -1,12 +1,9 @@
 """Typed messages across process boundaries without pickle.
 
-A message is a dataclass registered with `@message`. On the wire it is a ZMQ multipart: frame
-0 is an orjson header naming the class and holding its fields; every numpy array or CPU torch
-tensor in the fields travels as a raw frame of its own (numpy arrays are received without a
-copy, tensors with one). Fields may
-be None, bool, int, float, str, lists/tuples/dicts of them, enums, arrays/tensors and other
-registered dataclasses. Anything else is refused when sending, and an unknown class or a
-malformed header when receiving, with an error that says what.
+A message is a dataclass registered with `@message`, sent as a ZMQ multipart: an orjson header
+naming the class and holding its fields, then one raw frame per numpy array or CPU tensor in
+them. Fields may be None, bool, int, float, str, lists/tuples/dicts of them, enums, arrays and
+registered dataclasses; anything else is refused (`MessageError`, naming the field).
 """
 
 from __future__ import annotations
@@ -53,7 +50,8 @@ def encode(msg: Any) -> list[bytes | memoryview]:
 
 
 def decode(frames: Sequence[bytes | memoryview | Any]) -> Any:
-    """Rebuild a message from its frames (zmq.Frame objects are read without copying)."""
+    """Rebuild a message from its frames (zmq.Frame objects and numpy arrays are read without
+    copying; tensors are copied); an unknown class or a malformed header is a MessageError."""
     if not frames:
         raise MessageError("empty message")
     buffers = [f.buffer if hasattr(f, "buffer") else f for f in frames]

@@ -22,6 +22,7 @@ import zmq
 from spectral.args import ServerArgs
 from spectral.models.registry import UnsupportedModelError, check_model_dir
 from spectral.models.resolve import ModelNotFoundError, model_files_dir
+from spectral.models.resolved import resolve_model
 from spectral.server.child import spawn_child
 from spectral.server.ipc import recv_message
 from spectral.server.messages import ProcessReady
@@ -70,11 +71,11 @@ def launch_server(args: ServerArgs) -> None:
 
         serve_data_parallel(args)
         return
-    # Extracted (once) before the children start, so that they find it; they start before this
-    # process imports the HTTP stack and loads its tokenizer, which overlaps their start-up.
+    # Resolved once (a GGUF's files extracted once) before the children start, and handed to
+    # them; they start before this process imports the HTTP stack, which overlaps the two.
     try:
-        model_dir = model_files_dir(args.model_path, args.model_cache_dir)
-        check_model_dir(model_dir)
+        check_model_dir(model_files_dir(args.model_path, args.model_cache_dir))
+        model, tokenizer = resolve_model(args)
     except (ModelNotFoundError, UnsupportedModelError) as err:
         sys.exit(f"spectral: {err}")
     ipc_dir = tempfile.mkdtemp(prefix="spectral-")  # mode 0700
@@ -82,18 +83,15 @@ def launch_server(args: ServerArgs) -> None:
     ready_sock = ctx.socket(zmq.PULL)
     ready_sock.bind(f"ipc://{ipc_dir}/ready")
     children = {
-        "detokenizer": spawn_child("spectral.server.detokenizer_process", args, ipc_dir),
-        "scheduler": spawn_child("spectral.server.scheduler_process", args, ipc_dir),
+        "detokenizer": spawn_child("spectral.server.detokenizer_process", args, model, ipc_dir),
+        "scheduler": spawn_child("spectral.server.scheduler_process", args, model, ipc_dir),
     }
     exit_code = 0
     try:
-        from transformers import AutoTokenizer
-
         from spectral.server.http_server import create_app
         from spectral.server.protocol import RequestLimits
         from spectral.server.tokenizer_manager import TokenizerManager
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
         info = _wait_ready(ready_sock, children)["scheduler"]
         ready_sock.close(0)
         served = args.served_model_name or args.model_path
@@ -117,8 +115,8 @@ def launch_server(args: ServerArgs) -> None:
         manager = TokenizerManager(
             tokenizer,
             ipc_dir,
-            info["context_length"],
-            info["vocab_size"],
+            model.context_len,
+            model.vocab_size,
             info["num_kv_slots"],
         )
         state["manager"] = manager
@@ -128,11 +126,11 @@ def launch_server(args: ServerArgs) -> None:
         server_info = {
             "model_path": args.model_path,
             "served_model_name": served,
-            "tokenizer_path": args.tokenizer_path or model_dir,
-            "model_type": info["model_type"],
-            "architectures": info["architectures"],
-            "features": info["features"],
-            "context_length": info["context_length"],
+            "tokenizer_path": model.tokenizer_dir,
+            "model_type": model.model_type,
+            "architectures": [model.architecture],
+            "features": model.features,
+            "context_length": model.context_len,
             "max_total_tokens": info["num_kv_slots"],
             "tp_size": 1,
             "dp_size": 1,

@@ -9,26 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from spectral.forward import ForwardMode
+from spectral.core.forward import ForwardMode
+from spectral.core.req import TokenizedRequest
+from spectral.core.worker_io import RequestSampling, WorkerBatch, WorkerResult
 from spectral.sampling_params import SamplingParams
 from spectral.server.ipc import message, register_enum
-from spectral.worker.io import RequestSampling, WorkerBatch, WorkerResult
 
 register_enum(ForwardMode)
-for cls in (SamplingParams, RequestSampling, WorkerBatch, WorkerResult):
+for cls in (SamplingParams, TokenizedRequest, RequestSampling, WorkerBatch, WorkerResult):
     message(cls)
-
-
-@message
-@dataclass
-class TokenizedGenerateReq:
-    rid: str
-    input_ids: list[int]
-    sampling_params: SamplingParams
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    group: str | None = None  # the client call it is part of (a batch, n choices)
 
 
 @message

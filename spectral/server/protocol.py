@@ -1,9 +1,8 @@
 """The native API's request and response bodies (pydantic), the limits every request is held
 to, and the error body all routes share.
 
-The models state types and hard bounds, and the OpenAPI document is generated from them;
-`RequestLimits` checks the bounds a server is configured with (ServerArgs) after parsing, with
-errors that name the field.
+The models state types and hard bounds (the OpenAPI document is generated from them);
+`RequestLimits` checks, after parsing, the bounds a server is configured with.
 """
 
 from __future__ import annotations

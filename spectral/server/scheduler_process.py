@@ -7,13 +7,13 @@ import logging
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING
 
 import zmq
 
 from spectral.args import ServerArgs
+from spectral.core.model import ResolvedModel
+from spectral.core.req import Req, TokenizedRequest
 from spectral.faults import failure
-from spectral.models.resolve import model_files_dir
 from spectral.sampling_params import InvalidRequestError
 from spectral.server.child import parse_child_args
 from spectral.server.ipc import recv_message, send_message
@@ -24,66 +24,35 @@ from spectral.server.messages import (
     ControlReq,
     ProcessReady,
     RequestRejected,
-    TokenizedGenerateReq,
 )
 from spectral.server.worker_process import RemoteWorker, WorkerDiedError
-
-if TYPE_CHECKING:  # (imported where used: torch and transformers come after the worker starts)
-    from spectral.scheduler.req import Req
 
 logger = logging.getLogger("spectral.scheduler")
 
 
 class SchedulerProcess:
-    def __init__(self, args: ServerArgs, ipc_dir: str) -> None:
+    def __init__(self, args: ServerArgs, model: ResolvedModel, ipc_dir: str) -> None:
         # The worker's load is the longest part of the start-up: it starts before this process
         # imports the scheduler (torch, transformers) and loads its tokenizer (this module
         # imports nothing heavy), which overlaps the two.
-        self.worker = RemoteWorker(args, ipc_dir)
-        from transformers import AutoTokenizer
+        self.worker = RemoteWorker(args, model, ipc_dir)
+        from spectral.models.resolved import load_tokenizer
+        from spectral.scheduler.scheduler import build_scheduler
 
-        from spectral.models.config import ModelConfig, stop_token_ids
-        from spectral.scheduler.scheduler import Scheduler
-
-        self.args = args
-        model_dir = model_files_dir(args.model_path, args.model_cache_dir)
-        config = ModelConfig.from_pretrained(model_dir)
-        self.context_len = config.context_length(args.context_length)
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_dir)
+        tokenizer = load_tokenizer(model.tokenizer_dir)
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(f"ipc://{ipc_dir}/scheduler_in")
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.connect(f"ipc://{ipc_dir}/detokenizer_in")
         self.worker.wait_ready()
-        self.scheduler = Scheduler(
-            self.worker,
-            tokenizer,
-            num_kv_slots=self.worker.num_kv_slots,
-            max_running_requests=args.max_running_requests,
-            max_context_len=self.context_len,
-            max_prefill_tokens=args.max_prefill_tokens,
-            eos_token_ids=stop_token_ids(config, tokenizer),
-            vocab_size=config.vocab_size,
-            chunked_prefill_size=args.chunked_prefill_size,
-            schedule_policy=args.schedule_policy,
-            disable_radix_cache=args.disable_radix_cache,
-            spec=args.spec_settings(),
-        )
+        self.scheduler = build_scheduler(args, model, self.worker, tokenizer)
         self.sent: dict[str, int] = {}  # output ids already sent, per request in flight
         ready = self.ctx.socket(zmq.PUSH)
         ready.connect(f"ipc://{ipc_dir}/ready")
-        info = {
-            "num_kv_slots": self.worker.num_kv_slots,
-            "context_length": self.context_len,
-            "vocab_size": config.vocab_size,
-            "model_type": config.hf_config.model_type,
-            "architectures": [config.architecture],
-            "features": config.features(),
-        }
-        send_message(ready, ProcessReady("scheduler", info))
+        send_message(ready, ProcessReady("scheduler", {"num_kv_slots": self.worker.num_kv_slots}))
         ready.close(linger=1000)
-        self.scheduler.start_grammar_backend()
+        self.scheduler.grammars.start()
 
     def run(self) -> None:
         while True:
@@ -91,7 +60,7 @@ class SchedulerProcess:
             self._receive(block=not self.scheduler.has_work)
             if self.scheduler.has_work:
                 self._emit(self.scheduler.step())
-                for rid, why in self.scheduler.take_rejected():
+                for rid, why in self.scheduler.grammars.take_rejected():
                     self.sent.pop(rid, None)
                     send_message(self.outbox, RequestRejected(rid, why))
 
@@ -100,7 +69,7 @@ class SchedulerProcess:
         while self.inbox.poll(timeout):
             timeout = 0
             msg = recv_message(self.inbox)
-            if isinstance(msg, TokenizedGenerateReq):
+            if isinstance(msg, TokenizedRequest):
                 self._add(msg)
             elif isinstance(msg, AbortReq):
                 req = self.scheduler.abort(msg.rid)
@@ -109,18 +78,8 @@ class SchedulerProcess:
             elif isinstance(msg, ControlReq):
                 send_message(self.outbox, ControlOut(msg.call_id, self._control(msg.name)))
 
-    def _add(self, msg: TokenizedGenerateReq) -> None:
-        from spectral.scheduler.req import Req
-
-        req = Req(
-            rid=msg.rid,
-            input_ids=msg.input_ids,
-            sampling_params=msg.sampling_params,
-            return_logprob=msg.return_logprob,
-            top_logprobs_num=msg.top_logprobs_num,
-            logprob_start_len=msg.logprob_start_len,
-            group=msg.group,
-        )
+    def _add(self, msg: TokenizedRequest) -> None:
+        req = Req.of(msg)
         try:
             self.scheduler.add_request(req)
         except InvalidRequestError as err:
@@ -169,7 +128,7 @@ class SchedulerProcess:
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
-            **req.spec_meta(),
+            **req.spec.meta(),
         }
         first = start == 0 and (new or req.finished)
         if first and req.return_logprob and req.logprob_start_len >= 0:
@@ -189,10 +148,10 @@ class SchedulerProcess:
 
 
 def main() -> None:
-    args, ns = parse_child_args("scheduler")
+    args, model, ns = parse_child_args("scheduler")
     # exit through `finally` so that the worker process is stopped with us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    process = SchedulerProcess(args, ns.ipc_dir)
+    process = SchedulerProcess(args, model, ns.ipc_dir)
     try:
         process.run()
     except WorkerDiedError as err:

@@ -16,9 +16,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from spectral.core.req import TokenizedRequest, check_request
 from spectral.logprobs import logprob_meta
 from spectral.sampling_params import InvalidRequestError, SamplingParams
-from spectral.scheduler.scheduler import check_request
 from spectral.server.ipc import arecv_message, asend_message
 from spectral.server.messages import (
     AbortReq,
@@ -26,7 +26,6 @@ from spectral.server.messages import (
     ControlOut,
     ControlReq,
     RequestRejected,
-    TokenizedGenerateReq,
 )
 from spectral.server.metrics import Metrics
 
@@ -241,7 +240,7 @@ class TokenizerManager:
         try:
             await asend_message(
                 self.to_scheduler,
-                TokenizedGenerateReq(
+                TokenizedRequest(
                     rid,
                     list(input_ids),
                     sampling_params,

@@ -1,13 +1,6 @@
-"""The model worker in its own process, and the scheduler-side proxy that talks to it.
-
-The worker process owns the weights and KV tensors. It receives one `WorkerBatch` per step on
-a PULL socket and answers with one `WorkerResult` on a PUSH socket, both over ipc:// in a
-private directory. It starts as `python -m spectral.server.worker_process` (no pickled
-bootstrap), announces itself with a `WorkerReady` message, and exits when its parent dies.
-This module imports nothing heavy (torch comes with the worker itself), so that its parent can
-start the worker before importing its own modules: the worker's load is the longest part of a
-server's start-up.
-"""
+"""The model worker in its own process, and the scheduler-side proxy that talks to it: one
+`WorkerBatch` in and one `WorkerResult` out per step over ipc:// sockets. This module imports
+nothing heavy, so that the scheduler process starts the worker (the longest load) first."""
 
 from __future__ import annotations
 
@@ -21,11 +14,13 @@ from dataclasses import dataclass
 import zmq
 
 from spectral.args import ServerArgs
+from spectral.core.model import ResolvedModel
+from spectral.core.worker_io import WorkerBatch, WorkerResult
 from spectral.faults import RemoteError, WorkerLostError
 from spectral.server import messages  # noqa: F401  (registers the message types)
 from spectral.server.child import parse_child_args, spawn_child, wait_for_work
 from spectral.server.ipc import message, recv_message, send_message
-from spectral.worker.io import WorkerBatch, WorkerResult
+from spectral.speculative.cost_model import CostModel
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +31,6 @@ READY_TIMEOUT_S = 600
 @dataclass
 class WorkerReady:
     num_kv_slots: int
-    vocab_size: int
-    max_context_len: int
-    eos_token_ids: list[int]
     # What speculative rounds cost there (CostModel.to_dict), for the scheduler's tree planner
     cost_model: dict | None = None
 
@@ -67,9 +59,7 @@ class WorkerStepError(RemoteError):
     """The worker failed on one batch; the scheduler fails that batch's requests."""
 
 
-def worker_main(args: ServerArgs, ipc_dir: str) -> None:
-    from spectral.models.config import ModelConfig
-    from spectral.models.resolve import model_files_dir
+def worker_main(args: ServerArgs, model: ResolvedModel, ipc_dir: str) -> None:
     from spectral.worker.factory import create_worker
 
     ctx = zmq.Context()
@@ -78,27 +68,14 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(f"ipc://{ipc_dir}/worker_out")
     try:
-        config = ModelConfig.from_pretrained(model_files_dir(args.model_path, args.model_cache_dir))
-        max_context_len = config.context_length(args.context_length)
-        worker = create_worker(args, max_context_len)
+        worker = create_worker(args, model)
     except Exception as err:
         send_message(outbox, WorkerFailed(f"{type(err).__name__}: {err}"))
         raise
-    cfg = worker.config
-    cost = getattr(worker, "cost_model", None)
-    send_message(
-        outbox,
-        WorkerReady(
-            worker.num_kv_slots,
-            cfg.vocab_size,
-            max_context_len,
-            list(cfg.eos_token_ids),
-            cost.to_dict() if cost is not None else None,
-        ),
-    )
-    grammars = getattr(worker, "grammars", None)
-    if grammars is not None:  # speculative: the worker follows grammar requests itself
-        grammars.backend.start()
+    cost = worker.cost_model
+    send_message(outbox, WorkerReady(worker.num_kv_slots, cost.to_dict() if cost else None))
+    if worker.grammars is not None:  # speculative: the worker follows grammar requests itself
+        worker.grammars.backend.start()
     parent = os.getppid()
     while wait_for_work(inbox, parent):
         batch = recv_message(inbox)
@@ -115,11 +92,14 @@ class RemoteWorker:
     The process starts at construction; `wait_ready()` (before the first forward) waits for it
     to load, so the caller can do its own start-up meanwhile."""
 
-    def __init__(self, args: ServerArgs, ipc_dir: str) -> None:
+    grammars = None  # the worker process follows grammars itself (the Worker interface)
+
+    def __init__(self, args: ServerArgs, model: ResolvedModel, ipc_dir: str) -> None:
+        self.cost_model: CostModel | None = None  # known once it is ready
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.PULL)
         self.results.bind(f"ipc://{ipc_dir}/worker_out")
-        self.process = spawn_child("spectral.server.worker_process", args, ipc_dir)
+        self.process = spawn_child("spectral.server.worker_process", args, model, ipc_dir)
         self.batches = self.ctx.socket(zmq.PUSH)
         self.batches.connect(f"ipc://{ipc_dir}/worker_in")
 
@@ -129,8 +109,6 @@ class RemoteWorker:
         if isinstance(ready, WorkerFailed):
             self.close()
             raise RuntimeError(f"the model worker failed to start: {ready.error}")
-        from spectral.speculative.cost_model import CostModel
-
         self.ready: WorkerReady = ready
         self.num_kv_slots = ready.num_kv_slots
         self.cost_model = CostModel.from_dict(ready.cost_model) if ready.cost_model else None
@@ -172,9 +150,9 @@ class RemoteWorker:
 
 
 def main() -> None:
-    args, ns = parse_child_args("worker")
+    args, model, ns = parse_child_args("worker")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    worker_main(args, ns.ipc_dir)
+    worker_main(args, model, ns.ipc_dir)
 
 
 if __name__ == "__main__":

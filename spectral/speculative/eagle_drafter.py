@@ -1,21 +1,9 @@
 """The EAGLE drafter on the worker side: the head's KV cache, the draft extend over verified
 tokens, and the EAGLE-2 expansion of a draft tree.
 
-Memory: the head has its own one-layer KV pool indexed by the same slot ids as the target's,
-through the same req-to-token rows, so a request's draft KV lives and dies with its target KV.
-The draft KV of position p pairs the target feature at p with token p + 1; the scheduler keeps
-that valid across the radix cache by never reusing the last position of a matched prefix.
-Tree nodes' draft KV is scratch, held in tensors for the length of one `draft` call.
-
-Per request row the drafter keeps what the last extend left: the top-k next tokens after the
-last verified token (their log-probs and target ids) and the head's output there, which is the
-feature of the first tree step.
-
-While the scheduler decodes without speculating (the planner finds no tree that pays, or the
-batch is over the speculation limit), `write_kv` queues only the head's keys and values of the
-new positions, a fraction of a full extend, computed together when the head next reads its KV,
-and remembers each row's last position; the first `draft` for such a row runs the full head
-there first, so the draft is what it would have been after full extends.
+KV slots: the head's one-layer pool is indexed by the target's slot ids through the same
+req-to-token rows, so the drafter never allocates or frees a slot: a request's draft KV lives
+and dies with its target KV. Tree nodes' draft KV is scratch, held for one `draft` call.
 """
 
 from __future__ import annotations
@@ -25,8 +13,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from spectral.attention.torch_backend import TorchAttentionBackend
-from spectral.forward import ForwardBatch, ForwardMode
+from spectral.attention.registry import create_attention_backend
+from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.speculative.eagle_head import DraftHead
@@ -36,6 +24,12 @@ FLUSH_TOKENS = 64
 
 
 class EagleDrafter:
+    """The head's KV and, per request row, what its last extend left: the top-k next tokens
+    after the last verified token and the head's output there (the first tree step's feature).
+
+    Position p's draft KV pairs the target feature at p with token p + 1; the scheduler keeps
+    it valid across the radix cache by never reusing the last position of a matched prefix."""
+
     def __init__(
         self,
         head: DraftHead,
@@ -45,7 +39,11 @@ class EagleDrafter:
         num_steps: int,
         dtype: torch.dtype,
         device: str,
+        attention_backend: str = "torch",
     ) -> None:
+        """`attention_backend` names the backend of the head's extend (`auto`, `torch`,
+        `triton`, `flashinfer`), resolved by the registry as the target's is, over the head's
+        KV pool of `dtype`: a backend that refuses the dtype refuses here with the same error."""
         cfg = head.cfg
         self.head = head
         self.topk = topk
@@ -53,7 +51,9 @@ class EagleDrafter:
         self.req_to_token = req_to_token
         self.kv_pool = KVPool(num_slots, 1, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.scaling = cfg.head_dim**-0.5
-        self.backend = TorchAttentionBackend(self.kv_pool, req_to_token, self.scaling)
+        self.backend = create_attention_backend(
+            attention_backend, self.kv_pool, req_to_token, self.scaling, device
+        )
         rows = req_to_token.max_requests
         self.topk_logprobs = torch.zeros((rows, topk), dtype=torch.float32, device=device)
         self.topk_ids = torch.zeros((rows, topk), dtype=torch.int64, device=device)
@@ -97,10 +97,9 @@ class EagleDrafter:
     @torch.inference_mode()
     def write_kv(self, batch: ForwardBatch, features: torch.Tensor) -> None:
         """Only the head's KV for the batch's new positions (`extend`'s arguments), deferred:
-        the positions wait in a queue that is computed in one call when the head next reads
-        its KV (`extend`, `draft`) or the queue holds FLUSH_TOKENS (a plain decode step's
-        worth of head work is a dozen small ops, some 10 us each on a CPU, for one token).
-        Each row's top-k is left stale until its next `draft`."""
+        queued until the head next reads its KV (`extend`, `draft`) or FLUSH_TOKENS wait, so
+        that plain decode steps pay for one batched computation instead of many tiny ones.
+        Each row's top-k is left stale; its next `draft` runs the full head there first."""
         self._pending.append((batch.input_ids, features, batch.positions, batch.out_cache_loc))
         if sum(ids.shape[0] for ids, *_ in self._pending) >= FLUSH_TOKENS:
             self.flush()
@@ -157,14 +156,10 @@ class EagleDrafter:
         self, rows: torch.Tensor, seq_lens: torch.Tensor, num_steps: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expand a tree below each request's last verified token (at position seq_len) for
-        `num_steps` levels (default: the drafter's), keeping the best `topk` nodes per level
-        (EAGLE-2). The first levels are the same whatever the depth, so a tree of n nodes needs
-        no more than n - 1 of them.
-
-        Returns candidates as (cumulative log-prob [B, C], target token [B, C], parent candidate
-        index or -1 for children of the root [B, C]) with C = k + (num_steps - 1) k², laid out
-        level by level, so parents have lower indices than their children.
-        """
+        `num_steps` levels (default: the drafter's; the first levels do not depend on the
+        depth), keeping the best `topk` nodes per level (EAGLE-2). Returns (cumulative log-prob,
+        target token, parent candidate or -1 under the root), each [B, C] with
+        C = k + (num_steps - 1) k², level by level, so parents come before their children."""
         self._refresh(rows)
         self.flush()
         steps = self.num_steps if num_steps is None else max(1, min(num_steps, self.num_steps))

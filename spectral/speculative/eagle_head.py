@@ -1,21 +1,8 @@
 """EAGLE and EAGLE-3 draft heads: one decoder layer that predicts the target's next tokens from
-the target's own hidden states.
-
-- EAGLE (EAGLE-1 weights, used with EAGLE-2 trees): `fc` maps concat(embedding, feature) (2H) to
-  H; the layer has no input norm; logits come from the target's LM head. The feature is the
-  target's final (normed) hidden state.
-- EAGLE-3: the feature is the concat of three target layers' inputs, fused by `fc` (3H_t → H) on
-  the first step of a round (later steps feed the head's own output back); the layer attends
-  over concat(norm(embedding), norm(feature)) (2H); its own `norm` and `lm_head` score a draft
-  vocabulary whose ids map to target ids through `d2t`.
-
-Tensor names are those of the published checkpoints (`fc.weight`, `midlayer.*`, `norm.weight`,
-`lm_head.weight`, `d2t`, `t2d`; EAGLE-1: `fc.*`, `layers.0.*`), so public heads load unchanged and
-heads trained here load elsewhere. The embedding (and EAGLE-1's LM head) are the target's, set
-with `set_target`, and never saved.
-
-The head does not know where its keys and values live: `forward` takes an `attend` callable
-(paged KV for serving, a dense causal mask for training).
+the target's own hidden states (EAGLE-1: its final state; EAGLE-3: three layers' inputs fused
+by `fc`, scored over a draft vocabulary of its own). Tensor names are the published
+checkpoints', so heads load both ways. `forward` takes an `attend` callable: the head does not
+know where its keys and values live (paged KV for serving, a dense causal mask for training).
 """
 
 from __future__ import annotations
@@ -34,6 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from spectral.layers.linear import Linear
+from spectral.layers.logits import LogitsHead
 from spectral.layers.norm import RMSNorm
 from spectral.layers.rotary import apply_rotary
 from spectral.layers.routing import route_to_cpu_kernels
@@ -186,11 +174,14 @@ class DraftHead(nn.Module):
         super().__init__()
         self.cfg = cfg
         H = cfg.hidden_size
+        # hidden -> float32 logits: EAGLE-3's own LM head; EAGLE-1's is the target's (set_target).
+        self.logits_head: LogitsHead | Callable[[torch.Tensor], torch.Tensor] | None = None
         if cfg.kind == "eagle3":
             self.fc = Linear(cfg.feature_size, H, bias=cfg.fc_bias)
             self.midlayer = DraftLayer(cfg)
             self.norm = RMSNorm(H, cfg.rms_norm_eps)
             self.lm_head = Linear(H, cfg.draft_vocab_size, bias=False)
+            self.logits_head = LogitsHead(self._lm_head_weight)
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
             self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         elif cfg.kind == "eagle":
@@ -206,17 +197,21 @@ class DraftHead(nn.Module):
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
         self.embed: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.target_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def layer(self) -> DraftLayer:
         return self.midlayer if self.cfg.kind == "eagle3" else self.layers[0]
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
 
     def set_cpu_kernels(self, kernels: ModuleType | None, quantize: str | None = None) -> None:
         """Small matmuls and norms through spectral's CPU kernels (inference only), the
         weights quantized to GGUF blocks of type `quantize` where given (a draft only proposes:
         verification keeps the output the target's)."""
         route_to_cpu_kernels(self, kernels, quantize)
+        if self.cfg.kind == "eagle3":
+            self.logits_head.set_kernels(kernels, self.lm_head.packed)
 
     def set_target(
         self,
@@ -226,10 +221,8 @@ class DraftHead(nn.Module):
         """Share the target's embedding (and, for EAGLE-1, its LM head), as weights or as the
         target's own functions (ids -> embeddings, hidden -> float32 logits); not saved."""
         self.embed = embed if callable(embed) else functools.partial(F.embedding, weight=embed)
-        if logits is None or callable(logits):
-            self.target_logits = logits
-        else:
-            self.target_logits = lambda hidden: F.linear(hidden, logits).float()
+        if self.cfg.kind == "eagle":
+            self.logits_head = logits if logits is None or callable(logits) else LogitsHead(logits)
 
     def forward(
         self,
@@ -276,8 +269,8 @@ class DraftHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary (EAGLE-1: the target's vocabulary)."""
         if self.cfg.kind == "eagle3":
-            return self.lm_head(self.norm(hidden)[0]).float()
-        return self.target_logits(hidden)
+            hidden = self.norm(hidden)[0]
+        return self.logits_head(hidden)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.cfg.kind == "eagle3":
@@ -293,19 +286,6 @@ class DraftHead(nn.Module):
         (out / "config.json").write_text(json.dumps(self.cfg.to_hf_json(), indent=2) + "\n")
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(tensors, str(out / "model.safetensors"))
-
-
-def head_tensor_names(path: str) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the tensors in a head directory (safetensors or pytorch_model.bin)."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if files:
-        shapes: dict[str, tuple[int, ...]] = {}
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
-        return shapes
-    raise FileNotFoundError(f"draft head {path!r} has no .safetensors file")
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:

@@ -1,23 +1,9 @@
 """NgramDrafter: model-free draft trees for speculative decoding, by n-gram lookup.
 
-For a request whose verified tokens are `context` (the last one is the tree root), the drafter
-matches the context's suffix, longest first (`max_ngram` down to `min_ngram` tokens), against
-
-1. the context itself: the most recent earlier occurrences of the suffix, found by a C-speed
-   byte search (`rfind`) over the context packed as int32. An `NgramState` kept on the request
-   holds the packing, so a step packs only the tokens appended since the last one;
-2. a shared corpus of other sequences (`add_sequence`, e.g. finished requests' prompt + output),
-   indexed once, when added, in a dict from each n-gram to its `MAX_MATCHES` most recent
-   continuation positions. The corpus holds at most `max_indexed_tokens` tokens and evicts the
-   oldest sequences first.
-
-Every occurrence adds its continuation (up to `max_depth` tokens) to a trie with the weight
-`WEIGHT_BASE ** n`, n the longest suffix it matched. One n yields at most 2 * MAX_MATCHES
-occurrences (self and corpus), so the weights rank siblings by longest matched suffix first, then
-by frequency; ties go to the most recent occurrence (the request's own tokens count as newer than
-the corpus). Collection stops after the first n that brings the total to MAX_MATCHES. The tree
-grows best-first by path probability, the product of weight(child) / weight(parent) along the
-path, until it has `max_nodes` nodes; parents always come before their children.
+The suffix of a request's verified tokens (longest first, `max_ngram` down to `min_ngram`) is
+matched against the request's own earlier tokens and a shared corpus of other sequences
+(`add_sequence`); what followed each match goes into a trie weighted by the length matched,
+and the tree grows best-first from it. The matching and weighting: docs/speculative.md.
 """
 
 from __future__ import annotations
@@ -145,11 +131,9 @@ class NgramDrafter:
         self, context: list[int], state: NgramState | None = None
     ) -> tuple[list[int], list[int]]:
         """(node_tokens, node_parents) for the non-root nodes of a draft tree below
-        `context[-1]`, parents before children: node_parents[i] indexes the full node list,
-        where 0 is the root and i + 1 is non-root node i (so node_parents[i] <= i). At most
-        `max_nodes` nodes, depth at most `max_depth`, siblings with distinct tokens; ([], [])
-        when nothing matches. `state` (see NgramState) makes the self-match incremental;
-        without it the whole context is packed (O(len(context)), fast but not free)."""
+        `context[-1]` in `trees_from_parents`' form (parents first; 0 is the root), at most
+        `max_nodes` nodes and `max_depth` deep, siblings distinct; ([], []) when nothing
+        matches. `state` (see NgramState) spares packing the whole context again."""
         if not context or self.max_nodes == 0:
             return [], []
         data = (state if state is not None else NgramState()).sync(context)

@@ -1,35 +1,14 @@
 """TreePlanner: how many tree nodes each running request verifies this round, or no round at
 all, so that the batch's expected tokens per second is highest under the measured cost model.
-
-Acceptance is learnt per *rank*: a tree's non-root nodes ranked by the drafter's confidence
-(the head's cumulative log-probability, best first; an n-gram tree's nodes in their order). The
-best r nodes of a tree always form a tree themselves (a child never scores above its parent),
-and under greedy verification the path such a subtree would have accepted is the longest start
-of the accepted path that lies in it. So every verified round tells, for each r up to the nodes
-it verified, how many tokens a tree of the best r nodes would have given: `RankStats.observe`
-counts, per rank, how often the path's running highest rank is that rank. Ranks beyond any
-verified tree are estimated from the head's own scores (their mean probability at that rank,
-scaled by how well the scores have predicted acceptance so far), or, for n-gram trees, from the
-last measured rank decaying geometrically. The statistics are kept apart by what is known of a
-round before it runs (EAGLE-2's observation that the draft's confidence predicts acceptance):
-the head's top-1 probability after the last verified token, in four bands, and the length of
-the suffix the n-gram drafter matched. A request's own record scales its estimates (code that
-repeats its prompt is accepted far more often than chat).
-
-The plan: every (request, rank) pair's expected gain in one list, best first; adding them one
-by one, the round's expected tokens over its predicted cost (verify over all nodes plus the
-head's draft for the requests it drafts for) is evaluated at every length, and the best length
-wins unless a plain decode step of the batch is expected to do better. At a large batch a node
-adds the same cost but a plain step already yields a token per request, so trees shrink as the
-batch grows and vanish where they would not pay.
-"""
+Acceptance is learnt per rank of the drafter's confidence: docs/speculative.md, "Trees sized
+by what a round costs"."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from spectral.forward import ForwardMode
+from spectral.core.forward import ForwardMode
 from spectral.speculative.cost_model import CostModel
 
 HEAD, NGRAM = "head", "ngram"

@@ -3,32 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from spectral.args import ServerArgs
+from typing import Any
 
 ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM")
 
-# Defaults for the embedded model on a CPU: (num_steps, topk, num_draft_tokens). Measured with
-# bench/spec_tune.py: at a few tokens per round a verify forward over more than 4 tokens costs
-# more than the extra accepted tokens give (a 2-core CPU is compute-bound there).
+# Defaults for the embedded model on a CPU: (num_steps, topk, num_draft_tokens), tuned with
+# bench/spec_tune.py (docs/speculative.md, "Batch sizes and tree shapes").
 DEFAULTS = {"EAGLE": (3, 2, 4), "EAGLE3": (3, 2, 4), "NGRAM": (3, 1, 4)}
 # NGRAM drafts only from a suffix match of at least this many tokens (one-token matches are
 # right too rarely to pay for their verification).
 DEFAULT_NGRAM_MIN_MATCH = 2
 DEFAULT_NGRAM_MAX_MATCH = 4
 # With fixed trees (--speculative-fixed-tree), above this many running requests a round costs
-# more than it gains: on a 2-core CPU the verify forward of several requests' trees is
-# compute-bound (bench/spec.py measured 0.54x at batch 4 with the shipped head). Decode plainly
-# there; the head keeps its KV, so speculation resumes when the batch shrinks. The planner
-# needs no such limit: it sizes trees (or none) from the cost model at every batch size.
+# more than it gains on a CPU; decode plainly there (the head keeps its KV, so speculation
+# resumes when the batch shrinks). The planner needs no such limit.
 DEFAULT_FIXED_MAX_BATCH_SIZE = 1
 NO_LIMIT = 1 << 30
 # EAGLE/EAGLE3: n-gram trees of up to this many tokens where the request's last tokens repeat
-# earlier ones (0: the head drafts every round). bench/spec.py, 80 MT-Bench first turns at
-# batch 1 with the shipped head: τ 2.25 and 1.31x plain decoding, against 2.03 and 1.21x with
-# the head alone (an earlier head, trees of 4: τ 1.97 on the first 16, against 2.10 with 8).
+# earlier ones (0: the head drafts every round; docs/speculative.md, "Hybrid n-gram trees").
 DEFAULT_HYBRID_NGRAM = 8
 
 
@@ -71,12 +63,10 @@ class SpecSettings:
             return self.hybrid_ngram - 1, self.hybrid_ngram - 1
         return self.num_draft_tokens - 1, self.num_steps
 
-    @property
-    def max_tree_depth(self) -> int:
-        return self.num_steps
-
     @classmethod
-    def from_args(cls, args: ServerArgs) -> SpecSettings:
+    def from_args(cls, args: Any) -> SpecSettings:
+        """The settings of a ServerArgs' speculative_* flags (read by name), checked; ValueError
+        names the flag that is wrong and what is allowed."""
         algo = (args.speculative_algorithm or "").upper()
         if algo not in ALGORITHMS:
             raise ValueError(

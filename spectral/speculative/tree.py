@@ -2,10 +2,8 @@
 
 Every tree has `n` node slots (`num_draft_tokens`, root included). Node 0 is the root, the
 request's last verified token; every other real node comes after its parent, so any prefix of
-the node list is itself a tree. Nodes at or after `num_nodes[b]` are padding: token 0, parent
--1, depth 0, a mask row holding only the diagonal, and nobody's child or sibling.
-
-All tensors live on the CPU.
+the node list is a tree. Nodes from `num_nodes[b]` on are padding (token 0, parent -1, depth 0,
+only the diagonal in the mask, nobody's child or sibling). All tensors live on the CPU.
 """
 
 from __future__ import annotations
@@ -91,14 +89,10 @@ def trees_from_parents(
     node_parents: list[list[int]],
     n: int,
 ) -> DraftTrees:
-    """Trees given node by node (the n-gram drafter's form).
-
-    `node_tokens[b]` are request b's non-root nodes in order; `node_parents[b][i]` is the
-    parent of non-root node i as an index into the full node list (0 is the root, i + 1 is
-    non-root node i), so it must be in 0..i. Trees with fewer than n - 1 non-root nodes are
-    padded. Raises ValueError on a parent that does not come before its child, or on a tree
-    with more than n - 1 non-root nodes.
-    """
+    """Trees given node by node (the n-gram drafter's form), padded to n nodes:
+    `node_tokens[b]` are request b's non-root nodes in order, `node_parents[b][i]` the parent
+    of non-root node i in the full node list (0 the root, i + 1 non-root node i), so in 0..i.
+    ValueError on a parent after its child or on a tree of more than n nodes."""
     if n < 1:
         raise ValueError(f"num_draft_tokens must be >= 1 (got {n})")
     B = len(root_tokens)
@@ -167,16 +161,12 @@ def select_eagle_trees(
     n: int | list[int],
 ) -> DraftTrees:
     """EAGLE-2 rerank: keep each request's n - 1 best draft candidates as a tree (`n` one size
-    for all, or one per request; the trees are padded to the largest).
+    for all, or one per request; padded to the largest; on the CPU whatever the inputs' device).
 
-    `scores`, `tokens`, `parent_candidates` are [B, C]: a candidate's cumulative log-prob, its
-    token, and the index of its parent candidate (-1 for children of the root), always lower
-    than its own index. The n - 1 highest scores win; NaN counts as -inf and ties go to the
-    lower candidate index, so a parent scoring the same as its child is picked first. Picked
-    candidates keep their candidate order (parents before children) and rank by score. A
-    picked candidate whose parent was not picked (possible only when scores grow along a path,
-    or with -inf/NaN) is dropped with its descendants, and its slot becomes padding. Inputs may
-    live on any device; the trees are on the CPU.
+    `scores`, `tokens`, `parent_candidates` [B, C]: cumulative log-prob, token, and parent
+    candidate (-1 under the root; always a lower index). NaN counts as -inf and ties go to the
+    lower index, so a parent is picked before an equal child. Picked candidates keep their order
+    and rank by score; one whose parent was not picked is dropped with its descendants.
     """
     sizes = [n] * scores.shape[0] if isinstance(n, int) else list(n)
     if not sizes or min(sizes) < 1:

@@ -1,10 +1,9 @@
 """Verification of draft trees against the target's outputs at every node.
 
-The target ran once over the n nodes of each tree under the tree mask; its row j is the
-next-token distribution after node j given the root-to-j path. Verification walks each tree
-from the root, accepting at most one child per level, and ends with one token of the target's
-own: the correction (or bonus, when the walk ends at a leaf). A request therefore always
-emits len(accepted) tokens, at least one.
+The target ran once over each tree's n nodes under the tree mask: its row j is the next-token
+distribution after the root-to-j path. Verification walks each tree from the root, accepting
+at most one child per level, and ends with one token of the target's own (the correction, or a
+bonus at a leaf), so a request always emits len(accepted) tokens, at least one.
 """
 
 from __future__ import annotations
@@ -64,25 +63,13 @@ def verify_sampling(
     generator: torch.Generator | None = None,
     generators: list[torch.Generator | None] | None = None,
 ) -> VerifyResult:
-    """Accept a path by the lossless rule for deterministic (top-k) drafts: the emitted tokens
-    follow the target's distributions exactly, as if sampled one at a time.
+    """Accept a path by the lossless rule for deterministic (top-k) drafts (docs/speculative.md):
+    the emitted tokens follow the target's distributions exactly, as if sampled one at a time.
 
     `probs` [B, n, V] (CPU): the target's distribution at every node after temperature, top-k
-    and top-p; rows of nodes the walk can reach must have positive mass (they need not be
-    normalised). At the current node with residual p = probs[b, cur], each child x in sibling
-    order is accepted with probability p[x] / sum(p); a rejected child's token gets p[x] = 0.
-    An accepted child becomes the current node. When no child is accepted (or at a leaf) the
-    final token is drawn from the residual p. A duplicate sibling token is never accepted
-    after its first copy was rejected.
-
-    Randomness: request b draws from `generators[b]` when that list is given and its entry is
-    not None, otherwise from `generator` (None: torch's default generator). A request with its
-    own generator always consumes the same amount of its state (max(n - 1, 1) uniforms, then
-    one multinomial draw), so the result depends only on that generator, its tree and its probs,
-    never on the other requests of the batch.
-
-    All requests walk together, one child test each per step (at most n - 1 steps), so a batch
-    of thousands of copies of one tree costs a few tensor ops per step.
+    and top-p, with positive mass wherever the walk can reach (not necessarily normalised).
+    Request b draws from `generators[b]` where given, else from `generator`; its own generator
+    is consumed the same whatever the batch, so its result never depends on other requests.
     """
     B, n = trees.tokens.shape
     if probs.dim() != 3 or probs.shape[:2] != (B, n):

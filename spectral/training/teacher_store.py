@@ -1,8 +1,6 @@
-"""Where `train-eagle3` keeps the target's states per sample, so that a sample's target forward
-runs once: in memory for one run (`MemoryStore`), or on disk for every later run over the same
-data (`DiskStore`), which is what makes a multi-session CPU training run affordable.
-
-A sample's key is a hash of its token ids. A stored row holds the three captured layers'
+"""Where `train-eagle3` keeps the target's states per sample, so that the target's forward runs
+once per sample: in memory for one run (`MemoryStore`), or on disk for later runs over the same
+data too (`DiskStore`). A key hashes a sample's token ids; a row holds the captured layers'
 inputs and the final hidden state side by side ([n, 4H], the teacher's dtype).
 """
 

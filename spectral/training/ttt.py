@@ -77,12 +77,11 @@ def ttt_loss(
     steps: int,
     choice: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[float], list[int]]:
-    """Weighted loss over `steps` unrolled draft steps; per-step accuracy (top-1 agreement
-    with the teacher on the answer tokens) and counted positions. The teacher is the target's
-    distribution renormalised over the draft vocabulary. With `choice` [B, T] (the draft index
-    of the target's top token over its whole vocabulary at each position, -1 where the draft
-    vocabulary lacks it) accuracy is agreement with that, what a verifier accepts; without it,
-    with the teacher's top draft token (training, where the whole vocabulary is not computed).
+    """(weighted loss over `steps` unrolled draft steps, per-step top-1 accuracy on the answer
+    tokens, positions counted per step). `teacher` is the target's distribution over the draft
+    vocabulary. Accuracy is agreement with `choice` [B, T] when given (the draft index of the
+    target's top token over its whole vocabulary, -1 outside the draft vocabulary: what a
+    verifier accepts), else with the teacher's top draft token.
 
     Anchor t at step s sees token t + 1 + s and predicts token t + 2 + s, whose teacher is the
     target's distribution at position t + 1 + s. Logits are computed only where a loss is."""

@@ -8,8 +8,8 @@ import torch
 
 from spectral.args import ServerArgs
 from spectral.constrained import GrammarBackend, GrammarFollower
-from spectral.models.config import ModelConfig, stop_token_ids
-from spectral.models.resolve import gguf_source, model_files_dir
+from spectral.core.model import ResolvedModel
+from spectral.models.resolved import load_tokenizer
 from spectral.worker.model_worker import ModelWorker
 from spectral.worker.spec_worker import SpeculativeWorker
 
@@ -29,12 +29,13 @@ def resolve_draft_path(path: str) -> str:
     return path
 
 
-def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | SpeculativeWorker:
-    """The model worker for `args`; with speculative decoding on, wrapped with its drafter."""
+def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | SpeculativeWorker:
+    """The model worker for `args` and `model`; with speculative decoding on, wrapped with its
+    drafter."""
     dtype, device = args.resolved_dtype(), args.resolved_device()
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
-    gguf_file = gguf_source(args.model_path)
+    gguf_file = model.gguf_file
     if args.quantization == "gguf" and gguf_file is None:
         raise ValueError(f"--quantization gguf needs a GGUF model ({args.model_path} is not one)")
     if args.load_format == "dummy" and gguf_file is not None:
@@ -42,8 +43,8 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
             f"--load-format dummy takes a HF model directory ({args.model_path} is a GGUF)"
         )
     worker = ModelWorker(
-        worker_model_dir(args),
-        gguf_file=str(gguf_file) if gguf_file is not None else None,
+        model.model_dir,
+        gguf_file=gguf_file,
         gguf_native=args.quantization != "none",
         dummy_weights=args.load_format == "dummy",
         dtype=dtype,
@@ -51,7 +52,7 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,
         max_running_requests=args.max_running_requests,
-        max_context_len=max_context_len,
+        max_context_len=model.context_len,
         attention_backend=args.attention_backend,
         use_cpu_kernels=not args.disable_cpu_kernels,
     )
@@ -70,32 +71,39 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
             target_hidden_size=cfg.hidden_size,
             target_vocab_size=cfg.vocab_size,
             target_num_layers=cfg.num_layers,
-            max_positions=max_context_len + spec.num_steps + 1,
+            max_positions=model.context_len + spec.num_steps + 1,
             dtype=dtype,
             device=device,
         )
         head.set_target(worker.model.embed, worker.model.compute_logits)
         head.set_cpu_kernels(worker.model.kernels, spec.draft_quantization)
         drafter = EagleDrafter(
-            head, worker.num_kv_slots, worker.req_to_token, spec.topk, spec.num_steps, dtype, device
+            head,
+            worker.num_kv_slots,
+            worker.req_to_token,
+            spec.topk,
+            spec.num_steps,
+            dtype,
+            device,
+            attention_backend=args.attention_backend,
         )
     spec_worker = SpeculativeWorker(
         worker,
         drafter,
         head_tree_size=spec.num_draft_tokens if drafter is not None else None,
         merge_given_trees=spec.hybrid_merge,
-        grammars=GrammarFollower(lambda: grammar_backend(args, worker.config)),
+        grammars=GrammarFollower(lambda: grammar_backend(model)),
     )
     if not spec.fixed_tree:
         from spectral.kernels.cpu_kernels import cpu_signature
-        from spectral.speculative.cost_model import load_or_measure
+        from spectral.worker.cost_measure import load_or_measure
 
         parts = {
             "machine": cpu_signature(),
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
-            "model": str(Path(worker_model_dir(args)).resolve()),
+            "model": str(Path(model.model_dir).resolve()),
             "gguf": _file_stamp(gguf_file),
             "quantization": args.quantization,
             "dtype": str(dtype),
@@ -113,17 +121,12 @@ def create_worker(args: ServerArgs, max_context_len: int) -> ModelWorker | Specu
     return spec_worker
 
 
-def grammar_backend(args: ServerArgs, config: ModelConfig) -> GrammarBackend:
+def grammar_backend(model: ResolvedModel) -> GrammarBackend:
     """The worker's grammar compiler (made for its first request under a grammar): the
     model's vocabulary and stop tokens, as the scheduler's."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or worker_model_dir(args))
-    return GrammarBackend(tokenizer, config.vocab_size, stop_token_ids(config, tokenizer))
-
-
-def worker_model_dir(args: ServerArgs) -> str:
-    return model_files_dir(args.model_path, args.model_cache_dir)
+    return GrammarBackend(
+        load_tokenizer(model.tokenizer_dir), model.vocab_size, model.stop_token_ids
+    )
 
 
 def _file_stamp(path: str | Path | None) -> list | None:

@@ -7,14 +7,14 @@ import logging
 import torch
 
 from spectral.attention.registry import create_attention_backend
-from spectral.forward import ForwardBatch, ForwardMode
+from spectral.core.forward import ForwardBatch, ForwardMode
+from spectral.core.worker_io import WorkerBatch, WorkerResult
 from spectral.kernels.cpu_kernels import load_cpu_kernels
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.models.config import ModelConfig
 from spectral.models.gguf_native import load_gguf_model
 from spectral.models.loader import build_model, dummy_model, load_model
-from spectral.worker.io import WorkerBatch, WorkerResult
 from spectral.worker.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,9 @@ def free_memory_bytes(device: str) -> int:
 
 
 class ModelWorker:
+    cost_model = None  # no speculation here (the Worker interface's optional parts)
+    grammars = None
+
     def __init__(
         self,
         model_dir: str,
@@ -56,12 +59,12 @@ class ModelWorker:
         self.device = device
         self.dtype = dtype
         kernels = load_cpu_kernels() if device == "cpu" and use_cpu_kernels else None
+        self.config = ModelConfig.from_pretrained(model_dir)  # what the model is built from
         if dummy_weights:
-            self.model, self.config = dummy_model(model_dir, dtype, device)
+            self.model = dummy_model(self.config, dtype, device)
         elif gguf_file is None:
-            self.model, self.config = load_model(model_dir, dtype, device)
+            self.model = load_model(model_dir, self.config, dtype, device)
         else:
-            self.config = ModelConfig.from_pretrained(model_dir)
             self.model = build_model(self.config, dtype, "cpu")
             native = gguf_native and dtype in (torch.float32, torch.bfloat16)
             if native and kernels is None:

@@ -13,7 +13,7 @@ import torch
 
 from spectral import faults
 from spectral.constrained import apply_bitmask
-from spectral.worker.io import RequestSampling
+from spectral.core.worker_io import RequestSampling
 
 
 @dataclass

@@ -1,19 +1,9 @@
-"""SpeculativeWorker: the target worker plus a drafter, one speculative round per TARGET_VERIFY.
-
-- EXTEND and DECODE run the target as usual; with a draft head, the head's KV for the same
-  positions (tokens shifted by one) is queued (only keys and values: a fraction of the head's
-  work); the head's top-k after the last token is computed when the request next drafts.
-- TARGET_VERIFY (one round for each request of the batch): the head expands a tree below the
-  request's last token, or the scheduler sends an n-gram tree (NGRAM: every request's; hybrid:
-  those of the requests whose text repeats, in the same batch; merged: those requests verify
-  the n-gram tree and the head's as one), the target runs once over every tree under the tree
-  mask, verification accepts a path, the accepted nodes' slots take their final places in the
-  request's row, and the head extends over the accepted tokens with the target's features
-  there.
+"""SpeculativeWorker: the target worker plus a drafter, one speculative round per TARGET_VERIFY:
+the trees are drafted (or given by the scheduler), verified in one target forward under the
+tree mask, and the head extends over the accepted tokens (docs/speculative.md).
 
 The scheduler owns the slots: it gives each request one slot per tree node and frees those of
-the nodes the result does not list as accepted.
-"""
+the nodes the result does not list as accepted."""
 
 from __future__ import annotations
 
@@ -22,7 +12,8 @@ import dataclasses
 import torch
 
 from spectral.constrained import GrammarFollower, apply_bitmask
-from spectral.forward import ForwardBatch, ForwardMode
+from spectral.core.forward import ForwardBatch, ForwardMode
+from spectral.core.worker_io import RequestSampling, WorkerBatch, WorkerResult
 from spectral.speculative.cost_model import CostModel
 from spectral.speculative.eagle_drafter import EagleDrafter, shifted_draft_batch
 from spectral.speculative.planner import probabilities
@@ -33,7 +24,6 @@ from spectral.speculative.tree import (
     trees_from_parents,
 )
 from spectral.speculative.verify import VerifyResult, verify_greedy, verify_sampling
-from spectral.worker.io import RequestSampling, WorkerBatch, WorkerResult
 from spectral.worker.model_worker import ModelWorker
 from spectral.worker.sampler import apply_penalties, filtered_probs, request_step_seed
 

@@ -17,7 +17,7 @@ import torch
 
 from spectral.attention.registry import create_attention_backend
 from spectral.attention.torch_backend import TorchAttentionBackend
-from spectral.forward import ForwardMode
+from spectral.core.forward import ForwardMode
 from tests.attention_cases import CASES, SHAPES, random_case
 
 pytestmark = pytest.mark.skipif(
@@ -66,8 +66,8 @@ def test_backend_equals_the_torch_backend_in_every_mode(name, dtype, tolerance, 
 def test_sampling_on_the_device_equals_the_cpu_and_syncs_a_fixed_number_of_times():
     """Greedy, seeded (the noise comes from CPU generators) and penalised rows give the CPU's
     tokens and logprobs; the host waits on the device as often for 12 rows as for 6."""
+    from spectral.core.worker_io import RequestSampling
     from spectral.sampling_params import SamplingParams
-    from spectral.worker.io import RequestSampling
     from spectral.worker.sampler import sample
 
     params = [

@@ -1,15 +1,10 @@
 """`OpenAI`: any OpenAI-compatible server (spectral's `/v1` included) via the official client.
 
-Chat models (the default) see the program's finished role turns as `messages`; a `gen` or
-`select` must then open the assistant turn (`assistant(gen(...))`, or right after
-`assistant_begin()`), because the API can only continue a conversation, not a half-written
-reply. Completion models (`is_chat_model=False`) get the program's text as `prompt`.
-
-`select` on a completion model scores each choice by its tokens' mean logprob, from one
-`completions` request with the prompt + choice texts, `echo`, `logprobs=0` and `max_tokens=0`
-(spectral's `/v1/completions` answers it; so do servers that keep the legacy echo scoring).
-Where the server gives no prompt logprobs, and always on a chat model (the chat API cannot score
-given text), it generates greedily and picks the closest choice.
+Chat models get the finished role turns as `messages`, so a `gen` or `select` must open the
+assistant turn: the API continues a conversation, not a half-written reply. Completion models
+(`is_chat_model=False`) get the text as `prompt`, and their `select` scores the choices by
+echoed prompt logprobs where the server gives them; otherwise (always on a chat model, whose API
+cannot score given text) `select` generates greedily and picks the closest choice.
 """
 
 from __future__ import annotations
@@ -91,8 +86,9 @@ class OpenAI(Backend):
         return self._select_by_generation(ctx, choices)
 
     def _score_choices(self, ctx: Context, choices: list[str]) -> Choice | None:
-        """Mean logprob of each choice's tokens (a token that straddles the end of the prompt
-        counts as the choice's); None when the server does not score prompts."""
+        """Mean logprob of each choice's tokens, from one echoed `completions` request (a token
+        that straddles the end of the prompt counts as the choice's); None when the server
+        does not score prompts."""
         try:
             response = self._create(
                 model=self.model,

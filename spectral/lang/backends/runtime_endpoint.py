@@ -1,22 +1,8 @@
-"""`RuntimeEndpoint`: a spectral (or SGLang) server's native API, over plain `urllib`.
+"""`RuntimeEndpoint`: a spectral (or SGLang) server's native `POST /generate`, over `urllib`.
 
-Requests it sends (all `POST /generate`, JSON):
-
-- gen: `{"text": prompt, "sampling_params": {...}}`, with `"stream": true` when streaming
-  (SSE events carrying the cumulative text).
-- prefix hint (forks, run_batch): `{"text": prefix, "sampling_params": {"max_new_tokens": 0}}`:
-  the server prefills the prefix, which leaves it in the radix cache, and generates nothing.
-- select, two requests:
-  1. `{"text": prompt, "sampling_params": {"max_new_tokens": 0}}`, whose
-     `meta_info.prompt_tokens` is the prompt's length P (its prefill caches the prompt);
-  2. one batch `{"text": [prompt, prompt + c1, prompt + c2, ...], "sampling_params":
-     {"max_new_tokens": 1, "temperature": 0}, "return_logprob": true,
-     "logprob_start_len": max(P - 2, 0)}`, whose `meta_info.input_token_logprobs` hold
-     `(logprob, token_id, None)` from position P - 2 on. The prompt rides along so that its
-     own last tokens can be compared: a choice's tokens start where its token ids first
-     differ from the prompt's (usually P; P - 1 when the prompt's last token merged with the
-     choice, as "A: " + "True" becomes "A:" + " True"). Each choice scores the mean logprob
-     of its tokens; the highest wins. The first P - 2 tokens come from the radix cache.
+gen sends the prompt (streamed as SSE with cumulative text); the prefix hint of forks and
+run_batch prefills with `max_new_tokens: 0`, which leaves the text in the radix cache; select
+scores the choices by their tokens' logprobs (see `RuntimeEndpoint.select`).
 """
 
 from __future__ import annotations
@@ -72,8 +58,13 @@ class RuntimeEndpoint(Backend):
             sent = len(text)
 
     def select(self, ctx: Context, choices: list[str], temperature: float) -> Choice:
-        """Token-length-normalised logprob of each choice (see the module docstring);
-        `temperature` does not change scores. Ties go to the earlier choice."""
+        """The choice whose tokens have the best mean logprob (ties: the earlier one);
+        `temperature` does not change scores.
+
+        A prefill of the prompt gives its length P in tokens (and caches it); one batch of
+        the prompt and prompt + each choice then returns logprobs from P - 2 on. A choice's
+        tokens start where its token ids first differ from the prompt's, which catches a
+        last prompt token that merges with the choice ("A: " + "True" -> "A:" + " True")."""
         if not ctx.text:
             raise ValueError(
                 "select() needs some text before it: the first token of a prompt has no logprob"

@@ -1,13 +1,14 @@
-"""Req: one generation request and everything the scheduler tracks about it."""
+"""A generation request: what a client asked for (`TokenizedRequest`, the message the server's
+processes pass) and everything the scheduler tracks about it while it runs (`Req`)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from spectral.mem.radix_cache import TreeNode
-from spectral.sampling_params import SamplingParams
+from spectral.sampling_params import InvalidRequestError, SamplingParams
 
 
 @dataclass
@@ -29,7 +30,39 @@ class FinishReason:
 
 
 @dataclass
-class Req:
+class SpecState:
+    """A request's speculative decoding, kept by the scheduler's SpecRound."""
+
+    # This round's tree: one slot per node (node 0 = the root), and the nodes when the
+    # scheduler drafts them (n-gram, grammar-forced; None: the worker's head drafts).
+    slots: list[int] = field(default_factory=list)
+    draft_tokens: list[int] | None = None
+    draft_parents: list[int] | None = None
+    ngram: Any = None  # the n-gram drafter's state for this request
+    # The tree planner's view: which statistics this round's tree counts in, the accepted
+    # drafts against what they expected, the head's confidence in its next draft (if known).
+    kind: str = ""
+    expected_drafts: float = 0.0
+    draft_top1: float | None = None
+    verify_ct: int = 0  # rounds, and the draft tokens they accepted (meta_info)
+    accepted_tokens: int = 0
+
+    def meta(self) -> dict[str, Any]:
+        """meta_info entries (none for a request that never ran a round): rounds, accepted
+        draft tokens, and tokens per round."""
+        if not self.verify_ct:
+            return {}
+        return {
+            "spec_verify_ct": self.verify_ct,
+            "spec_accepted_tokens": self.accepted_tokens,
+            "spec_accept_length": (self.verify_ct + self.accepted_tokens) / self.verify_ct,
+        }
+
+
+@dataclass
+class TokenizedRequest:
+    """A tokenized request, as the tokenizer manager sends it to the scheduler."""
+
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
@@ -41,6 +74,12 @@ class Req:
     # Requests of one client call (a batch, n choices) share a group; the scheduler shares
     # its rows fairly between groups. None: a group of its own.
     group: str | None = None
+
+
+@dataclass
+class Req(TokenizedRequest):
+    """A request in the scheduler: its output so far, its KV and its speculative state."""
+
     output_ids: list[int] = field(default_factory=list)
 
     # KV state, owned from admission until the scheduler releases the request:
@@ -62,20 +101,7 @@ class Req:
     input_logprobs: list[float | None] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    # Speculative decoding: this round's tree slots (node 0 = the root); the tree when the
-    # scheduler drafts it (n-gram; None: the worker's head drafts), the n-gram drafter's
-    # per-request state, and counts for meta_info.
-    spec_slots: list[int] = field(default_factory=list)
-    draft_tokens: list[int] | None = None
-    draft_parents: list[int] | None = None
-    ngram_state: Any = None
-    spec_verify_ct: int = 0
-    spec_accepted_tokens: int = 0
-    # The tree planner's view of this request: which drafter gives this round's tree, and the
-    # accepted drafts against what the shared statistics expected of its verified nodes.
-    spec_kind: str = ""
-    spec_expected_drafts: float = 0.0
-    draft_top1: float | None = None  # the head's confidence in its next draft, when known
+    spec: SpecState = field(default_factory=lambda: SpecState())
     # Where a matched stop string starts in the decoded output text.
     stop_text_cut: int | None = None
     # Structured output: the request's place in its grammar (spectral.constrained.Grammar),
@@ -111,13 +137,6 @@ class Req:
         return self.finished_reason is not None
 
     @property
-    def is_prefilling(self) -> bool:
-        """Admitted, but the KV of some prompt (or re-prefill) tokens is still to compute."""
-        return self.req_pool_idx is not None and self.seq_len < len(self.input_ids) + len(
-            self.output_ids
-        )
-
-    @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0 and not self.output_ids
 
@@ -129,6 +148,11 @@ class Req:
             end = min(end, self.logprob_start_len)
         return tokens[:end]
 
+    @classmethod
+    def of(cls, request: TokenizedRequest) -> Req:
+        """The scheduler's state for a request received from the tokenizer manager."""
+        return cls(**{f.name: getattr(request, f.name) for f in fields(TokenizedRequest)})
+
     def __post_init__(self) -> None:
         if self.return_logprob and self.logprob_start_len < 0:
             self.logprob_start_len = len(self.input_ids) - 1
@@ -139,17 +163,45 @@ class Req:
         start = min(self.logprob_start_len, len(self.input_ids) - 1)
         return list(zip(self.input_logprobs, self.input_ids[start:]))
 
-    def spec_meta(self) -> dict[str, Any]:
-        """meta_info entries of speculative decoding (none for a request that never ran a
-        round): rounds, accepted draft tokens, and tokens per round."""
-        if not self.spec_verify_ct:
-            return {}
-        return {
-            "spec_verify_ct": self.spec_verify_ct,
-            "spec_accepted_tokens": self.spec_accepted_tokens,
-            "spec_accept_length": (self.spec_verify_ct + self.spec_accepted_tokens)
-            / self.spec_verify_ct,
-        }
-
     def remaining_new_tokens(self, max_output: int) -> int:
         return max(max_output - len(self.output_ids), 0)
+
+
+def check_request(
+    input_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_context_len: int,
+    num_kv_slots: int,
+    logprob_start_len: int = -1,
+) -> None:
+    """Raise InvalidRequestError for a request that can never run: an empty or too long
+    prompt, ids outside the vocabulary, parameters out of range, more KV than the pool has,
+    prompt logprobs asked from past the prompt's end. The scheduler checks every request; the
+    server checks before it queues one too."""
+    n = len(input_ids)
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty: give a non-empty text or input_ids")
+    if logprob_start_len >= n:
+        raise InvalidRequestError(
+            f"logprob_start_len: {logprob_start_len} is not below the prompt's {n} tokens",
+            "logprob_start_len",
+        )
+    bad = [t for t in input_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"input_ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})", "input_ids"
+        )
+    if n >= max_context_len:
+        raise InvalidRequestError(
+            f"the prompt has {n} tokens; the context length is {max_context_len}, "
+            f"so prompts may have at most {max_context_len - 1}"
+        )
+    params.validate(vocab_size)
+    needed = n + min(params.max_new_tokens, max_context_len - n)
+    if needed > num_kv_slots:
+        raise InvalidRequestError(
+            f"the request needs {needed} tokens of KV cache (prompt {n} + max_new_tokens), "
+            f"the pool holds {num_kv_slots}; lower max_new_tokens or raise --max-total-tokens",
+            "max_new_tokens",
+        )

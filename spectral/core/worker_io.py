@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from spectral.forward import ForwardMode
+from spectral.core.forward import ForwardMode
 from spectral.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

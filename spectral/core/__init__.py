@@ -1,0 +1,1 @@
+"""The nouns every layer shares: requests, what the scheduler and worker exchange, forwards."""

@@ -1,0 +1,42 @@
+"""SchedulerConfig: the limits and policies a scheduler runs by, from `ServerArgs` and the
+resolved model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spectral.args import ServerArgs
+from spectral.core.model import ResolvedModel
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_kv_slots: int  # the worker's KV pool
+    max_running_requests: int
+    max_context_len: int
+    max_prefill_tokens: int
+    eos_token_ids: tuple[int, ...]  # the model's stop ids
+    vocab_size: int
+    chunked_prefill_size: int | None = None
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be fcfs or lpm (got {self.schedule_policy!r})")
+
+    @classmethod
+    def of(cls, args: ServerArgs, model: ResolvedModel, num_kv_slots: int) -> SchedulerConfig:
+        return cls(
+            num_kv_slots=num_kv_slots,
+            max_running_requests=args.max_running_requests,
+            max_context_len=model.context_len,
+            max_prefill_tokens=args.max_prefill_tokens,
+            eos_token_ids=model.stop_token_ids,
+            vocab_size=model.vocab_size,
+            chunked_prefill_size=args.chunked_prefill_size,
+            schedule_policy=args.schedule_policy,
+            disable_radix_cache=args.disable_radix_cache,
+        )

@@ -1,0 +1,21 @@
+"""Worker: what the scheduler drives, in-process or in a worker process. One forward per step;
+the optional parts are None where a worker has none."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from spectral.constrained import GrammarFollower
+from spectral.core.worker_io import WorkerBatch, WorkerResult
+from spectral.speculative.cost_model import CostModel
+
+
+class Worker(Protocol):
+    num_kv_slots: int
+    # What speculative rounds cost here: the scheduler's planner sizes trees by it (None: no
+    # speculation, or trees of fixed size).
+    cost_model: CostModel | None
+    # Speculation only: the worker's own matchers, to mask draft trees node by node.
+    grammars: GrammarFollower | None
+
+    def forward(self, batch: WorkerBatch) -> WorkerResult: ...

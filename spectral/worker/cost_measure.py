@@ -1,0 +1,132 @@
+"""Measure a speculative worker's CostModel at start-up (a few seconds), or read it from a
+per-machine cache keyed by everything that changes what forwards cost."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from spectral.cache import DEFAULT_CACHE_DIR
+from spectral.core.forward import ForwardMode
+from spectral.core.worker_io import RequestSampling, WorkerBatch
+from spectral.sampling_params import SamplingParams
+from spectral.speculative.cost_model import CostModel
+from spectral.worker.spec_worker import SpeculativeWorker
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR = DEFAULT_CACHE_DIR / "cost_models"
+# Tree sizes (nodes, root included) and draft batch sizes measured at start-up.
+VERIFY_POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+DRAFT_POINTS = (1, 4)
+PREFIX = 256  # tokens of context the measured requests hold (a chat prompt and its answer)
+REPEATS = 3
+
+
+def cache_key(parts: dict) -> str:
+    """The cache file name for a worker described by `parts` (anything that changes costs:
+    the machine, the model and its weight format, dtype, threads, the head and its tree)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_or_measure(worker: SpeculativeWorker, parts: dict, path: str | None = None) -> CostModel:
+    """The cost model at `path` (given by hand), else the cached one for `parts`, else measured
+    now and cached."""
+    if path is not None:
+        return CostModel.from_dict(json.loads(Path(path).read_text()))
+    file = CACHE_DIR / f"{cache_key(parts)}.json"
+    if file.exists():
+        try:
+            return CostModel.from_dict(json.loads(file.read_text()))
+        except (ValueError, json.JSONDecodeError):
+            logger.warning("ignoring a malformed cached cost model at %s", file)
+    start = time.perf_counter()
+    model = measure(worker)
+    logger.info(
+        "measured the speculative cost model in %.1f s (cached at %s): %s",
+        time.perf_counter() - start,
+        file,
+        model.summary(),
+    )
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps({**model.to_dict(), "parts": parts}))
+    except OSError as err:
+        logger.warning("could not cache the cost model (%s)", err)
+    return model
+
+
+def timed(fn, repeats: int = REPEATS, warmup: int = 1) -> float:
+    """Median seconds of `fn()` over `repeats` calls, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _ms(fn) -> float:
+    return 1000 * timed(fn)
+
+
+@torch.inference_mode()
+def measure(worker: SpeculativeWorker) -> CostModel:
+    """Measure the curves on `worker` before it serves anyone: request row 0 and the slots
+    from 1 up are used as scratch (nothing is allocated yet, and a request that later takes
+    them rewrites what it reads)."""
+    target = worker.target
+    max_nodes = min(max(VERIFY_POINTS), target.num_kv_slots - PREFIX - 2)
+    greedy = RequestSampling(SamplingParams(temperature=0.0, max_new_tokens=1))
+    prefix_ids = [(7 * i + 3) % target.config.vocab_size for i in range(PREFIX)]
+    slots = list(range(1, PREFIX + max_nodes + 1))
+
+    def batch(mode: ForwardMode, ids: list[int], start: int, **extra) -> WorkerBatch:
+        n = len(ids) if mode == ForwardMode.EXTEND else extra.pop("nodes", 1)
+        return WorkerBatch(
+            mode=mode,
+            input_ids=ids,
+            positions=list(range(start, start + len(ids))),
+            out_cache_loc=slots[start : start + n],
+            req_pool_indices=[0],
+            prefix_lens=[start],
+            extend_lens=[n],
+            sampling=[greedy],
+            **extra,
+        )
+
+    worker.forward(batch(ForwardMode.EXTEND, prefix_ids, 0))
+    verify = []
+    for n in (p for p in VERIFY_POINTS if p <= max_nodes):
+        # A chain of n - 1 given draft tokens below the root: no head draft in it.
+        tree = batch(
+            ForwardMode.TARGET_VERIFY,
+            [prefix_ids[-1]],
+            PREFIX,
+            nodes=n,
+            draft_tokens=[[3] * (n - 1)],
+            draft_parents=[list(range(n - 1))],
+        )
+        verify.append((n, _ms(lambda wb=tree: worker.forward(wb))))
+    step = batch(ForwardMode.DECODE, [prefix_ids[-1]], PREFIX)
+    decode_one = _ms(lambda: worker.forward(step))
+    draft = [(1, 0.0, 0.0)]
+    drafter = worker.drafter
+    if drafter is not None:
+        seq = torch.tensor([PREFIX])
+        draft = []
+        levels = max(drafter.num_steps, 2)
+        for b in DRAFT_POINTS:
+            rows = torch.zeros(b, dtype=torch.int64)
+            first = _ms(lambda rows=rows: drafter.draft(rows, seq.expand(len(rows)), 1))
+            deep = _ms(lambda rows=rows: drafter.draft(rows, seq.expand(len(rows)), levels))
+            draft.append((b, first, max(deep - first, 0.0) / (levels - 1)))
+    return CostModel(verify=verify, decode_one=decode_one, draft=draft)
