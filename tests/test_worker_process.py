@@ -39,7 +39,7 @@ def remote(peaky_model_dir):
     args = remote_args(peaky_model_dir)
     model, _ = resolve_model(args)
     with tempfile.TemporaryDirectory() as ipc_dir:
-        worker = RemoteWorker(args, model, ipc_dir).wait_ready()
+        worker = RemoteWorker(args, ipc_dir).hand_model(model).wait_ready()
         yield worker, model
         worker.close()
 
@@ -113,7 +113,7 @@ def test_a_worker_process_hands_its_cost_model_and_draft_confidence_to_the_plann
     expected = run_all(make_scheduler(peaky_model_dir), fresh(mixed_prompts(6)))
     expected_grammar = run_all(make_scheduler(peaky_model_dir), grammar_reqs())
     with tempfile.TemporaryDirectory() as ipc_dir:
-        worker = RemoteWorker(args, model, ipc_dir).wait_ready()
+        worker = RemoteWorker(args, ipc_dir).hand_model(model).wait_ready()
         try:
             assert worker.cost_model == CostModel.from_dict(FLAT_COST)
             scheduler = remote_scheduler(worker, model, args.spec_settings())

@@ -1,12 +1,10 @@
 """ResolvedModel: what the model is (its files, context length, vocabulary, stop ids), worked
 out once from `ServerArgs` by `spectral.models.resolved.resolve_model` and handed down: to every
-server process as JSON in its start-up command, and to every layer as arguments. Nothing below
+server process as its first message, and to every layer as arguments. Nothing below
 reads the config or the tokenizer's files again to find these out."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,10 +21,5 @@ class ResolvedModel:
     architecture: str
     features: dict[str, Any]  # what of its architecture it uses (/get_model_info)
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> ResolvedModel:
-        data = json.loads(text)
-        return cls(**{**data, "stop_token_ids": tuple(data["stop_token_ids"])})
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))  # lists on the wire

@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 from spectral.args import ServerArgs
 from spectral.core.model import ResolvedModel
 from spectral.models.config import ModelConfig
+from spectral.models.registry import check_model_dir
 from spectral.models.resolve import gguf_source, model_files_dir
 
 
@@ -16,6 +17,7 @@ def resolve_model(args: ServerArgs) -> tuple[ResolvedModel, Any]:
     """The model `args` name, and its tokenizer (loaded on the way: its EOS is a stop id).
     ModelNotFoundError / UnsupportedModelError say what is wrong with the path."""
     model_dir = model_files_dir(args.model_path, args.model_cache_dir)
+    check_model_dir(model_dir)  # a clear refusal before transformers reads the config
     config = ModelConfig.from_pretrained(model_dir)
     tokenizer_dir = args.tokenizer_path or model_dir
     tokenizer = load_tokenizer(tokenizer_dir)

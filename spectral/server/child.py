@@ -1,6 +1,6 @@
 """What every child process of the server shares: how it is started (a plain
-`python -m module` with the server args as JSON, so nothing is pickled), how it reads its
-arguments, and that it dies with its parent."""
+`python -m module` with the server args as JSON, so nothing is pickled), the resolved model as
+its first message, and that it dies with its parent."""
 
 from __future__ import annotations
 
@@ -15,15 +15,18 @@ import subprocess
 import sys
 from typing import Any
 
+import zmq
+
 from spectral import faults
 from spectral.args import ServerArgs
 from spectral.core.model import ResolvedModel
+from spectral.server import messages  # noqa: F401  (registers the message types)
+from spectral.server.ipc import recv_message, send_message
 
 
-def spawn_child(
-    module: str, args: ServerArgs, model: ResolvedModel, ipc_dir: str
-) -> subprocess.Popen:
-    """Start `python -m module` with the server args and the resolved model as JSON."""
+def spawn_child(module: str, args: ServerArgs, ipc_dir: str) -> subprocess.Popen:
+    """Start `python -m module` with the server args as JSON (its model follows as a message:
+    `hand_model`)."""
     return subprocess.Popen(
         [
             sys.executable,
@@ -33,24 +36,46 @@ def spawn_child(
             ipc_dir,
             "--args-json",
             json.dumps(dataclasses.asdict(args)),
-            "--model-json",
-            model.to_json(),
         ]
     )
 
 
-def parse_child_args(role: str) -> tuple[ServerArgs, ResolvedModel, argparse.Namespace]:
+def parse_child_args(role: str) -> tuple[ServerArgs, argparse.Namespace]:
     """Parse a child's command line, set up its logging, and tie its life to its parent's."""
     ap = argparse.ArgumentParser(description=f"spectral {role} process (started by spectral)")
     ap.add_argument("--ipc-dir", required=True)
     ap.add_argument("--args-json", required=True)
-    ap.add_argument("--model-json", required=True)
     ns = ap.parse_args()
     args = ServerArgs(**json.loads(ns.args_json))
     faults.enable(args.fault_injection)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role}: %(message)s")
     die_with_parent()
-    return args, ResolvedModel.from_json(ns.model_json), ns
+    return args, ns
+
+
+def hand_model(ctx: zmq.Context, ipc_dir: str, role: str, model: ResolvedModel) -> zmq.Socket:
+    """Send a child (started or about to start) the resolved model, its first message. The
+    message waits in the socket until the child listens: keep the socket open until the child
+    is ready, then close it."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(f"ipc://{ipc_dir}/model_{role}")
+    send_message(sock, model)
+    return sock
+
+
+def receive_model(ipc_dir: str, role: str) -> ResolvedModel:
+    """The resolved model the starting process hands this child (exits if that process dies
+    first). The starting process resolves it while this one imports its modules."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PULL)
+    sock.bind(f"ipc://{ipc_dir}/model_{role}")
+    if not wait_for_work(sock, os.getppid()):
+        sys.exit(f"spectral {role}: the process that started it is gone")
+    model = recv_message(sock)
+    sock.close(0)
+    if not isinstance(model, ResolvedModel):
+        raise RuntimeError(f"{role}: expected the resolved model first, got {type(model).__name__}")
+    return model
 
 
 def wait_for_work(sock: Any, parent: int) -> bool:

@@ -10,9 +10,8 @@ from typing import Any
 import zmq
 
 from spectral import faults
-from spectral.core.model import ResolvedModel
 from spectral.faults import failure
-from spectral.server.child import parse_child_args, wait_for_work
+from spectral.server.child import parse_child_args, receive_model, wait_for_work
 from spectral.server.detokenizer import IncrementalDetokenizer, load_decoder
 from spectral.server.ipc import recv_message, send_message
 from spectral.server.messages import (
@@ -25,8 +24,8 @@ from spectral.server.messages import (
 logger = logging.getLogger("spectral.detokenizer")
 
 
-def detokenizer_main(model: ResolvedModel, ipc_dir: str) -> None:
-    tokenizer = load_decoder(model.tokenizer_dir)
+def detokenizer_main(ipc_dir: str) -> None:
+    tokenizer = load_decoder(receive_model(ipc_dir, "detokenizer").tokenizer_dir)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(f"ipc://{ipc_dir}/detokenizer_in")
@@ -96,8 +95,8 @@ def _text_delta(
 
 
 def main() -> None:
-    _, model, ns = parse_child_args("detokenizer")
-    detokenizer_main(model, ns.ipc_dir)
+    _, ns = parse_child_args("detokenizer")
+    detokenizer_main(ns.ipc_dir)
 
 
 if __name__ == "__main__":

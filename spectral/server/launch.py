@@ -22,8 +22,7 @@ import zmq
 from spectral.args import ServerArgs
 from spectral.models.registry import UnsupportedModelError, check_model_dir
 from spectral.models.resolve import ModelNotFoundError, model_files_dir
-from spectral.models.resolved import resolve_model
-from spectral.server.child import spawn_child
+from spectral.server.child import hand_model, spawn_child
 from spectral.server.ipc import recv_message
 from spectral.server.messages import ProcessReady
 
@@ -71,11 +70,11 @@ def launch_server(args: ServerArgs) -> None:
 
         serve_data_parallel(args)
         return
-    # Resolved once (a GGUF's files extracted once) before the children start, and handed to
-    # them; they start before this process imports the HTTP stack, which overlaps the two.
+    # The model's files (a GGUF's extracted once) checked before the children start; they
+    # import their modules while this process resolves the model, then each gets it as its
+    # first message.
     try:
         check_model_dir(model_files_dir(args.model_path, args.model_cache_dir))
-        model, tokenizer = resolve_model(args)
     except (ModelNotFoundError, UnsupportedModelError) as err:
         sys.exit(f"spectral: {err}")
     ipc_dir = tempfile.mkdtemp(prefix="spectral-")  # mode 0700
@@ -83,16 +82,27 @@ def launch_server(args: ServerArgs) -> None:
     ready_sock = ctx.socket(zmq.PULL)
     ready_sock.bind(f"ipc://{ipc_dir}/ready")
     children = {
-        "detokenizer": spawn_child("spectral.server.detokenizer_process", args, model, ipc_dir),
-        "scheduler": spawn_child("spectral.server.scheduler_process", args, model, ipc_dir),
+        "detokenizer": spawn_child("spectral.server.detokenizer_process", args, ipc_dir),
+        "scheduler": spawn_child("spectral.server.scheduler_process", args, ipc_dir),
     }
+    model_out: list[zmq.Socket] = []
     exit_code = 0
     try:
+        # (imported here, after the children started: transformers and torch take seconds)
+        from spectral.models.resolved import resolve_model
         from spectral.server.http_server import create_app
         from spectral.server.protocol import RequestLimits
         from spectral.server.tokenizer_manager import TokenizerManager
 
+        try:
+            model, tokenizer = resolve_model(args)
+        except (ModelNotFoundError, UnsupportedModelError) as err:
+            raise RuntimeError(f"spectral: {err}") from None
+        # to the model worker too, which the scheduler process has started
+        model_out = [hand_model(ctx, ipc_dir, role, model) for role in [*children, "worker"]]
         info = _wait_ready(ready_sock, children)["scheduler"]
+        for sock in model_out:
+            sock.close(0)
         ready_sock.close(0)
         served = args.served_model_name or args.model_path
         state: dict[str, TokenizerManager] = {}
@@ -164,7 +174,8 @@ def launch_server(args: ServerArgs) -> None:
         logger.info("shutting down")
     finally:
         _stop(children)
-        ready_sock.close(0)  # an open socket would keep ctx.term() waiting forever
+        for sock in [ready_sock, *model_out]:
+            sock.close(0)  # an open socket would keep ctx.term() waiting forever
         ctx.term()
         shutil.rmtree(ipc_dir, ignore_errors=True)
     if exit_code:

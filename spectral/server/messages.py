@@ -10,13 +10,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from spectral.core.forward import ForwardMode
+from spectral.core.model import ResolvedModel
 from spectral.core.req import TokenizedRequest
 from spectral.core.worker_io import RequestSampling, WorkerBatch, WorkerResult
 from spectral.sampling_params import SamplingParams
 from spectral.server.ipc import message, register_enum
 
 register_enum(ForwardMode)
-for cls in (SamplingParams, TokenizedRequest, RequestSampling, WorkerBatch, WorkerResult):
+for cls in (
+    ResolvedModel,
+    SamplingParams,
+    TokenizedRequest,
+    RequestSampling,
+    WorkerBatch,
+    WorkerResult,
+):
     message(cls)
 
 

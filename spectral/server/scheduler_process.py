@@ -11,11 +11,10 @@ import time
 import zmq
 
 from spectral.args import ServerArgs
-from spectral.core.model import ResolvedModel
 from spectral.core.req import Req, TokenizedRequest
 from spectral.faults import failure
 from spectral.sampling_params import InvalidRequestError
-from spectral.server.child import parse_child_args
+from spectral.server.child import parse_child_args, receive_model
 from spectral.server.ipc import recv_message, send_message
 from spectral.server.messages import (
     AbortReq,
@@ -31,14 +30,15 @@ logger = logging.getLogger("spectral.scheduler")
 
 
 class SchedulerProcess:
-    def __init__(self, args: ServerArgs, model: ResolvedModel, ipc_dir: str) -> None:
+    def __init__(self, args: ServerArgs, ipc_dir: str) -> None:
         # The worker's load is the longest part of the start-up: it starts before this process
-        # imports the scheduler (torch, transformers) and loads its tokenizer (this module
-        # imports nothing heavy), which overlaps the two.
-        self.worker = RemoteWorker(args, model, ipc_dir)
+        # imports the scheduler (torch, transformers; this module imports nothing heavy), and
+        # both import while the launching process resolves the model, which it hands to each.
+        self.worker = RemoteWorker(args, ipc_dir)
         from spectral.models.resolved import load_tokenizer
         from spectral.scheduler.scheduler import build_scheduler
 
+        model = receive_model(ipc_dir, "scheduler")
         tokenizer = load_tokenizer(model.tokenizer_dir)
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -148,10 +148,10 @@ class SchedulerProcess:
 
 
 def main() -> None:
-    args, model, ns = parse_child_args("scheduler")
+    args, ns = parse_child_args("scheduler")
     # exit through `finally` so that the worker process is stopped with us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    process = SchedulerProcess(args, model, ns.ipc_dir)
+    process = SchedulerProcess(args, ns.ipc_dir)
     try:
         process.run()
     except WorkerDiedError as err:

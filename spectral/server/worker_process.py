@@ -18,7 +18,13 @@ from spectral.core.model import ResolvedModel
 from spectral.core.worker_io import WorkerBatch, WorkerResult
 from spectral.faults import RemoteError, WorkerLostError
 from spectral.server import messages  # noqa: F401  (registers the message types)
-from spectral.server.child import parse_child_args, spawn_child, wait_for_work
+from spectral.server.child import (
+    hand_model,
+    parse_child_args,
+    receive_model,
+    spawn_child,
+    wait_for_work,
+)
 from spectral.server.ipc import message, recv_message, send_message
 from spectral.speculative.cost_model import CostModel
 
@@ -59,9 +65,10 @@ class WorkerStepError(RemoteError):
     """The worker failed on one batch; the scheduler fails that batch's requests."""
 
 
-def worker_main(args: ServerArgs, model: ResolvedModel, ipc_dir: str) -> None:
+def worker_main(args: ServerArgs, ipc_dir: str) -> None:
     from spectral.worker.factory import create_worker
 
+    model = receive_model(ipc_dir, "worker")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(f"ipc://{ipc_dir}/worker_in")
@@ -94,14 +101,22 @@ class RemoteWorker:
 
     grammars = None  # the worker process follows grammars itself (the Worker interface)
 
-    def __init__(self, args: ServerArgs, model: ResolvedModel, ipc_dir: str) -> None:
+    def __init__(self, args: ServerArgs, ipc_dir: str) -> None:
+        self.ipc_dir = ipc_dir
         self.cost_model: CostModel | None = None  # known once it is ready
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.PULL)
         self.results.bind(f"ipc://{ipc_dir}/worker_out")
-        self.process = spawn_child("spectral.server.worker_process", args, model, ipc_dir)
+        self.process = spawn_child("spectral.server.worker_process", args, ipc_dir)
+        self._model_out: zmq.Socket | None = None
         self.batches = self.ctx.socket(zmq.PUSH)
         self.batches.connect(f"ipc://{ipc_dir}/worker_in")
+
+    def hand_model(self, model: ResolvedModel) -> RemoteWorker:
+        """Send the worker the resolved model (it waits for it after its imports; in a server
+        the launching process sends it); returns self."""
+        self._model_out = hand_model(self.ctx, self.ipc_dir, "worker", model)
+        return self
 
     def wait_ready(self) -> RemoteWorker:
         """Wait until the worker has loaded (RuntimeError if it failed to); returns self."""
@@ -109,6 +124,8 @@ class RemoteWorker:
         if isinstance(ready, WorkerFailed):
             self.close()
             raise RuntimeError(f"the model worker failed to start: {ready.error}")
+        if self._model_out is not None:
+            self._model_out.close(0)
         self.ready: WorkerReady = ready
         self.num_kv_slots = ready.num_kv_slots
         self.cost_model = CostModel.from_dict(ready.cost_model) if ready.cost_model else None
@@ -144,15 +161,17 @@ class RemoteWorker:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self._model_out is not None:
+            self._model_out.close(0)
         self.batches.close(0)
         self.results.close(0)
         self.ctx.term()
 
 
 def main() -> None:
-    args, model, ns = parse_child_args("worker")
+    args, ns = parse_child_args("worker")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    worker_main(args, model, ns.ipc_dir)
+    worker_main(args, ns.ipc_dir)
 
 
 if __name__ == "__main__":
