@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.models import model_file  # noqa: E402
 from spectral.core.forward import ForwardBatch, ForwardMode  # noqa: E402
 from spectral.layers.linear import Linear  # noqa: E402
 from spectral.models.resolve import gguf_source, model_files_dir  # noqa: E402
@@ -184,6 +185,7 @@ def plot(results: dict, path: Path) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default="default")
+    ap.add_argument("--model", default=None, help="a kit model (bench/models.py); overrides it")
     ap.add_argument("--dtypes", default="float32")
     ap.add_argument(
         "--kernels",
@@ -196,6 +198,8 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
     ns = ap.parse_args()
+    if ns.model is not None:
+        ns.model_path = str(model_file(ns.model))
     ms = [int(m) for m in ns.ms.split(",")]
     model_dir = model_files_dir(ns.model_path)
     gguf = gguf_source(ns.model_path)

@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import chat, mtbench_first_turns  # noqa: E402
 
+from models import model_file  # noqa: E402
 from spectral import Engine  # noqa: E402
 from spectral.models.resolve import resolve_model_path  # noqa: E402
 
@@ -110,6 +111,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model-path", default="default")
+    ap.add_argument("--model", default=None, help="a kit model (bench/models.py); overrides it")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -124,6 +126,8 @@ def main() -> None:
         help="also measure spectral at batch 1 with this --quantization (e.g. none), same run",
     )
     args = ap.parse_args()
+    if args.model is not None:
+        args.model_path = str(model_file(args.model))
     torch.set_num_threads(torch.get_num_threads())
 
     def make_engine(quantization: str) -> Engine:

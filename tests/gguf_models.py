@@ -35,7 +35,9 @@ ARCHS = {
     "qwen2": TinyArch("qwen2", "tiny qwen2", "qwen2", True, False, 1e6),
 }
 # Float formats and the block formats spectral serves natively.
-FORMATS = ("F32", "Q4_0", "Q4_1", "Q8_0")
+FORMATS = ("F32", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
+# The K-quants, which gguf's Python package cannot quantize (quantize_k does), and file types.
+K_FORMATS = {"Q4_K": "MOSTLY_Q4_K_S", "Q5_K": "MOSTLY_Q5_K_S"}
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, CONTEXT = 256, 512, 2, 4, 2, 2048
 
@@ -80,9 +82,8 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(VOCAB_SIZE)
-    writer.add_file_type(
-        gguf.LlamaFileType.ALL_F32 if fmt == "F32" else getattr(gguf.LlamaFileType, f"MOSTLY_{fmt}")
-    )
+    file_type = "ALL_F32" if fmt == "F32" else K_FORMATS.get(fmt, f"MOSTLY_{fmt}")
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     tokens, types, merges = small_vocab()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(spec.tokenizer_pre)
@@ -97,6 +98,8 @@ def write_tiny_gguf(
         values = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
         if fmt == "F32":
             writer.add_tensor(name, values)
+        elif fmt in K_FORMATS:
+            writer.add_tensor(name, quantize_k(values, fmt), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
 
@@ -121,6 +124,37 @@ def write_tiny_gguf(
         matrix("output.weight", VOCAB_SIZE, HIDDEN, 0.2)
 
     return finish(writer, path, architecture_last)
+
+
+def quantize_k(values: np.ndarray, fmt: str) -> np.ndarray:
+    """`values` [rows, k] (k a multiple of 256) as Q4_K or Q5_K blocks (uint8 [rows, bytes]):
+    per 32 weights a 6-bit scale and minimum of the superblock's fp16 d and dmin, then 4- or
+    5-bit quants (a plain round-to-nearest quantizer; the tests compare readers of one file)."""
+    levels = 15 if fmt == "Q4_K" else 31
+    rows, k = values.shape
+    x = values.reshape(rows, k // 256, 8, 32).astype(np.float32)
+    low = np.minimum(x.min(-1), 0.0)
+    step = np.maximum((x.max(-1) - low) / levels, 1e-8)
+    d = (step.max(-1) / 63).astype(np.float16)
+    dmin = (-low).max(-1) / 63
+    dmin = np.where(dmin > 0, dmin, 1e-8).astype(np.float16)
+    sc = np.clip(np.rint(step / d.astype(np.float32)[..., None]), 1, 63).astype(np.uint8)
+    mn = np.clip(np.rint(-low / dmin.astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
+    scale = d.astype(np.float32)[..., None] * sc
+    offset = dmin.astype(np.float32)[..., None] * mn
+    q = np.clip(np.rint((x + offset[..., None]) / scale[..., None]), 0, levels).astype(np.uint8)
+    packed = np.zeros((rows, k // 256, 12), dtype=np.uint8)
+    packed[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    pairs = q.reshape(rows, k // 256, 4, 2, 32)  # sub-blocks 2i and 2i + 1 share 32 bytes
+    nibbles = ((pairs[..., 0, :] & 15) | ((pairs[..., 1, :] & 15) << 4)).reshape(rows, -1, 128)
+    parts = [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed]
+    if fmt == "Q5_K":  # byte j of the 32 holds the fifth bit of weight j of every sub-block
+        fifth = (q >> 4).transpose(0, 1, 3, 2)  # [rows, superblocks, 32, 8 sub-blocks]
+        parts.append(np.packbits(fifth, axis=-1, bitorder="little")[..., 0])
+    parts.append(nibbles)
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
 def write_foreign_gguf(path: Path, arch: str, architecture_last: bool = False) -> Path:

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from spectral import Engine
+from spectral.layers.gguf_blocks import LAYOUTS
 from spectral.layers.linear import Linear
 from spectral.models.config import ModelConfig
 from spectral.models.registry import UnsupportedModelError, architecture_in_header, check_gguf
@@ -87,7 +88,7 @@ def test_gguf_greedy_equals_transformers_loading_the_same_file(gguf_dir, cache_d
             }
             # Served from the file's own blocks, or dequantized at load (then packed as dense).
             native = quantization == "auto" and fmt != "F32"
-            assert packed == ({fmt} if native else {None})
+            assert packed == ({LAYOUTS[fmt]} if native else {None})
             outs = engine.generate(PROMPTS, GREEDY)
             assert [o["output_ids"] for o in outs] == expected, (arch, fmt, quantization)
             assert_no_leaks(engine)

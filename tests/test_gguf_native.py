@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spectral.kernels.cpu_kernels import load_cpu_kernels
-from spectral.layers.embedding import dequantize_rows
+from spectral.layers.gguf_blocks import decode
 from spectral.layers.linear import Linear
 from spectral.models.config import ModelConfig
 from spectral.models.gguf_native import load_gguf_model
@@ -79,7 +79,7 @@ def test_every_weight_expands_to_transformers_dequantized_weights(default_model_
     assert torch.equal(model.embed(ids.view(2, -1)).view(len(ids), -1), reference.embed(ids))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
 def test_embedding_rows_dequantize_bit_equal_to_gguf(kind):
     """The torch lookup of block rows (a decode step's token embedding) against gguf's own
     dequantization of the same blocks; other formats are left to gguf."""
@@ -90,8 +90,9 @@ def test_embedding_rows_dequantize_bit_equal_to_gguf(kind):
     values = np.random.default_rng(4).standard_normal((9, 96)).astype(np.float32) * 5
     blocks = gguf.quants.quantize(values, qtype)
     expected = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
-    assert torch.equal(dequantize_rows(torch.from_numpy(blocks), kind), expected)
-    assert dequantize_rows(torch.from_numpy(blocks), "Q4_K") is None
+    assert torch.equal(decode(torch.from_numpy(blocks), kind).dequantize(), expected)
+    with pytest.raises(ValueError, match="Q6_K is not decoded here"):
+        decode(torch.from_numpy(blocks), "Q6_K")
 
 
 def test_a_gguf_dequantized_at_load_equals_transformers_conversion(default_model_dir):

@@ -15,8 +15,9 @@ from torch import nn
 @dataclass
 class PackedWeight:
     """A weight [n, k] in the layout one of the CPU kernels streams: dense (float32 or
-    bfloat16, `gguf_type` None) or GGUF blocks of `gguf_type` (Q4_0, Q4_1, Q8_0), expanded in
-    registers to exactly the values the dequantized weight holds in the model's dtype."""
+    bfloat16, `gguf_type` None) or GGUF blocks in the `gguf_linear` layout `gguf_type` (Q4_1,
+    Q8_0, Q8_1: spectral.layers.gguf_blocks), expanded in registers to exactly the values the
+    dequantized weight holds in the model's dtype."""
 
     data: torch.Tensor
     n: int

@@ -1,12 +1,13 @@
 """Build a model straight from a GGUF file, its blocks served as they are where the kernels can.
 
-Each Linear (and the LM head) whose GGUF tensors are all in a format `gguf_linear` expands gets
-them packed in place of a dense weight; the token embedding is looked up from its own blocks;
-everything else (norms, formats the kernels do not implement, or every weight with `native`
-off) is dequantized by gguf's own code into the model's dtype, the values transformers' GGUF
-loader produces. The model fuses q|k|v and gate|up; a Llama GGUF stores q and k with their
-rows permuted for interleaved rotary (llama.cpp's converter), which is undone here on whole
-rows of blocks, as transformers does on floats.
+Each Linear (and the LM head) whose GGUF tensors are all in formats `gguf_linear` expands in
+one layout (spectral.layers.gguf_blocks) gets them packed in place of a dense weight; the token
+embedding is looked up from its own blocks; everything else (norms, formats the kernels do not
+implement, or every weight with `native` off) is dequantized by gguf's own code into the
+model's dtype, the values transformers' GGUF loader produces. The model fuses q|k|v and
+gate|up; a Llama GGUF stores q and k with their rows permuted for interleaved rotary
+(llama.cpp's converter), which is undone here on whole rows of blocks, as transformers does on
+floats.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from spectral.layers.embedding import BlockEmbedding, dequantize
+from spectral.layers.gguf_blocks import LAYOUTS, BlockParts, decode, pack_blocks
 from spectral.layers.linear import PackedWeight
 from spectral.models.config import ModelConfig
 from spectral.models.registry import gguf_architecture
@@ -28,7 +30,7 @@ from spectral.models.registry import gguf_architecture
 logger = logging.getLogger(__name__)
 
 # The block formats gguf_linear expands.
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+NATIVE_TYPES = tuple(LAYOUTS)
 # GGUF architectures whose converter permuted the q and k rows.
 PERMUTED_QK = ("llama",)
 
@@ -92,13 +94,19 @@ def load_gguf_model(
             offset += values.shape[0]
 
     def blocks(names: list[str], k: int) -> PackedWeight | None:
-        kinds = {tensor(n).tensor_type.name for n in names}
-        if kernels is None or len(kinds) != 1 or not kinds <= set(NATIVE_TYPES):
+        """The tensors `names` packed for gguf_linear as one weight, or None where the kernels
+        cannot serve them (a format not decoded here, or formats of different layouts)."""
+        kinds = [tensor(n).tensor_type.name for n in names]
+        layouts = {LAYOUTS.get(kind) for kind in kinds}
+        if kernels is None or None in layouts or len(layouts) != 1:
             return None
-        rows = np.concatenate([rows_of(n) for n in names])
-        kind = kinds.pop()
-        data = kernels.pack_gguf_weight(torch.from_numpy(rows), kind, k)
-        return PackedWeight(data, rows.shape[0], kind)
+        layout = layouts.pop()
+        if len(set(kinds)) == 1:
+            rows = torch.from_numpy(np.concatenate([rows_of(n) for n in names]))
+            return PackedWeight(pack_blocks(rows, kinds[0], k, kernels), rows.shape[0], layout)
+        parts = [decode(torch.from_numpy(rows_of(n)), kind) for n, kind in zip(names, kinds)]
+        joined = BlockParts.join(parts)
+        return PackedWeight(joined.pack(kernels, layout), joined.quants.shape[0], layout)
 
     def linear(module: nn.Module, names: list[str]) -> bool:
         """Serve `module` from its blocks (its dense weight emptied) or fill it; True if blocks."""

@@ -2,7 +2,9 @@
 // registers: Q4_1 (w = d * q + m, q in 0..15), Q4_0 (w = d * (q - 8)) and Q8_0 (w = d * q, q in
 // -128..127), 32 weights of one row a block, fp16 d and m. Q4_0 is packed as Q4_1 with
 // m = -8 d: d * q and 8 d are exact in float32 and so is their difference, so the one fused
-// multiply-add gives d * (q - 8) exactly.
+// multiply-add gives d * (q - 8) exactly. Other formats are decoded by the caller into a
+// float32 d (and m) and a quant per weight of one of three layouts (`pack_gguf_parts`): 4-bit
+// with m (Q4_1: Q4_K), 8-bit (Q8_0: Q5_0) and 8-bit with m (Q8_1: Q5_1, Q5_K).
 //
 // Packed layout, as packed_linear's (panels of kNR output columns, one micro-kernel), per panel
 // and per block of 32 inputs: the kNR columns' d (and m) as float32, then their quants side by
@@ -27,7 +29,7 @@ namespace {
 using namespace spectral_cpu;
 
 constexpr int64_t kBlock = 32;
-constexpr int kQ4_1 = 0, kQ8_0 = 1;  // the packed layouts
+constexpr int kQ4_1 = 0, kQ8_0 = 1, kQ8_1 = 2;  // the packed layouts
 
 // A GGUF block type as stored and the packed layout it becomes.
 struct Format {
@@ -38,8 +40,11 @@ struct Format {
 
 // Bytes of one packed block of a panel: scales (and mins), then quants.
 constexpr int64_t packed_block_bytes(int kind) {
-  return kind == kQ4_1 ? kNR * 8 + 16 * kNR : kNR * 4 + 32 * kNR;
+  return kind == kQ4_1 ? kNR * 8 + 16 * kNR : kind == kQ8_0 ? kNR * 4 + 32 * kNR : kNR * 8 + 32 * kNR;
 }
+
+// Where a packed block's quants start (after d, and m where the layout has it).
+constexpr int64_t quants_offset(int kind) { return kind == kQ8_0 ? kNR * 4 : kNR * 8; }
 
 float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
@@ -125,10 +130,12 @@ inline void expand(const uint8_t* panel, int64_t k, bool bf16, Use&& use) {
         use(i0 + j + 16, w0, w1, 1);
       }
     } else {
-      const int8_t* q = reinterpret_cast<const int8_t*>(blk + kNR * 4);
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + quants_offset(Kind));
+      const Vec::R m0 = Kind == kQ8_1 ? Vec::load(d + kNR) : Vec::zero();
+      const Vec::R m1 = Kind == kQ8_1 ? Vec::load(d + kNR + kLanes) : Vec::zero();
       auto weights = [&](int64_t j, Vec::R& w0, Vec::R& w1) {
-        w0 = Vec::fma(d0, widen_i8(q + j * kNR), Vec::zero());
-        w1 = Vec::fma(d1, widen_i8(q + j * kNR + kLanes), Vec::zero());
+        w0 = Vec::fma(d0, widen_i8(q + j * kNR), m0);
+        w1 = Vec::fma(d1, widen_i8(q + j * kNR + kLanes), m1);
         if (bf16) w0 = round_bf16(w0), w1 = round_bf16(w1);
       };
       for (int64_t j = 0; j < kBlock; j += 2) {
@@ -148,7 +155,8 @@ inline void expand(const uint8_t* panel, int64_t k, bool bf16, Use&& use) {
           const float q = static_cast<float>(j < 16 ? byte & 0x0F : byte >> 4);
           w[c] = std::fma(d[c], q, d[kNR + c]);
         } else {
-          w[c] = d[c] * static_cast<float>(reinterpret_cast<const int8_t*>(blk + kNR * 4)[j * kNR + c]);
+          const float q = reinterpret_cast<const int8_t*>(blk + quants_offset(Kind))[j * kNR + c];
+          w[c] = Kind == kQ8_1 ? std::fma(d[c], q, d[kNR + c]) : d[c] * q;
         }
         if (bf16) w[c] = round_to_bf16(w[c]);
       }
@@ -228,7 +236,7 @@ void row_tile(const float* x, int64_t k, const uint8_t* panel, const float* xsum
         s10 = Vec::fma(xh, qh[0], s10), s11 = Vec::fma(xh, qh[1], s11);
       }
     } else {
-      const int8_t* q = reinterpret_cast<const int8_t*>(blk + kNR * 4);
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + quants_offset(Kind));
       for (int64_t j = 0; j < kBlock; j += 2) {
         const Vec::R xl = Vec::set1(xb[j]), xh = Vec::set1(xb[j + 1]);
         s00 = Vec::fma(xl, widen_i8(q + j * kNR), s00);
@@ -239,7 +247,7 @@ void row_tile(const float* x, int64_t k, const uint8_t* panel, const float* xsum
     }
     t0 = Vec::fma(Vec::load(d), Vec::add(s00, s10), t0);
     t1 = Vec::fma(Vec::load(d + kLanes), Vec::add(s01, s11), t1);
-    if constexpr (Kind == kQ4_1) {
+    if constexpr (Kind != kQ8_0) {
       const Vec::R xs = Vec::set1(xsum[b]);
       t0 = Vec::fma(Vec::load(d + kNR), xs, t0);
       t1 = Vec::fma(Vec::load(d + kNR + kLanes), xs, t1);
@@ -294,7 +302,11 @@ Format format_of(const std::string& name) {
   TORCH_CHECK(false, "GGUF block type ", name, " is not implemented (Q4_0, Q4_1, Q8_0 are)");
 }
 
-int kind_of(const std::string& name) { return format_of(name).kind; }
+// The packed layout a name gives: a format packed as it is stored, or a layout of decoded parts.
+int kind_of(const std::string& name) {
+  if (name == "Q8_1") return kQ8_1;
+  return format_of(name).kind;
+}
 
 }  // namespace
 
@@ -338,6 +350,57 @@ torch::Tensor pack_gguf_weight(const torch::Tensor& blocks, const std::string& t
   return packed;
 }
 
+// scales, mins: float32 [n, k / 32], one d (and m) per 32 weights; quants: uint8 [n, k], values
+// 0..15 for the Q4_1 layout, int8 bits for Q8_0 and Q8_1. w = d * q (+ m) is what gguf_linear
+// expands, exactly: d * q must be exact in float32 (d of at most 16 significant bits).
+torch::Tensor pack_gguf_parts(const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
+                              const torch::Tensor& quants, const std::string& layout) {
+  const int kind = kind_of(layout);
+  TORCH_CHECK(layout != "Q4_0", "layouts: Q4_1, Q8_0, Q8_1 (got ", layout, ")");
+  TORCH_CHECK(quants.dim() == 2 && quants.scalar_type() == torch::kUInt8, "uint8 [n, k] quants");
+  const int64_t n = quants.size(0), k = quants.size(1), nblocks = k / kBlock;
+  TORCH_CHECK(k % kBlock == 0, "k must be a multiple of 32 (got ", k, ")");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.dim() == 2 &&
+                  scales.size(0) == n && scales.size(1) == nblocks,
+              "float32 [n, k / 32] scales");
+  const bool with_min = kind != kQ8_0;
+  TORCH_CHECK(mins.has_value() == with_min, "the ", layout, " layout ",
+              with_min ? "needs" : "takes no", " mins");
+  if (with_min)
+    TORCH_CHECK(mins->scalar_type() == torch::kFloat32 && mins->sizes() == scales.sizes(),
+                "float32 [n, k / 32] mins");
+  const torch::Tensor sc = scales.contiguous(), q = quants.contiguous();
+  const torch::Tensor mn = with_min ? mins->contiguous() : sc;
+  const float* sp = sc.data_ptr<float>();
+  const float* mp = mn.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const int64_t panels = (n + kNR - 1) / kNR, out_block = packed_block_bytes(kind);
+  torch::Tensor packed = torch::zeros({panels * nblocks * out_block}, quants.options());
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t b = 0; b < nblocks; ++b) {
+        uint8_t* dst = out + (p * nblocks + b) * out_block;
+        float* d = reinterpret_cast<float*>(dst);
+        uint8_t* qs = dst + quants_offset(kind);
+        for (int64_t c = 0; c < kNR && p * kNR + c < n; ++c) {
+          const int64_t row = p * kNR + c;
+          d[c] = sp[row * nblocks + b];
+          if (with_min) d[kNR + c] = mp[row * nblocks + b];
+          const uint8_t* src = qp + row * k + b * kBlock;
+          if (kind == kQ4_1) {
+            for (int64_t j = 0; j < 16; ++j)
+              qs[j * kNR + c] = static_cast<uint8_t>((src[j] & 0x0F) | (src[j + 16] << 4));
+          } else {
+            for (int64_t j = 0; j < kBlock; ++j) qs[j * kNR + c] = src[j];
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const std::string& type, int64_t n, const c10::optional<torch::Tensor>& bias) {
   const int kind = kind_of(type);
@@ -357,9 +420,12 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
     if (kind == kQ4_1) {
       if (bf16) run<kQ4_1>(xf.data_ptr<float>(), m, k, w, n, true, out.data_ptr<at::BFloat16>());
       else run<kQ4_1>(xf.data_ptr<float>(), m, k, w, n, false, out.data_ptr<float>());
-    } else {
+    } else if (kind == kQ8_0) {
       if (bf16) run<kQ8_0>(xf.data_ptr<float>(), m, k, w, n, true, out.data_ptr<at::BFloat16>());
       else run<kQ8_0>(xf.data_ptr<float>(), m, k, w, n, false, out.data_ptr<float>());
+    } else {
+      if (bf16) run<kQ8_1>(xf.data_ptr<float>(), m, k, w, n, true, out.data_ptr<at::BFloat16>());
+      else run<kQ8_1>(xf.data_ptr<float>(), m, k, w, n, false, out.data_ptr<float>());
     }
   }
   if (bias.has_value()) out.add_(*bias);
@@ -370,6 +436,9 @@ void register_quant_linear(pybind11::module& m) {
   m.def("pack_gguf_weight", &pack_gguf_weight,
         "a GGUF tensor's rows of Q4_0, Q4_1 or Q8_0 blocks in the panel layout gguf_linear "
         "streams");
+  m.def("pack_gguf_parts", &pack_gguf_parts,
+        "decoded blocks (float32 d and m per 32 weights, a quant per weight) in the panel "
+        "layout Q4_1, Q8_0 or Q8_1 that gguf_linear streams");
   m.def("gguf_linear", &gguf_linear,
         "x @ w.T (+ bias) over packed GGUF blocks, expanded in registers (rounded to bfloat16 "
         "for a bfloat16 x)");

@@ -1,0 +1,138 @@
+"""GGUF block formats decoded in torch into `BlockParts`: a float32 scale d (and minimum m) per
+32 weights and a quant q per weight, with w = d * q + m exactly gguf's own dequantization
+(d * q is exact in float32 for every format here; one rounding adds m, as gguf's does). The
+parts are what `gguf_linear` streams (packed in one of its layouts) and what an embedding's
+rows dequantize from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+# (weights, bytes) of one block of each format decoded here.
+BLOCKS = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q8_0": (32, 34),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+}
+# The gguf_linear layout each format is served in: 4-bit quants with m (Q4_1), 8-bit quants
+# (Q8_0), 8-bit quants with m (Q8_1). Q4_0, Q4_1 and Q8_0 are packed as they are stored.
+LAYOUTS = {
+    "Q4_0": "Q4_1",
+    "Q4_1": "Q4_1",
+    "Q8_0": "Q8_0",
+    "Q5_0": "Q8_0",
+    "Q5_1": "Q8_1",
+    "Q4_K": "Q4_1",
+    "Q5_K": "Q8_1",
+}
+STORED_LAYOUT = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@dataclass
+class BlockParts:
+    scales: torch.Tensor  # float32 [n, k / 32]
+    mins: torch.Tensor | None  # float32 [n, k / 32], or None (w = d * q)
+    quants: torch.Tensor  # [n, k]: uint8 (0..15 or 0..31) or int8
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [n, k]: d * q (+ m), bit-equal to gguf's dequantization of the blocks."""
+        w = self.scales.repeat_interleave(32, dim=1) * self.quants.float()
+        if self.mins is not None:
+            w = w + self.mins.repeat_interleave(32, dim=1)
+        return w
+
+    @classmethod
+    def join(cls, parts: list[BlockParts]) -> BlockParts:
+        """The rows of `parts` (of formats sharing one layout) as one weight's."""
+        mins = [p.mins for p in parts]
+        return cls(
+            torch.cat([p.scales for p in parts]),
+            None if mins[0] is None else torch.cat(mins),
+            torch.cat([p.quants for p in parts]),
+        )
+
+    def pack(self, kernels: ModuleType, layout: str) -> torch.Tensor:
+        """The parts in `layout` for kernels.gguf_linear."""
+        quants = self.quants.view(torch.uint8) if self.quants.dtype == torch.int8 else self.quants
+        return kernels.pack_gguf_parts(self.scales, self.mins, quants.contiguous(), layout)
+
+
+def _half(raw: torch.Tensor) -> torch.Tensor:
+    """float32 of little-endian fp16 bytes [..., 2]."""
+    return raw.contiguous().view(torch.float16).float().squeeze(-1)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., b] bytes to [..., 2b] 4-bit values: the low nibbles first, then the high ones."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _bits(raw: torch.Tensor, count: int) -> torch.Tensor:
+    """[..., count // 8] little-endian bytes to [..., count] bits (bit i of byte i // 8 at i)."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((raw.unsqueeze(-1) >> shifts) & 1).reshape(*raw.shape[:-1], count)
+
+
+def _k_scales(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 6-bit scales and minimums of a K-quant superblock's 8 sub-blocks, from its 12 bytes
+    ([..., 12] -> two [..., 8])."""
+    d, m, md = raw[..., 0:4], raw[..., 4:8], raw[..., 8:12]
+    scales = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mins = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return scales, mins
+
+
+def decode(rows: torch.Tensor, type_name: str) -> BlockParts:
+    """The parts of GGUF block rows (uint8 [n, bytes]) of `type_name` (a key of BLOCKS)."""
+    if type_name not in BLOCKS:
+        raise ValueError(f"GGUF type {type_name} is not decoded here ({', '.join(BLOCKS)} are)")
+    size, nbytes = BLOCKS[type_name]
+    n = rows.shape[0]
+    b = rows.reshape(n, -1, nbytes)
+    if size == 256:
+        return _decode_k(b, type_name)
+    d = _half(b[..., 0:2])
+    if type_name == "Q8_0":
+        return BlockParts(d, None, b[..., 2:].contiguous().view(torch.int8).reshape(n, -1))
+    m = _half(b[..., 2:4]) if type_name in ("Q4_1", "Q5_1") else None
+    if type_name in ("Q4_0", "Q4_1"):
+        q = _nibbles(b[..., 4:] if m is not None else b[..., 2:]).reshape(n, -1)
+        return BlockParts(d, m if m is not None else -8 * d, q)
+    start = 8 if m is not None else 6  # Q5_0, Q5_1: 4 bytes of fifth bits, then nibbles
+    q = _nibbles(b[..., start:]) | (_bits(b[..., start - 4 : start], 32) << 4)
+    if m is None:  # Q5_0: w = d * (q - 16)
+        return BlockParts(d, None, (q.to(torch.int8) - 16).reshape(n, -1))
+    return BlockParts(d, m, q.reshape(n, -1))
+
+
+def _decode_k(b: torch.Tensor, type_name: str) -> BlockParts:
+    """Q4_K, Q5_K: superblocks of 256 weights, 8 sub-blocks of 32 with 6-bit scales and minimums
+    of an fp16 d and dmin: w = (d * scale) * q - dmin * min."""
+    n = b.shape[0]
+    d, dmin = _half(b[..., 0:2]).unsqueeze(-1), _half(b[..., 2:4]).unsqueeze(-1)
+    sc, mn = _k_scales(b[..., 4:16])
+    scales = (d * sc.float()).reshape(n, -1)
+    mins = -(dmin * mn.float()).reshape(n, -1)
+    if type_name == "Q4_K":
+        # Each 32 bytes hold two sub-blocks: low nibbles the first, high nibbles the second.
+        q = _nibbles(b[..., 16:].reshape(n, -1, 4, 32))
+    else:
+        high = _bits(b[..., 16:48].reshape(n, -1, 32, 1), 8)  # [n, sb, 32 bytes, 8 sub-blocks]
+        q = _nibbles(b[..., 48:].reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32)
+        q = q | (high.transpose(-1, -2) << 4)
+    return BlockParts(scales, mins, q.reshape(n, -1))
+
+
+def pack_blocks(rows: torch.Tensor, type_name: str, k: int, kernels: ModuleType) -> torch.Tensor:
+    """GGUF block rows of `type_name` ([n, bytes]) packed for kernels.gguf_linear, which is then
+    called with LAYOUTS[type_name]."""
+    if type_name in STORED_LAYOUT:
+        return kernels.pack_gguf_weight(rows, type_name, k)
+    return decode(rows, type_name).pack(kernels, LAYOUTS[type_name])
