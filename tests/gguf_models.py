@@ -35,9 +35,15 @@ ARCHS = {
     "qwen2": TinyArch("qwen2", "tiny qwen2", "qwen2", True, False, 1e6),
 }
 # Float formats and the block formats spectral serves natively.
-FORMATS = ("F32", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
+FORMATS = ("F32", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # The K-quants, which gguf's Python package cannot quantize (quantize_k does), and file types.
-K_FORMATS = {"Q4_K": "MOSTLY_Q4_K_S", "Q5_K": "MOSTLY_Q5_K_S"}
+K_FORMATS = {
+    "Q4_K": "MOSTLY_Q4_K_S",
+    "Q5_K": "MOSTLY_Q5_K_S",
+    "Q6_K": "MOSTLY_Q6_K",
+    "Q4_K_M": "MOSTLY_Q4_K_M",  # llama.cpp's mix: Q6_K attn_v, ffn_down and output, else Q4_K
+}
+Q4_K_M_SIX = ("attn_v", "ffn_down", "output.weight")
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, CONTEXT = 256, 512, 2, 4, 2, 2048
 
@@ -69,7 +75,6 @@ def write_tiny_gguf(
     spec = ARCHS[arch]
     rng = np.random.default_rng(seed)
     head_dim = HIDDEN // HEADS
-    qtype = gguf.GGMLQuantizationType[fmt]
     writer = gguf.GGUFWriter(str(path), spec.gguf_arch)
     writer.add_name(spec.name)
     writer.add_context_length(CONTEXT)
@@ -96,10 +101,14 @@ def write_tiny_gguf(
 
     def matrix(name: str, rows: int, cols: int, scale: float) -> None:
         values = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        kind = fmt
+        if fmt == "Q4_K_M":
+            kind = "Q6_K" if any(part in name for part in Q4_K_M_SIX) else "Q4_K"
+        qtype = gguf.GGMLQuantizationType[kind] if kind != "F32" else None
         if fmt == "F32":
             writer.add_tensor(name, values)
-        elif fmt in K_FORMATS:
-            writer.add_tensor(name, quantize_k(values, fmt), raw_dtype=qtype)
+        elif kind in K_FORMATS:
+            writer.add_tensor(name, quantize_k(values, kind), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
 
@@ -130,8 +139,10 @@ def quantize_k(values: np.ndarray, fmt: str) -> np.ndarray:
     """`values` [rows, k] (k a multiple of 256) as Q4_K or Q5_K blocks (uint8 [rows, bytes]):
     per 32 weights a 6-bit scale and minimum of the superblock's fp16 d and dmin, then 4- or
     5-bit quants (a plain round-to-nearest quantizer; the tests compare readers of one file)."""
-    levels = 15 if fmt == "Q4_K" else 31
     rows, k = values.shape
+    if fmt == "Q6_K":
+        return quantize_q6_k(values)
+    levels = 15 if fmt == "Q4_K" else 31
     x = values.reshape(rows, k // 256, 8, 32).astype(np.float32)
     low = np.minimum(x.min(-1), 0.0)
     step = np.maximum((x.max(-1) - low) / levels, 1e-8)
@@ -154,6 +165,25 @@ def quantize_k(values: np.ndarray, fmt: str) -> np.ndarray:
         fifth = (q >> 4).transpose(0, 1, 3, 2)  # [rows, superblocks, 32, 8 sub-blocks]
         parts.append(np.packbits(fifth, axis=-1, bitorder="little")[..., 0])
     parts.append(nibbles)
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """`values` [rows, k] as Q6_K blocks: per 16 weights an int8 scale of the superblock's fp16
+    d (stored last), 6-bit quants q - 32 split into 4 low bits and 2 high bits."""
+    rows, k = values.shape
+    x = values.reshape(rows, k // 256, 16, 16).astype(np.float32)
+    step = np.maximum(np.abs(x).max(-1) / 31, 1e-8)
+    d = (step.max(-1) / 127).astype(np.float16)
+    sc = np.clip(np.rint(step / d.astype(np.float32)[..., None]), 1, 127).astype(np.int8)
+    scale = d.astype(np.float32)[..., None] * sc
+    q = (np.clip(np.rint(x / scale[..., None]), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(rows, k // 256, 2, 4, 32)  # halves of 128: four runs of 32
+    low = q & 15
+    ql = (low[..., 0:2, :] | (low[..., 2:4, :] << 4)).reshape(rows, -1, 128)
+    hi = q >> 4
+    qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
+    parts = [ql, qh.reshape(rows, -1, 64), sc.view(np.uint8), d[..., None].view(np.uint8)]
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 

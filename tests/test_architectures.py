@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from spectral import Engine
 from spectral.layers.gguf_blocks import LAYOUTS
-from spectral.layers.linear import Linear
+from spectral.layers.linear import Linear, PackedRows
 from spectral.models.config import ModelConfig
 from spectral.models.registry import UnsupportedModelError, architecture_in_header, check_gguf
 from spectral.models.resolve import model_files_dir
@@ -204,3 +204,23 @@ def test_load_format_dummy_serves_the_configs_shape_with_random_weights(tmp_path
         engine.shutdown()
     with pytest.raises(ValueError, match="--load-format dummy takes a HF model directory"):
         Engine(model_path="default", load_format="dummy")
+
+
+def test_a_q4_k_m_mix_is_served_natively_in_parts_and_equals_transformers(gguf_dir, cache_dir):
+    """llama.cpp's Q4_K_M: q and k Q4_K but v Q6_K in one fused q|k|v, served as packed parts of
+    two layouts stacked by rows; greedy output equals transformers loading the same file."""
+    path = tiny_gguf(gguf_dir, "qwen2", "Q4_K_M")
+    expected = transformers_greedy(str(gguf_dir), path.name)
+    engine = Engine(
+        model_path=str(path), dtype="float32", max_total_tokens=1024, model_cache_dir=cache_dir
+    )
+    try:
+        qkv = engine.worker.model.layers[0].self_attn.qkv_proj.packed
+        assert isinstance(qkv, PackedRows)
+        assert [part.gguf_type for part in qkv.parts] == ["Q4_1", "Q8_0h"]
+        assert engine.worker.model.layers[0].self_attn.qkv_proj.weight.numel() == 0
+        outs = engine.generate(PROMPTS, GREEDY)
+        assert [o["output_ids"] for o in outs] == expected
+        assert_no_leaks(engine)
+    finally:
+        engine.shutdown()

@@ -24,8 +24,13 @@ EXTREME = np.array([65504.0, -65504.0, 2**-24, -(2**-24), 0.0, -0.0, 1.0], dtype
 
 
 def scale_bytes(fmt: str) -> int:
-    """How many fp16 scales open a block of `fmt` (d, and m or dmin)."""
+    """How many fp16 scales a block of `fmt` holds (d, and m or dmin)."""
     return 2 if fmt in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1
+
+
+def scale_offset(fmt: str) -> int:
+    """Where a block's fp16 scales start (Q6_K keeps its d last)."""
+    return 208 if fmt == "Q6_K" else 0
 
 
 def random_blocks(fmt: str, n: int, blocks: int, seed: int, fill: str = "random") -> np.ndarray:
@@ -41,7 +46,8 @@ def random_blocks(fmt: str, n: int, blocks: int, seed: int, fill: str = "random"
     scales = rng.standard_normal((n, blocks, scale_bytes(fmt))).astype(np.float16)
     pick = rng.random(scales.shape) < 0.2
     scales[pick] = rng.choice(EXTREME, pick.sum())
-    raw[..., : 2 * scale_bytes(fmt)] = scales.view(np.uint8).reshape(n, blocks, -1)
+    at = scale_offset(fmt)
+    raw[..., at : at + 2 * scale_bytes(fmt)] = scales.view(np.uint8).reshape(n, blocks, -1)
     return raw.reshape(n, -1)
 
 
@@ -98,12 +104,13 @@ def test_gguf_linear_is_within_float32_error_of_float64_for_every_format(fmt, ro
     raw = random_blocks(fmt, n, 2, seed=rows)
     b = raw.reshape(n, 2, -1)
     scales = (rng.standard_normal((n, 2, scale_bytes(fmt))) * 0.05).astype(np.float16)
-    b[..., : 2 * scale_bytes(fmt)] = scales.view(np.uint8).reshape(n, 2, -1)
+    at = scale_offset(fmt)
+    b[..., at : at + 2 * scale_bytes(fmt)] = scales.view(np.uint8).reshape(n, 2, -1)
     parts = decode(torch.from_numpy(raw), fmt)
     w = parts.dequantize()
     offsets = torch.zeros_like(w)
     if parts.mins is not None:
-        offsets = parts.mins.abs().repeat_interleave(32, dim=1)
+        offsets = parts.mins.abs().repeat_interleave(parts.group, dim=1)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     got = kernels.gguf_linear(x, parts.pack(kernels, LAYOUTS[fmt]), LAYOUTS[fmt], n, None)
     exact = x.double() @ w.double().T
@@ -112,8 +119,8 @@ def test_gguf_linear_is_within_float32_error_of_float64_for_every_format(fmt, ro
 
 def test_formats_of_one_layout_join_into_one_weight():
     """A fused weight whose parts come in different formats of one layout (Q4_0 and Q4_K: the
-    Q4_1 layout; Q5_1 and Q5_K: Q8_1) expands to each part's own dequantization."""
-    for formats, layout in ((("Q4_0", "Q4_K"), "Q4_1"), (("Q5_1", "Q5_K"), "Q8_1")):
+    Q4_1 layout; Q5_1 and Q5_K: Q8_0m) expands to each part's own dequantization."""
+    for formats, layout in ((("Q4_0", "Q4_K"), "Q4_1"), (("Q5_1", "Q5_K"), "Q8_0m")):
         raws = [
             random_blocks(fmt, 9, 256 // BLOCKS[fmt][0], seed=i) for i, fmt in enumerate(formats)
         ]
@@ -124,8 +131,8 @@ def test_formats_of_one_layout_join_into_one_weight():
 
 
 def test_a_format_not_decoded_here_is_refused_with_the_ones_that_are():
-    with pytest.raises(ValueError, match=r"Q6_K is not decoded here \(Q4_0, .*Q5_K are\)"):
-        decode(torch.zeros(1, 210, dtype=torch.uint8), "Q6_K")
+    with pytest.raises(ValueError, match=r"Q3_K is not decoded here \(Q4_0, .*Q6_K are\)"):
+        decode(torch.zeros(1, 110, dtype=torch.uint8), "Q3_K")
     parts = decode(torch.from_numpy(random_blocks("Q5_0", 2, 1, seed=0)), "Q5_0")
-    with pytest.raises(RuntimeError, match="Q8_1 layout needs mins"):
-        kernels.pack_gguf_parts(parts.scales, None, parts.quants.view(torch.uint8), "Q8_1")
+    with pytest.raises(RuntimeError, match="Q8_0m layout needs mins"):
+        kernels.pack_gguf_parts(parts.scales, None, parts.quants.view(torch.uint8), "Q8_0m")

@@ -1,8 +1,8 @@
 """GGUF block formats decoded in torch into `BlockParts`: a float32 scale d (and minimum m) per
-32 weights and a quant q per weight, with w = d * q + m exactly gguf's own dequantization
-(d * q is exact in float32 for every format here; one rounding adds m, as gguf's does). The
-parts are what `gguf_linear` streams (packed in one of its layouts) and what an embedding's
-rows dequantize from."""
+32 weights (per 16 for Q6_K) and a quant q per weight, with w = d * q + m exactly gguf's own
+dequantization (d * q is exact in float32, or rounded once as gguf does for Q6_K; one rounding
+adds m, as gguf's does). The parts are what `gguf_linear` streams (packed in one of its
+layouts) and what an embedding's rows dequantize from."""
 
 from __future__ import annotations
 
@@ -20,32 +20,36 @@ BLOCKS = {
     "Q5_1": (32, 24),
     "Q4_K": (256, 144),
     "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
 }
 # The gguf_linear layout each format is served in: 4-bit quants with m (Q4_1), 8-bit quants
-# (Q8_0), 8-bit quants with m (Q8_1). Q4_0, Q4_1 and Q8_0 are packed as they are stored.
+# (Q8_0), 8-bit quants with m (Q8_0m), 8-bit quants with a d per 16 (Q8_0h). Q4_0, Q4_1 and
+# Q8_0 are packed as they are stored.
 LAYOUTS = {
     "Q4_0": "Q4_1",
     "Q4_1": "Q4_1",
     "Q8_0": "Q8_0",
     "Q5_0": "Q8_0",
-    "Q5_1": "Q8_1",
+    "Q5_1": "Q8_0m",
     "Q4_K": "Q4_1",
-    "Q5_K": "Q8_1",
+    "Q5_K": "Q8_0m",
+    "Q6_K": "Q8_0h",
 }
 STORED_LAYOUT = ("Q4_0", "Q4_1", "Q8_0")
 
 
 @dataclass
 class BlockParts:
-    scales: torch.Tensor  # float32 [n, k / 32]
-    mins: torch.Tensor | None  # float32 [n, k / 32], or None (w = d * q)
+    scales: torch.Tensor  # float32 [n, k / group]
+    mins: torch.Tensor | None  # float32 [n, k / group], or None (w = d * q)
     quants: torch.Tensor  # [n, k]: uint8 (0..15 or 0..31) or int8
+    group: int = 32  # weights per scale
 
     def dequantize(self) -> torch.Tensor:
         """float32 [n, k]: d * q (+ m), bit-equal to gguf's dequantization of the blocks."""
-        w = self.scales.repeat_interleave(32, dim=1) * self.quants.float()
+        w = self.scales.repeat_interleave(self.group, dim=1) * self.quants.float()
         if self.mins is not None:
-            w = w + self.mins.repeat_interleave(32, dim=1)
+            w = w + self.mins.repeat_interleave(self.group, dim=1)
         return w
 
     @classmethod
@@ -56,6 +60,7 @@ class BlockParts:
             torch.cat([p.scales for p in parts]),
             None if mins[0] is None else torch.cat(mins),
             torch.cat([p.quants for p in parts]),
+            parts[0].group,
         )
 
     def pack(self, kernels: ModuleType, layout: str) -> torch.Tensor:
@@ -120,6 +125,8 @@ def _decode_k(b: torch.Tensor, type_name: str) -> BlockParts:
     sc, mn = _k_scales(b[..., 4:16])
     scales = (d * sc.float()).reshape(n, -1)
     mins = -(dmin * mn.float()).reshape(n, -1)
+    if type_name == "Q6_K":
+        return _decode_q6_k(b)
     if type_name == "Q4_K":
         # Each 32 bytes hold two sub-blocks: low nibbles the first, high nibbles the second.
         q = _nibbles(b[..., 16:].reshape(n, -1, 4, 32))
@@ -128,6 +135,22 @@ def _decode_k(b: torch.Tensor, type_name: str) -> BlockParts:
         q = _nibbles(b[..., 48:].reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32)
         q = q | (high.transpose(-1, -2) << 4)
     return BlockParts(scales, mins, q.reshape(n, -1))
+
+
+def _decode_q6_k(b: torch.Tensor) -> BlockParts:
+    """Q6_K: superblocks of 256 weights, 16 sub-blocks of 16 with int8 scales of an fp16 d (the
+    block's last bytes): w = (d * scale) * (q - 32), q of 4 low bits and 2 high bits."""
+    n = b.shape[0]
+    low = b[..., :128].reshape(n, -1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(
+        2, 1
+    )
+    high = b[..., 128:192].reshape(n, -1, 2, 1, 32) >> torch.tensor(
+        [0, 2, 4, 6], dtype=torch.uint8
+    ).view(4, 1)
+    q = (low & 0x0F).reshape(n, -1, 8, 32) | ((high & 0x03).reshape(n, -1, 8, 32) << 4)
+    d = _half(b[..., 208:210]).unsqueeze(-1)
+    scales = (d * b[..., 192:208].contiguous().view(torch.int8).float()).reshape(n, -1)
+    return BlockParts(scales, None, (q.to(torch.int8) - 32).reshape(n, -1), group=16)
 
 
 def pack_blocks(rows: torch.Tensor, type_name: str, k: int, kernels: ModuleType) -> torch.Tensor:

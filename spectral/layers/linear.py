@@ -16,8 +16,8 @@ from torch import nn
 class PackedWeight:
     """A weight [n, k] in the layout one of the CPU kernels streams: dense (float32 or
     bfloat16, `gguf_type` None) or GGUF blocks in the `gguf_linear` layout `gguf_type` (Q4_1,
-    Q8_0, Q8_1: spectral.layers.gguf_blocks), expanded in registers to exactly the values the
-    dequantized weight holds in the model's dtype."""
+    Q8_0, Q8_0m, Q8_0h: spectral.layers.gguf_blocks), expanded in registers to exactly the
+    values the dequantized weight holds in the model's dtype."""
 
     data: torch.Tensor
     n: int
@@ -34,6 +34,21 @@ class PackedWeight:
         if self.gguf_type is not None:
             return x.dtype in (torch.float32, torch.bfloat16)
         return x.dtype == self.data.dtype
+
+
+@dataclass
+class PackedRows:
+    """A weight served from packed parts stacked by rows: a fused weight (q|k|v) whose GGUF
+    tensors come in formats of different layouts (a Q4_K_M file's Q4_K q and k, Q6_K v)."""
+
+    parts: list[PackedWeight]
+
+    def matmul(self, kernels: ModuleType, x: torch.Tensor, bias: torch.Tensor | None):
+        out = torch.cat([part.matmul(kernels, x, None) for part in self.parts], dim=-1)
+        return out if bias is None else out + bias
+
+    def serves(self, x: torch.Tensor) -> bool:
+        return all(part.serves(x) for part in self.parts)
 
 
 def pack_weight(weight: torch.Tensor, kernels: ModuleType | None) -> PackedWeight | None:
@@ -66,7 +81,7 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     kernels: ModuleType | None = None,
-    packed: PackedWeight | None = None,
+    packed: PackedWeight | PackedRows | None = None,
 ) -> torch.Tensor:
     """x @ weight.T + bias: through the CPU kernels when `packed` is given and x suits it,
     else PyTorch."""
@@ -87,7 +102,7 @@ class Linear(nn.Linear):
     and does not follow later changes to the weight."""
 
     kernels: ModuleType | None = None
-    packed: PackedWeight | None = None
+    packed: PackedWeight | PackedRows | None = None
 
     def set_kernels(self, kernels: ModuleType | None, quantize: str | None = None) -> None:
         """Serve matmuls through `kernels`, packing the weight for them (quantized to GGUF

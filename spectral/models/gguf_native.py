@@ -12,6 +12,7 @@ floats.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -23,7 +24,7 @@ from torch import nn
 
 from spectral.layers.embedding import BlockEmbedding, dequantize
 from spectral.layers.gguf_blocks import LAYOUTS, BlockParts, decode, pack_blocks
-from spectral.layers.linear import PackedWeight
+from spectral.layers.linear import PackedRows, PackedWeight
 from spectral.models.config import ModelConfig
 from spectral.models.registry import gguf_architecture
 
@@ -93,14 +94,17 @@ def load_gguf_model(
             param.data[offset : offset + values.shape[0]].copy_(values)
             offset += values.shape[0]
 
-    def blocks(names: list[str], k: int) -> PackedWeight | None:
-        """The tensors `names` packed for gguf_linear as one weight, or None where the kernels
-        cannot serve them (a format not decoded here, or formats of different layouts)."""
+    def blocks(names: list[str], k: int) -> PackedWeight | PackedRows | None:
+        """The tensors `names` packed for gguf_linear as one weight (in parts of one layout
+        each where their formats differ), or None where the kernels cannot serve them."""
         kinds = [tensor(n).tensor_type.name for n in names]
-        layouts = {LAYOUTS.get(kind) for kind in kinds}
-        if kernels is None or None in layouts or len(layouts) != 1:
+        layouts = [LAYOUTS.get(kind) for kind in kinds]
+        if kernels is None or None in layouts:
             return None
-        layout = layouts.pop()
+        if len(set(layouts)) > 1:
+            runs = itertools.groupby(zip(names, layouts), key=lambda pair: pair[1])
+            return PackedRows([blocks([name for name, _ in run], k) for _, run in runs])
+        layout = layouts[0]
         if len(set(kinds)) == 1:
             rows = torch.from_numpy(np.concatenate([rows_of(n) for n in names]))
             return PackedWeight(pack_blocks(rows, kinds[0], k, kernels), rows.shape[0], layout)

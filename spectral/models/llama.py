@@ -94,8 +94,8 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp.down_proj,
         )
         self.fused = None
-        if kernels is None or any(m.packed is None for m in linears):
-            return
+        if kernels is None or any(not isinstance(m.packed, PackedWeight) for m in linears):
+            return  # (a weight packed in parts of several layouts: PackedRows, per op)
         packed = [
             kernels.PackedLinear(m.packed.data, m.packed.gguf_type or "", m.packed.n, m.bias)
             for m in linears

@@ -3,8 +3,9 @@
 // -128..127), 32 weights of one row a block, fp16 d and m. Q4_0 is packed as Q4_1 with
 // m = -8 d: d * q and 8 d are exact in float32 and so is their difference, so the one fused
 // multiply-add gives d * (q - 8) exactly. Other formats are decoded by the caller into a
-// float32 d (and m) and a quant per weight of one of three layouts (`pack_gguf_parts`): 4-bit
-// with m (Q4_1: Q4_K), 8-bit (Q8_0: Q5_0) and 8-bit with m (Q8_1: Q5_1, Q5_K).
+// float32 d (and m) and a quant per weight of one of four layouts (`pack_gguf_parts`): 4-bit
+// with m (Q4_1: Q4_K), 8-bit (Q8_0: Q5_0), 8-bit with m (Q8_0m: Q5_1, Q5_K) and 8-bit with a d
+// per 16 weights (Q8_0h: Q6_K).
 //
 // Packed layout, as packed_linear's (panels of kNR output columns, one micro-kernel), per panel
 // and per block of 32 inputs: the kNR columns' d (and m) as float32, then their quants side by
@@ -29,7 +30,7 @@ namespace {
 using namespace spectral_cpu;
 
 constexpr int64_t kBlock = 32;
-constexpr int kQ4_1 = 0, kQ8_0 = 1, kQ8_1 = 2;  // the packed layouts
+constexpr int kQ4_1 = 0, kQ8_0 = 1, kQ8_0m = 2, kQ8_0h = 3;  // the packed layouts
 
 // A GGUF block type as stored and the packed layout it becomes.
 struct Format {
@@ -39,6 +40,7 @@ struct Format {
 };
 
 // Bytes of one packed block of a panel: scales (and mins), then quants.
+// (Q8_0m: d then m; Q8_0h: the d of the first 16 weights, then the d of the last 16.)
 constexpr int64_t packed_block_bytes(int kind) {
   return kind == kQ4_1 ? kNR * 8 + 16 * kNR : kind == kQ8_0 ? kNR * 4 + 32 * kNR : kNR * 8 + 32 * kNR;
 }
@@ -131,11 +133,13 @@ inline void expand(const uint8_t* panel, int64_t k, bool bf16, Use&& use) {
       }
     } else {
       const int8_t* q = reinterpret_cast<const int8_t*>(blk + quants_offset(Kind));
-      const Vec::R m0 = Kind == kQ8_1 ? Vec::load(d + kNR) : Vec::zero();
-      const Vec::R m1 = Kind == kQ8_1 ? Vec::load(d + kNR + kLanes) : Vec::zero();
+      const Vec::R m0 = Kind == kQ8_0m ? Vec::load(d + kNR) : Vec::zero();
+      const Vec::R m1 = Kind == kQ8_0m ? Vec::load(d + kNR + kLanes) : Vec::zero();
+      const Vec::R e0 = Kind == kQ8_0h ? Vec::load(d + kNR) : d0;  // the last 16 weights' d
+      const Vec::R e1 = Kind == kQ8_0h ? Vec::load(d + kNR + kLanes) : d1;
       auto weights = [&](int64_t j, Vec::R& w0, Vec::R& w1) {
-        w0 = Vec::fma(d0, widen_i8(q + j * kNR), m0);
-        w1 = Vec::fma(d1, widen_i8(q + j * kNR + kLanes), m1);
+        w0 = Vec::fma(j < 16 ? d0 : e0, widen_i8(q + j * kNR), m0);
+        w1 = Vec::fma(j < 16 ? d1 : e1, widen_i8(q + j * kNR + kLanes), m1);
         if (bf16) w0 = round_bf16(w0), w1 = round_bf16(w1);
       };
       for (int64_t j = 0; j < kBlock; j += 2) {
@@ -156,7 +160,9 @@ inline void expand(const uint8_t* panel, int64_t k, bool bf16, Use&& use) {
           w[c] = std::fma(d[c], q, d[kNR + c]);
         } else {
           const float q = reinterpret_cast<const int8_t*>(blk + quants_offset(Kind))[j * kNR + c];
-          w[c] = Kind == kQ8_1 ? std::fma(d[c], q, d[kNR + c]) : d[c] * q;
+          if constexpr (Kind == kQ8_0m) w[c] = std::fma(d[c], q, d[kNR + c]);
+          else if constexpr (Kind == kQ8_0h) w[c] = (j < 16 ? d[c] : d[kNR + c]) * q;
+          else w[c] = d[c] * q;
         }
         if (bf16) w[c] = round_to_bf16(w[c]);
       }
@@ -236,18 +242,27 @@ void row_tile(const float* x, int64_t k, const uint8_t* panel, const float* xsum
         s10 = Vec::fma(xh, qh[0], s10), s11 = Vec::fma(xh, qh[1], s11);
       }
     } else {
+      // Q8_0h: s0x sum the first 16 weights, s1x the last 16 (their own d); else alternate.
       const int8_t* q = reinterpret_cast<const int8_t*>(blk + quants_offset(Kind));
       for (int64_t j = 0; j < kBlock; j += 2) {
-        const Vec::R xl = Vec::set1(xb[j]), xh = Vec::set1(xb[j + 1]);
-        s00 = Vec::fma(xl, widen_i8(q + j * kNR), s00);
-        s01 = Vec::fma(xl, widen_i8(q + j * kNR + kLanes), s01);
-        s10 = Vec::fma(xh, widen_i8(q + (j + 1) * kNR), s10);
-        s11 = Vec::fma(xh, widen_i8(q + (j + 1) * kNR + kLanes), s11);
+        const int64_t a = Kind == kQ8_0h ? j / 2 : j, b2 = Kind == kQ8_0h ? j / 2 + 16 : j + 1;
+        const Vec::R xl = Vec::set1(xb[a]), xh = Vec::set1(xb[b2]);
+        s00 = Vec::fma(xl, widen_i8(q + a * kNR), s00);
+        s01 = Vec::fma(xl, widen_i8(q + a * kNR + kLanes), s01);
+        s10 = Vec::fma(xh, widen_i8(q + b2 * kNR), s10);
+        s11 = Vec::fma(xh, widen_i8(q + b2 * kNR + kLanes), s11);
       }
     }
-    t0 = Vec::fma(Vec::load(d), Vec::add(s00, s10), t0);
-    t1 = Vec::fma(Vec::load(d + kLanes), Vec::add(s01, s11), t1);
-    if constexpr (Kind != kQ8_0) {
+    if constexpr (Kind == kQ8_0h) {
+      t0 = Vec::fma(Vec::load(d), s00, t0);
+      t1 = Vec::fma(Vec::load(d + kLanes), s01, t1);
+      t0 = Vec::fma(Vec::load(d + kNR), s10, t0);
+      t1 = Vec::fma(Vec::load(d + kNR + kLanes), s11, t1);
+    } else {
+      t0 = Vec::fma(Vec::load(d), Vec::add(s00, s10), t0);
+      t1 = Vec::fma(Vec::load(d + kLanes), Vec::add(s01, s11), t1);
+    }
+    if constexpr (Kind == kQ4_1 || Kind == kQ8_0m) {
       const Vec::R xs = Vec::set1(xsum[b]);
       t0 = Vec::fma(Vec::load(d + kNR), xs, t0);
       t1 = Vec::fma(Vec::load(d + kNR + kLanes), xs, t1);
@@ -304,7 +319,8 @@ Format format_of(const std::string& name) {
 
 // The packed layout a name gives: a format packed as it is stored, or a layout of decoded parts.
 int kind_of(const std::string& name) {
-  if (name == "Q8_1") return kQ8_1;
+  if (name == "Q8_0m") return kQ8_0m;
+  if (name == "Q8_0h") return kQ8_0h;
   return format_of(name).kind;
 }
 
@@ -350,20 +366,22 @@ torch::Tensor pack_gguf_weight(const torch::Tensor& blocks, const std::string& t
   return packed;
 }
 
-// scales, mins: float32 [n, k / 32], one d (and m) per 32 weights; quants: uint8 [n, k], values
-// 0..15 for the Q4_1 layout, int8 bits for Q8_0 and Q8_1. w = d * q (+ m) is what gguf_linear
-// expands, exactly: d * q must be exact in float32 (d of at most 16 significant bits).
+// scales, mins: float32 [n, k / 32], one d (and m) per 32 weights (Q8_0h: scales [n, k / 16], a
+// d per 16); quants: uint8 [n, k], values 0..15 for the Q4_1 layout, int8 bits for the others.
+// w = d * q (+ m) is what gguf_linear expands: exactly gguf's value where d * q is exact in
+// float32, or (Q6_K) where gguf too rounds d * q once.
 torch::Tensor pack_gguf_parts(const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
                               const torch::Tensor& quants, const std::string& layout) {
   const int kind = kind_of(layout);
-  TORCH_CHECK(layout != "Q4_0", "layouts: Q4_1, Q8_0, Q8_1 (got ", layout, ")");
+  TORCH_CHECK(layout != "Q4_0", "layouts: Q4_1, Q8_0, Q8_0m, Q8_0h (got ", layout, ")");
   TORCH_CHECK(quants.dim() == 2 && quants.scalar_type() == torch::kUInt8, "uint8 [n, k] quants");
   const int64_t n = quants.size(0), k = quants.size(1), nblocks = k / kBlock;
   TORCH_CHECK(k % kBlock == 0, "k must be a multiple of 32 (got ", k, ")");
+  const int64_t per_block = kind == kQ8_0h ? 2 : 1;
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.dim() == 2 &&
-                  scales.size(0) == n && scales.size(1) == nblocks,
-              "float32 [n, k / 32] scales");
-  const bool with_min = kind != kQ8_0;
+                  scales.size(0) == n && scales.size(1) == nblocks * per_block,
+              "float32 [n, k / ", kBlock / per_block, "] scales");
+  const bool with_min = kind == kQ4_1 || kind == kQ8_0m;
   TORCH_CHECK(mins.has_value() == with_min, "the ", layout, " layout ",
               with_min ? "needs" : "takes no", " mins");
   if (with_min)
@@ -385,7 +403,8 @@ torch::Tensor pack_gguf_parts(const torch::Tensor& scales, const c10::optional<t
         uint8_t* qs = dst + quants_offset(kind);
         for (int64_t c = 0; c < kNR && p * kNR + c < n; ++c) {
           const int64_t row = p * kNR + c;
-          d[c] = sp[row * nblocks + b];
+          d[c] = sp[(row * nblocks + b) * per_block];
+          if (kind == kQ8_0h) d[kNR + c] = sp[(row * nblocks + b) * 2 + 1];
           if (with_min) d[kNR + c] = mp[row * nblocks + b];
           const uint8_t* src = qp + row * k + b * kBlock;
           if (kind == kQ4_1) {
@@ -423,9 +442,12 @@ torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
     } else if (kind == kQ8_0) {
       if (bf16) run<kQ8_0>(xf.data_ptr<float>(), m, k, w, n, true, out.data_ptr<at::BFloat16>());
       else run<kQ8_0>(xf.data_ptr<float>(), m, k, w, n, false, out.data_ptr<float>());
+    } else if (kind == kQ8_0m) {
+      if (bf16) run<kQ8_0m>(xf.data_ptr<float>(), m, k, w, n, true, out.data_ptr<at::BFloat16>());
+      else run<kQ8_0m>(xf.data_ptr<float>(), m, k, w, n, false, out.data_ptr<float>());
     } else {
-      if (bf16) run<kQ8_1>(xf.data_ptr<float>(), m, k, w, n, true, out.data_ptr<at::BFloat16>());
-      else run<kQ8_1>(xf.data_ptr<float>(), m, k, w, n, false, out.data_ptr<float>());
+      if (bf16) run<kQ8_0h>(xf.data_ptr<float>(), m, k, w, n, true, out.data_ptr<at::BFloat16>());
+      else run<kQ8_0h>(xf.data_ptr<float>(), m, k, w, n, false, out.data_ptr<float>());
     }
   }
   if (bias.has_value()) out.add_(*bias);
@@ -438,7 +460,7 @@ void register_quant_linear(pybind11::module& m) {
         "streams");
   m.def("pack_gguf_parts", &pack_gguf_parts,
         "decoded blocks (float32 d and m per 32 weights, a quant per weight) in the panel "
-        "layout Q4_1, Q8_0 or Q8_1 that gguf_linear streams");
+        "layout Q4_1, Q8_0, Q8_0m or Q8_0h that gguf_linear streams");
   m.def("gguf_linear", &gguf_linear,
         "x @ w.T (+ bias) over packed GGUF blocks, expanded in registers (rounded to bfloat16 "
         "for a bfloat16 x)");
