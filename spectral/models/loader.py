@@ -61,7 +61,9 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str = "cpu") ->
     cls = MODEL_CLASSES[config.architecture]  # ModelConfig refuses any other
     with torch.device("meta"):
         model = cls(config)
-    model = model.to_empty(device=device).to(dtype)
+    # In `dtype` while still on meta (free), then memory left untouched until a weight is written:
+    # a weight that GGUF blocks replace never becomes resident.
+    model = model.to(dtype).to_empty(device=device)
     model.rotary = RotaryEmbedding(config.hf_config, config.head_dim, config.max_context_len).to(
         device
     )
