@@ -33,6 +33,7 @@ from offline import (  # noqa: E402
     transformers_batched,
 )
 
+from models import model_file  # noqa: E402
 from spectral import Engine  # noqa: E402
 from spectral.models.resolve import gguf_source, resolve_model_path  # noqa: E402
 
@@ -97,6 +98,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model-path", default="default")
+    ap.add_argument("--model", default=None, help="a kit model (bench/models.py); overrides it")
     ap.add_argument("--dtype", default="auto", help="spectral's --dtype; the peers get the same")
     ap.add_argument("--systems", default=ALL_SYSTEMS)
     ap.add_argument("--num-prompts", type=int, default=16, help="batch-1 prompts")
@@ -104,6 +106,8 @@ def main() -> None:
     ap.add_argument("--batches", default="16,64", help="aggregate batch sizes")
     ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds per peer")
     args = ap.parse_args()
+    if args.model is not None:
+        args.model_path = str(model_file(args.model))
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(ALL_SYSTEMS.split(","))
     if unknown:
