@@ -324,6 +324,24 @@ int kind_of(const std::string& name) {
   return format_of(name).kind;
 }
 
+// The packed tensor of n rows of nblocks blocks in layout `kind`: fill(dst, row, b, c) writes
+// column c's d (at dst, as float32 [kNR]), m and quants of block b of `row` into the panel block
+// at dst, for every row; the packers differ only in where they read.
+template <typename Fill>
+torch::Tensor pack_panels(int64_t n, int64_t nblocks, int kind, const torch::TensorOptions& options,
+                          Fill&& fill) {
+  const int64_t panels = (n + kNR - 1) / kNR, out_block = packed_block_bytes(kind);
+  torch::Tensor packed = torch::zeros({panels * nblocks * out_block}, options);
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t b = 0; b < nblocks; ++b)
+        for (int64_t c = 0; c < kNR && p * kNR + c < n; ++c)
+          fill(out + (p * nblocks + b) * out_block, p * kNR + c, b, c);
+  });
+  return packed;
+}
+
 }  // namespace
 
 // blocks: uint8 [n, k / 32 * block bytes], a GGUF tensor's rows as stored.
@@ -338,32 +356,22 @@ torch::Tensor pack_gguf_weight(const torch::Tensor& blocks, const std::string& t
               " bytes hold no ", k, " weights of ", type);
   const torch::Tensor src = blocks.contiguous();
   const uint8_t* in = src.data_ptr<uint8_t>();
-  const int64_t panels = (n + kNR - 1) / kNR, out_block = packed_block_bytes(kind);
-  torch::Tensor packed = torch::zeros({panels * nblocks * out_block}, blocks.options());
-  uint8_t* out = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t b = 0; b < nblocks; ++b) {
-        uint8_t* dst = out + (p * nblocks + b) * out_block;
-        float* d = reinterpret_cast<float*>(dst);
-        for (int64_t c = 0; c < kNR && p * kNR + c < n; ++c) {
-          const uint8_t* blk = in + (p * kNR + c) * nblocks * block_bytes + b * block_bytes;
-          uint16_t h;
-          std::memcpy(&h, blk, 2);
-          d[c] = half_to_float(h);
-          if (kind == kQ4_1) {
-            const int64_t quants = format.has_min ? 4 : 2;
-            if (format.has_min) std::memcpy(&h, blk + 2, 2);
-            d[kNR + c] = format.has_min ? half_to_float(h) : -8.f * d[c];
-            for (int64_t j = 0; j < 16; ++j) dst[kNR * 8 + j * kNR + c] = blk[quants + j];
-          } else {
-            for (int64_t j = 0; j < kBlock; ++j) dst[kNR * 4 + j * kNR + c] = blk[2 + j];
-          }
-        }
-      }
+  return pack_panels(n, nblocks, kind, blocks.options(), [&](uint8_t* dst, int64_t row, int64_t b,
+                                                               int64_t c) {
+    float* d = reinterpret_cast<float*>(dst);
+    const uint8_t* blk = in + (row * nblocks + b) * block_bytes;
+    uint16_t h;
+    std::memcpy(&h, blk, 2);
+    d[c] = half_to_float(h);
+    if (kind == kQ4_1) {
+      const int64_t quants = format.has_min ? 4 : 2;
+      if (format.has_min) std::memcpy(&h, blk + 2, 2);
+      d[kNR + c] = format.has_min ? half_to_float(h) : -8.f * d[c];
+      for (int64_t j = 0; j < 16; ++j) dst[kNR * 8 + j * kNR + c] = blk[quants + j];
+    } else {
+      for (int64_t j = 0; j < kBlock; ++j) dst[kNR * 4 + j * kNR + c] = blk[2 + j];
     }
   });
-  return packed;
 }
 
 // scales, mins: float32 [n, k / 32], one d (and m) per 32 weights (Q8_0h: scales [n, k / 16], a
@@ -392,32 +400,21 @@ torch::Tensor pack_gguf_parts(const torch::Tensor& scales, const c10::optional<t
   const float* sp = sc.data_ptr<float>();
   const float* mp = mn.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const int64_t panels = (n + kNR - 1) / kNR, out_block = packed_block_bytes(kind);
-  torch::Tensor packed = torch::zeros({panels * nblocks * out_block}, quants.options());
-  uint8_t* out = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t b = 0; b < nblocks; ++b) {
-        uint8_t* dst = out + (p * nblocks + b) * out_block;
-        float* d = reinterpret_cast<float*>(dst);
-        uint8_t* qs = dst + quants_offset(kind);
-        for (int64_t c = 0; c < kNR && p * kNR + c < n; ++c) {
-          const int64_t row = p * kNR + c;
-          d[c] = sp[(row * nblocks + b) * per_block];
-          if (kind == kQ8_0h) d[kNR + c] = sp[(row * nblocks + b) * 2 + 1];
-          if (with_min) d[kNR + c] = mp[row * nblocks + b];
-          const uint8_t* src = qp + row * k + b * kBlock;
-          if (kind == kQ4_1) {
-            for (int64_t j = 0; j < 16; ++j)
-              qs[j * kNR + c] = static_cast<uint8_t>((src[j] & 0x0F) | (src[j + 16] << 4));
-          } else {
-            for (int64_t j = 0; j < kBlock; ++j) qs[j * kNR + c] = src[j];
-          }
-        }
-      }
+  return pack_panels(n, nblocks, kind, quants.options(), [&](uint8_t* dst, int64_t row, int64_t b,
+                                                               int64_t c) {
+    float* d = reinterpret_cast<float*>(dst);
+    uint8_t* qs = dst + quants_offset(kind);
+    d[c] = sp[(row * nblocks + b) * per_block];
+    if (kind == kQ8_0h) d[kNR + c] = sp[(row * nblocks + b) * 2 + 1];
+    if (with_min) d[kNR + c] = mp[row * nblocks + b];
+    const uint8_t* src = qp + row * k + b * kBlock;
+    if (kind == kQ4_1) {
+      for (int64_t j = 0; j < 16; ++j)
+        qs[j * kNR + c] = static_cast<uint8_t>((src[j] & 0x0F) | (src[j + 16] << 4));
+    } else {
+      for (int64_t j = 0; j < kBlock; ++j) qs[j * kNR + c] = src[j];
     }
   });
-  return packed;
 }
 
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
