@@ -34,12 +34,10 @@ from bench.spec import measure  # noqa: E402
 from spectral import Engine  # noqa: E402
 
 
-def random_prompts(vocab_size: int, count: int, length: int) -> list[str]:
-    """Prompts of `length` random tokens in bench/shapes.py's word-level vocabulary ("t7")."""
+def random_prompts(vocab_size: int, count: int, length: int) -> list[list[int]]:
+    """Prompts of `length` random token ids (past bench/shapes.py's special tokens)."""
     rng = random.Random(count)
-    return [
-        " ".join(f"t{rng.randrange(3, vocab_size)}" for _ in range(length)) for _ in range(count)
-    ]
+    return [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
 def release(engine: Engine) -> None:
@@ -59,11 +57,14 @@ def measure_backend(model_dir: str, backend: str, args: argparse.Namespace) -> d
         max_total_tokens=max(args.batches) * (args.prompt_len + args.max_new_tokens) + 4096,
     )
     engine = Engine(**common, max_running_requests=max(args.batches))
-    vocab = engine.model.vocab_size
-    speeds = {
-        b: measure(engine, random_prompts(vocab, b, args.prompt_len), args.max_new_tokens)[0]
-        for b in args.batches
-    }
+    vocab, speeds = engine.model.vocab_size, {}
+    for b in args.batches:
+        speeds[b], outputs, _ = measure(
+            engine, random_prompts(vocab, b, args.prompt_len), args.max_new_tokens
+        )
+        if any(not out for out in outputs):  # the scheduler ended a request with an error
+            release(engine)
+            raise RuntimeError(f"batch {b}: a request generated nothing (see the log above)")
     release(engine)
     engine = Engine(**common, speculative_algorithm="NGRAM")
     cost = engine.worker.cost_model
@@ -103,17 +104,19 @@ def main() -> None:
         print(f"skipping the {name} backend: {why}")
         backends.remove(name)
 
-    results = []
+    results, failed = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in [s for s in args.shapes.split(",") if s]:
             model_dir = make_model_dir(Path(tmp) / shape, shape)
             baseline = None
             for backend in backends:
-                row = {
-                    "shape": shape,
-                    "backend": backend,
-                    **measure_backend(model_dir, backend, args),
-                }
+                try:
+                    row = {"shape": shape, "backend": backend}
+                    row |= measure_backend(model_dir, backend, args)
+                except Exception as err:  # noqa: BLE001 - reported; the other backends still run
+                    print(f"{shape:8s} {backend:10s} FAILED: {type(err).__name__}: {err}")
+                    failed.append({"shape": shape, "backend": backend, "error": str(err)[:2000]})
+                    continue
                 baseline = baseline or row
                 speeds = "  ".join(
                     f"batch {b} {s:8.1f} tok/s ({s / baseline['plain_tok_s'][b]:4.2f}x)"
@@ -136,9 +139,12 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "skipped": skipped,
         "runs": results,
+        "failed": failed,
     }
     args.out.write_text(json.dumps(summary, indent=1))
     print(f"wrote {args.out}")
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from spectral import Engine  # noqa: E402
 
 def timed_generate(
     engine: Engine,
-    prompts: list,
+    prompts: list[str] | list[list[int]],
     params: dict | list[dict],
     during: AbstractContextManager | None = None,
 ) -> tuple[list[dict], float, float]:
@@ -48,12 +48,19 @@ def timed_generate(
     max_running_requests at a time), after a warm-up on the first prompt and with an empty
     cache; `during` is entered around the timed part only. τ = 0 without speculation."""
     first = params[0] if isinstance(params, list) else params
-    engine.generate(prompts[0], {**first, "max_new_tokens": 8})  # warm-up
+    by_ids = bool(prompts) and isinstance(prompts[0], list)  # token ids rather than text
+
+    def generate(batch, sampling):
+        return engine.generate(
+            **{"input_ids" if by_ids else "prompt": batch}, sampling_params=sampling
+        )
+
+    generate(prompts[0], {**first, "max_new_tokens": 8})  # warm-up
     engine.flush_cache()
     before = engine.get_server_info()["stats"]
     with during or contextlib.nullcontext():
         start = time.perf_counter()
-        outs = engine.generate(prompts, params)
+        outs = generate(prompts, params)
         elapsed = time.perf_counter() - start
     after = engine.get_server_info()["stats"]
     rounds = after["spec_verify_ct"] - before["spec_verify_ct"]
@@ -62,7 +69,7 @@ def timed_generate(
 
 
 def measure(
-    engine: Engine, prompts: list[str], new_tokens: int, temperature: float = 0.0
+    engine: Engine, prompts: list[str] | list[list[int]], new_tokens: int, temperature: float = 0.0
 ) -> tuple[float, list, float]:
     """(tokens/s, outputs, τ) for generating all prompts greedily or at `temperature`."""
     params = {"temperature": temperature, "max_new_tokens": new_tokens}

@@ -138,3 +138,29 @@ def test_logprobs_are_of_the_raw_distribution():
     assert out.logprobs[0] == pytest.approx(3.0 - lse)
     assert [t for _, t in out.top_logprobs[0]] == [2, 1]
     assert out.top_logprobs[0][1][0] == pytest.approx(2.0 - lse)
+
+
+def test_penalties_over_a_batch_equal_each_row_alone():
+    """The batch's penalties (all rows' indices in one copy) give each row what it gets alone:
+    banned tokens, repetition, frequency and presence penalties mixed over rows, some with none."""
+    gen = torch.Generator().manual_seed(3)
+    rows = [
+        RequestSampling(
+            SamplingParams(repetition_penalty=1.3), output_ids=[1, 4, 4], penalty_prompt_ids=[2, 3]
+        ),
+        RequestSampling(SamplingParams(), output_ids=[5, 6], banned_token_ids=[7, 8]),
+        RequestSampling(
+            SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=0.8),
+            output_ids=[9, 9, 9, 1],
+            penalty_prompt_ids=[0, 9],
+            banned_token_ids=[1],
+        ),
+        RequestSampling(SamplingParams(presence_penalty=-0.5), output_ids=[11, 2, 11]),
+    ]
+    logits = torch.randn((len(rows), 12), generator=gen) * 3
+    batch = apply_penalties(logits, rows)
+    for i, s in enumerate(rows):
+        assert torch.equal(batch[i], apply_penalties(logits[i : i + 1], [s])[0])
+    assert not torch.equal(batch[:, :12], logits)
+    plain = logits[:2]
+    assert apply_penalties(plain, [rs(), rs()]) is plain  # no penalty: no copy

@@ -23,49 +23,68 @@ class SampleOutput:
     top_logprobs: list[list[tuple[float, int]] | None]
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory without the host waiting for
+    the device (a plain copy to CUDA synchronises)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
 def apply_penalties(logits: torch.Tensor, sampling: list[RequestSampling]) -> torch.Tensor:
     """Repetition penalty over prompt + output (transformers' rule: divide positive logits,
     multiply negative ones); frequency and presence penalties over the output (OpenAI's rule);
-    banned tokens get -inf."""
-    out = logits
+    banned tokens get -inf. All rows at once: one copy of indices to the device however many
+    rows have penalties; a copy of `logits` only where one applies."""
+    banned: tuple[list[int], list[int]] = ([], [])
+    seen: tuple[list[int], list[int], list[float]] = ([], [], [])
+    counted: tuple[list[int], list[int]] = ([], [])
+    frequency, presence = [0.0] * len(sampling), [0.0] * len(sampling)
     for row, s in enumerate(sampling):
         p = s.params
-        if s.banned_token_ids:
-            if out is logits:
-                out = logits.clone()
-            out[row, s.banned_token_ids] = float("-inf")
+        banned[0].extend([row] * len(s.banned_token_ids))
+        banned[1].extend(s.banned_token_ids)
         if not p.has_penalties:
             continue
-        if out is logits:
-            out = logits.clone()
-        vocab = logits.shape[-1]
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(
-                sorted(set(s.penalty_prompt_ids) | set(s.output_ids)),
-                dtype=torch.long,
-                device=out.device,
-            )
-            if seen.numel():
-                vals = out[row, seen]
-                out[row, seen] = torch.where(
-                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-                )
+            ids = sorted(set(s.penalty_prompt_ids) | set(s.output_ids))
+            seen[0].extend([row] * len(ids))
+            seen[1].extend(ids)
+            seen[2].extend([p.repetition_penalty] * len(ids))
         if s.output_ids and (p.frequency_penalty or p.presence_penalty):
-            ids = torch.tensor(s.output_ids, dtype=torch.long, device=out.device)
-            counts = torch.bincount(ids, minlength=vocab)
-            counts = counts.to(out.dtype)
-            out[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
-                out.dtype
-            )
+            counted[0].extend([row] * len(s.output_ids))
+            counted[1].extend(s.output_ids)
+            frequency[row], presence[row] = p.frequency_penalty, p.presence_penalty
+    if not (banned[0] or seen[0] or counted[0]):
+        return logits
+    out, device, vocab = logits.clone(), logits.device, logits.shape[-1]
+    flat = out.view(-1)  # scatters and gathers over flat indices: none makes the host wait
+    index = on_device(banned[0] + seen[0] + counted[0], torch.long, device) * vocab
+    index += on_device(banned[1] + seen[1] + counted[1], torch.long, device)
+    a, b = len(banned[0]), len(banned[0]) + len(seen[0])
+    if a:
+        flat.index_fill_(0, index[:a], float("-inf"))
+    if b > a:
+        penalty = on_device(seen[2], out.dtype, device)
+        vals = flat.gather(0, index[a:b])
+        flat.scatter_(0, index[a:b], torch.where(vals > 0, vals / penalty, vals * penalty))
+    if len(index) > b:
+        counts = torch.zeros_like(out)
+        ones = torch.ones(len(index) - b, dtype=out.dtype, device=device)
+        counts.view(-1).scatter_add_(0, index[b:], ones)
+        scales = on_device([frequency, presence], out.dtype, device)
+        out -= scales[0][:, None] * counts + scales[1][:, None] * (counts > 0).to(out.dtype)
     return out
 
 
 def filtered_probs(logits: torch.Tensor, sampling: list[RequestSampling]) -> torch.Tensor:
     """Softmax(logits / T) with top-k, top-p and min-p applied and renormalised, per row."""
     device = logits.device
-    temps = torch.tensor(
-        [max(s.params.temperature, 1e-6) for s in sampling], dtype=logits.dtype, device=device
-    )
+    temps = on_device([max(s.params.temperature, 1e-6) for s in sampling], logits.dtype, device)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     needs_filter = [
         s.params.top_k > 0 or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in sampling
@@ -74,11 +93,14 @@ def filtered_probs(logits: torch.Tensor, sampling: list[RequestSampling]) -> tor
         return probs
     sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[-1]
-    top_k = torch.tensor(
-        [s.params.top_k if s.params.top_k > 0 else vocab for s in sampling], device=device
+    top_k = on_device(
+        [s.params.top_k if s.params.top_k > 0 else vocab for s in sampling], torch.long, device
     )
-    top_p = torch.tensor([s.params.top_p for s in sampling], dtype=probs.dtype, device=device)
-    min_p = torch.tensor([s.params.min_p for s in sampling], dtype=probs.dtype, device=device)
+    top_p, min_p = on_device(
+        [[s.params.top_p for s in sampling], [s.params.min_p for s in sampling]],
+        probs.dtype,
+        device,
+    )
     ranks = torch.arange(vocab, device=device)[None, :]
     drop = ranks >= top_k[:, None]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -96,12 +118,7 @@ def sample_from_probs(probs: torch.Tensor, sampling: list[RequestSampling]) -> t
     A seeded request draws E from a CPU generator seeded by (seed, tokens generated so far), so
     its output depends neither on the batch it runs in nor on the device.
     """
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, s in enumerate(sampling) if s.params.seed is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(
-            (len(unseeded), probs.shape[-1]), dtype=probs.dtype, device=probs.device
-        ).exponential_()
+    noise = torch.empty_like(probs).exponential_()
     seeded = [i for i, s in enumerate(sampling) if s.params.seed is not None]
     if seeded:
         draws = torch.empty((len(seeded), probs.shape[-1]), dtype=probs.dtype)
@@ -109,7 +126,8 @@ def sample_from_probs(probs: torch.Tensor, sampling: list[RequestSampling]) -> t
             s = sampling[i]
             gen = torch.Generator().manual_seed(request_step_seed(s.params.seed, len(s.output_ids)))
             draws[row].exponential_(generator=gen)
-        noise[seeded] = draws.to(probs.device)
+        index = on_device(seeded, torch.long, probs.device)
+        noise.index_copy_(0, index, to_device(draws, probs.device))
     return (probs / noise).argmax(dim=-1)
 
 
@@ -137,9 +155,10 @@ def sample(
     greedy = [s.params.is_greedy for s in sampling]
     next_ids = adjusted.argmax(dim=-1)
     if not all(greedy):
-        rows = [i for i, g in enumerate(greedy) if not g]
-        sub = [sampling[i] for i in rows]
-        next_ids[rows] = sample_from_probs(filtered_probs(adjusted[rows], sub), sub)
+        sub = [s for s, g in zip(sampling, greedy) if not g]
+        rows = on_device([i for i, g in enumerate(greedy) if not g], torch.long, logits.device)
+        probs = filtered_probs(adjusted.index_select(0, rows), sub)
+        next_ids.index_copy_(0, rows, sample_from_probs(probs, sub))
 
     logprobs: list[float | None] = [None] * len(sampling)
     top: list[list[tuple[float, int]] | None] = [None] * len(sampling)
