@@ -191,8 +191,9 @@ def main() -> None:
         "--kernels",
         default="gguf,packed,off",
         help="matmul paths to measure: gguf (a GGUF model's own blocks through spectral's "
-        "kernels: --quantization auto, the default), packed (the dequantized weights packed "
-        "for them: --quantization none), off (PyTorch only: --disable-cpu-kernels)",
+        "kernels: --quantization auto, the default), gguf-int8 (the same blocks through the "
+        "integer path), packed (the dequantized weights packed for them: --quantization "
+        "none), off (PyTorch only: --disable-cpu-kernels)",
     )
     ap.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)))
     ap.add_argument("--prefix", type=int, default=200)
@@ -224,7 +225,8 @@ def main() -> None:
                 max_context_len=ns.prefix + max(ms) + 1,
                 use_cpu_kernels=kernels != "off",
                 gguf_file=str(gguf) if gguf is not None else None,
-                gguf_native=kernels == "gguf",
+                gguf_native=kernels.startswith("gguf"),
+                gguf_int8=kernels == "gguf-int8",
             )
             name = f"{dtype_name}, {kernels}"
             results["runs"][name] = curve(worker, ms, ns.prefix, ns.repeats)

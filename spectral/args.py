@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "gguf", "none")
+QUANTIZATIONS = ("auto", "gguf", "gguf-int8", "none")
 LOAD_FORMATS = ("auto", "dummy")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
@@ -180,10 +180,11 @@ class ServerArgs:
             "dtype": "auto (bf16 where native), float32, bfloat16, float16",
             "device": "auto, cpu or cuda",
             "context_length": "override the model's context length",
-            "quantization": "auto or gguf: a GGUF model's Q4_0/Q4_1/Q8_0 blocks are served as "
-            "they are (expanded in registers to the dequantized values; other formats "
-            "dequantized at load), on the CPU with spectral's kernels; none: every weight "
-            "dequantized",
+            "quantization": "auto or gguf: a GGUF model's blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, "
+            "Q4_K, Q5_K, Q6_K) are served as they are on the CPU, expanded in registers to "
+            "exactly the dequantized values; gguf-int8: the same blocks against activations "
+            "quantized to 8 bits per 32, in integer dot products (faster, not exact); none: "
+            "every weight dequantized at load",
             "load_format": "auto: the model's weights; dummy: random weights of the model's "
             "shape, made on the device (benchmarks of a shape without its weights; the model "
             "directory needs only config.json and a tokenizer)",

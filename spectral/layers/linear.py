@@ -76,6 +76,14 @@ def quantize_weight(
     return PackedWeight(data, weight.shape[0], gguf_type)
 
 
+def integer_path(packed: PackedWeight, k: int, kernels: ModuleType) -> PackedWeight:
+    """GGUF blocks (`packed`, k inputs) regrouped for the integer path: `gguf_linear` then
+    quantizes each input row to 8 bits per 32 and sums the blocks in integer dot products
+    (layout "<layout>+q8"; spectral/kernels/cpu/quant_int8.cpp)."""
+    data = kernels.pack_q8_layout(packed.data, packed.gguf_type, packed.n, k)
+    return PackedWeight(data, packed.n, packed.gguf_type + "+q8")
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -24,7 +24,7 @@ from torch import nn
 
 from spectral.layers.embedding import BlockEmbedding, dequantize
 from spectral.layers.gguf_blocks import LAYOUTS, BlockParts, decode, pack_blocks
-from spectral.layers.linear import PackedRows, PackedWeight
+from spectral.layers.linear import PackedRows, PackedWeight, integer_path
 from spectral.models.config import ModelConfig
 from spectral.models.registry import gguf_architecture
 
@@ -57,10 +57,12 @@ def load_gguf_model(
     model: nn.Module,
     config: ModelConfig,
     kernels: ModuleType | None,
+    int8: bool = False,
 ) -> int:
     """Fill `model` (built empty, in its dtype, on the CPU) from the GGUF file at `path`. With
     `kernels`, weights in NATIVE_TYPES stay blocks (their dense parameters are emptied) and a
     block-format token embedding is looked up in place; without, everything is dequantized.
+    With `int8`, the block weights go through the integer path (layers.linear.integer_path).
     Returns how many weight matrices are served as blocks."""
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
@@ -97,6 +99,12 @@ def load_gguf_model(
     def blocks(names: list[str], k: int) -> PackedWeight | PackedRows | None:
         """The tensors `names` packed for gguf_linear as one weight (in parts of one layout
         each where their formats differ), or None where the kernels cannot serve them."""
+        packed = packed_blocks(names, k)
+        if int8 and isinstance(packed, PackedWeight):
+            return integer_path(packed, k, kernels)
+        return packed
+
+    def packed_blocks(names: list[str], k: int) -> PackedWeight | PackedRows | None:
         kinds = [tensor(n).tensor_type.name for n in names]
         layouts = [LAYOUTS.get(kind) for kind in kinds]
         if kernels is None or None in layouts:

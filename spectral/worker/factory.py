@@ -36,8 +36,10 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     gguf_file = model.gguf_file
-    if args.quantization == "gguf" and gguf_file is None:
-        raise ValueError(f"--quantization gguf needs a GGUF model ({args.model_path} is not one)")
+    if args.quantization in ("gguf", "gguf-int8") and gguf_file is None:
+        raise ValueError(
+            f"--quantization {args.quantization} needs a GGUF model ({args.model_path} is not one)"
+        )
     if args.load_format == "dummy" and gguf_file is not None:
         raise ValueError(
             f"--load-format dummy takes a HF model directory ({args.model_path} is a GGUF)"
@@ -46,6 +48,7 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
         model.model_dir,
         gguf_file=gguf_file,
         gguf_native=args.quantization != "none",
+        gguf_int8=args.quantization == "gguf-int8",
         dummy_weights=args.load_format == "dummy",
         dtype=dtype,
         device=device,

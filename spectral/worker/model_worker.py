@@ -49,12 +49,14 @@ class ModelWorker:
         use_cpu_kernels: bool = True,
         gguf_file: str | None = None,
         gguf_native: bool = True,
+        gguf_int8: bool = False,
         dummy_weights: bool = False,
     ) -> None:
         """The KV pool holds `max_total_tokens` tokens, or what `mem_fraction_static` of the
         memory still free after loading the weights allows. With `gguf_file`, the weights come
         from that file (`model_dir` holds its config): with `gguf_native` and the CPU kernels
-        its blocks are served as they are, else dequantized at load. With `dummy_weights`, the
+        its blocks are served as they are (with `gguf_int8`, through the integer path), else
+        dequantized at load. With `dummy_weights`, the
         weights are random, made on `device` (`model_dir` needs only its config)."""
         self.device = device
         self.dtype = dtype
@@ -70,7 +72,7 @@ class ModelWorker:
             if native and kernels is None:
                 logger.info("GGUF weights served dequantized (no CPU kernels on %s)", device)
             served = load_gguf_model(
-                gguf_file, self.model, self.config, kernels if native else None
+                gguf_file, self.model, self.config, kernels if native else None, gguf_int8
             )
             logger.info("GGUF blocks served as they are for %d weight matrices", served)
             self.model.to(device)

@@ -8,6 +8,7 @@
 
 #include "packed_linear.cpp"
 #include "quant_linear.cpp"
+#include "quant_int8.cpp"
 #if !defined(SPECTRAL_MATMULS_ONLY)  // a test build of the matmuls alone
 #include "fused_ops.cpp"
 #include "decoder_layer.cpp"
@@ -20,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   register_packed_linear(m);
   register_quant_linear(m);
+  register_quant_int8(m);
   m.def("vector_bits", &spectral_cpu::vector_bits,
         "the vector unit compiled in: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (scalar loops)");
 }

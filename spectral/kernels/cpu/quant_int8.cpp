@@ -1,0 +1,359 @@
+// The integer path over GGUF blocks (`--quantization gguf-int8`): each row of x quantized per
+// block of 32 inputs to 8 bits (q = rint(x * 127 / amax), d = amax / 127, s = sum q), dotted
+// with the weights' quants in integers, and the int32 block sums combined in float32, block
+// after block, each operation rounded once (this code is compiled without contraction into
+// fused multiply-adds):
+//
+//   u = dw * isum  (+ mw * s, layouts with minimums;  Q8_0h: dw0 * isum0 + dw1 * isum1)
+//   acc = acc + d * u
+//
+// Every row goes through the same operations whatever rows share its call, so a row's result
+// never depends on the batch (tests/test_gguf_int8.py holds every build to a NumPy reference of
+// this arithmetic). The weights are the layouts of quant_linear.cpp with the quants of each
+// block regrouped (`pack_q8_layout`): for a group of 4 consecutive inputs, each column's 4
+// quants side by side, so one 32-bit lane of a vector holds one column's 4 products.
+// Q4_1: 4 groups of kNR x 4 bytes (low nibble: inputs 4g..4g+3, high nibble: 16 + 4g..);
+// 8-bit layouts: 8 groups of kNR x 4 bytes.
+//
+// AVX2 (the AVX-512 builds too, 256 bits at a time): `maddubs` multiplies unsigned weight
+// bytes by signed activation bytes and adds pairs into int16; signed weights (Q8_0, Q8_0h)
+// go in as |w| against x carrying w's sign. int16 sums stay exact: a pair is at most
+// 2 * 15 * 127 (Q4_1; eight added), 2 * 31 * 127 (Q8_0m; four), 2 * 32 * 127 (Q8_0h; four) or
+// 2 * 128 * 127 (Q8_0; widened at once); `pack_q8_layout` refuses quants outside those ranges.
+#include <atomic>
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+constexpr int kQ8Rows = 4;  // rows of x per tile
+
+// x quantized: q [m, k] int8, d [m, k / 32] float32, s [m, k / 32] int32.
+struct Q8Rows {
+  const int8_t* q;
+  const float* d;
+  const int32_t* s;
+  int64_t k;
+};
+
+void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, int32_t* s) {
+  const int64_t nb = k / kBlock;
+  at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + r * k + b * kBlock;
+        float amax = 0.f;
+        for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        for (int64_t j = 0; j < kBlock; ++j) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
+          q[r * k + b * kBlock + j] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        d[r * nb + b] = amax / 127.f;
+        s[r * nb + b] = sum;
+      }
+    }
+  });
+}
+
+// Byte offset, in a block's regrouped quants, of column c's quant of input j (Q4_1: j < 16,
+// the byte that also holds input j + 16).
+inline int64_t q8_offset(int64_t j, int64_t c) { return (j / 4) * kNR * 4 + c * 4 + j % 4; }
+
+// isum[r][c] (and, Q8_0h, isum[r][kNR + c] for the last 16 inputs): the integer dot products of
+// the R rows' quants of block b with the block's columns.
+template <int Kind, int R>
+inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t b,
+                       int32_t (&isum)[R][2 * kNR]) {
+  const int8_t* xq[R];
+  for (int r = 0; r < R; ++r) xq[r] = x.q + (row0 + r) * x.k + b * kBlock;
+#if defined(SPECTRAL_VEC)
+  constexpr int kV = kNR / 8;  // 256-bit vectors of 8 columns x 4 inputs per group
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto bcast = [](const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  };
+  auto store = [&](int r, int half, int v, __m256i sum32) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&isum[r][half * kNR + v * 8]), sum32);
+  };
+  if constexpr (Kind == kQ4_1) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256i acc[R][kV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kV; ++v) acc[r][v] = _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      __m256i lo[kV], hi[kV];
+      for (int v = 0; v < kV; ++v) {
+        const __m256i w =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
+        lo[v] = _mm256_and_si256(w, mask);
+        hi[v] = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i xa = bcast(xq[r] + 4 * g), xb = bcast(xq[r] + 16 + 4 * g);
+        for (int v = 0; v < kV; ++v)
+          acc[r][v] = _mm256_add_epi16(
+              acc[r][v], _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], xa),
+                                          _mm256_maddubs_epi16(hi[v], xb)));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kV; ++v) store(r, 0, v, _mm256_madd_epi16(acc[r][v], ones));
+  } else if constexpr (Kind == kQ8_0) {
+    __m256i acc[R][kV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kV; ++v) acc[r][v] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      __m256i w[kV], aw[kV];
+      for (int v = 0; v < kV; ++v) {
+        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
+        aw[v] = _mm256_abs_epi8(w[v]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i xg = bcast(xq[r] + 4 * g);
+        for (int v = 0; v < kV; ++v) {
+          const __m256i p = _mm256_maddubs_epi16(aw[v], _mm256_sign_epi8(xg, w[v]));
+          acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(p, ones));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kV; ++v) store(r, 0, v, acc[r][v]);
+  } else {
+    // Q8_0m (unsigned quants) and Q8_0h (signed): groups 0..3 and 4..7 in int16 apart, the two
+    // halves of the block (Q8_0h keeps them apart: each has its own d).
+    for (int half = 0; half < 2; ++half) {
+      __m256i acc[R][kV];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kV; ++v) acc[r][v] = _mm256_setzero_si256();
+      for (int g = 4 * half; g < 4 * half + 4; ++g) {
+        __m256i w[kV], aw[kV];
+        for (int v = 0; v < kV; ++v) {
+          w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
+          aw[v] = Kind == kQ8_0h ? _mm256_abs_epi8(w[v]) : w[v];
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i xg = bcast(xq[r] + 4 * g);
+          for (int v = 0; v < kV; ++v) {
+            const __m256i xs = Kind == kQ8_0h ? _mm256_sign_epi8(xg, w[v]) : xg;
+            acc[r][v] = _mm256_add_epi16(acc[r][v], _mm256_maddubs_epi16(aw[v], xs));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kV; ++v) store(r, half, v, _mm256_madd_epi16(acc[r][v], ones));
+    }
+    if constexpr (Kind == kQ8_0m) {
+      for (int r = 0; r < R; ++r)
+        for (int64_t c = 0; c < kNR; ++c) isum[r][c] += isum[r][kNR + c];
+    }
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < kNR; ++c) {
+      int32_t first = 0, last = 0;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        int32_t w;
+        if constexpr (Kind == kQ4_1) {
+          const uint8_t byte = qw[q8_offset(j % 16, c)];
+          w = j < 16 ? byte & 0x0F : byte >> 4;
+        } else if constexpr (Kind == kQ8_0m) {
+          w = qw[q8_offset(j, c)];
+        } else {
+          w = static_cast<int8_t>(qw[q8_offset(j, c)]);
+        }
+        (j < 16 ? first : last) += w * xq[r][j];
+      }
+      if constexpr (Kind == kQ8_0h) {
+        isum[r][c] = first;
+        isum[r][kNR + c] = last;
+      } else {
+        isum[r][c] = first + last;
+      }
+    }
+  }
+#endif
+}
+
+// out[R][kNR]: rows row0.. of x over one panel, block sums combined block after block.
+template <int Kind, int R>
+void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
+  const int64_t nb = x.k / kBlock;
+  alignas(64) float acc[R][kNR] = {};
+  alignas(64) int32_t isum[R][2 * kNR];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = panel + b * packed_block_bytes(Kind);
+    const float* dw = reinterpret_cast<const float*>(blk);
+    block_sums<Kind, R>(blk + quants_offset(Kind), x, row0, b, isum);
+    for (int r = 0; r < R; ++r) {
+      const float dx = x.d[(row0 + r) * nb + b];
+      const float sx = static_cast<float>(x.s[(row0 + r) * nb + b]);
+#if defined(SPECTRAL_VEC)
+      for (int64_t c = 0; c < kNR; c += 8) {
+        __m256 u = _mm256_mul_ps(_mm256_loadu_ps(dw + c),
+                                 _mm256_cvtepi32_ps(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(&isum[r][c]))));
+        if constexpr (Kind == kQ4_1 || Kind == kQ8_0m) {
+          u = _mm256_add_ps(u, _mm256_mul_ps(_mm256_loadu_ps(dw + kNR + c), _mm256_set1_ps(sx)));
+        } else if constexpr (Kind == kQ8_0h) {
+          const __m256i last = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&isum[r][kNR + c]));
+          u = _mm256_add_ps(u, _mm256_mul_ps(_mm256_loadu_ps(dw + kNR + c), _mm256_cvtepi32_ps(last)));
+        }
+        const __m256 a = _mm256_loadu_ps(&acc[r][c]);
+        _mm256_storeu_ps(&acc[r][c], _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(dx), u)));
+      }
+#else
+      for (int64_t c = 0; c < kNR; ++c) {
+        float u = dw[c] * static_cast<float>(isum[r][c]);
+        if constexpr (Kind == kQ4_1 || Kind == kQ8_0m) u = u + dw[kNR + c] * sx;
+        if constexpr (Kind == kQ8_0h) u = u + dw[kNR + c] * static_cast<float>(isum[r][kNR + c]);
+        acc[r][c] = acc[r][c] + dx * u;
+      }
+#endif
+    }
+  }
+  std::memcpy(out, acc, sizeof(acc));
+}
+
+template <int Kind, int R = kQ8Rows>
+void q8_tile_rows(int rows, const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
+  if constexpr (R > 1) {
+    if (rows < R) return q8_tile_rows<Kind, R - 1>(rows, x, row0, panel, out);
+  }
+  q8_tile<Kind, R>(x, row0, panel, out);
+}
+
+template <int Kind, typename O>
+void run_q8(const Q8Rows& x, int64_t m, const uint8_t* packed, int64_t n, O* out) {
+  const int64_t panels = (n + kNR - 1) / kNR;
+  const int64_t panel_bytes = (x.k / kBlock) * packed_block_bytes(Kind);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float buf[kQ8Rows * kNR];
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t r0 = 0; r0 < m; r0 += kQ8Rows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kQ8Rows, m - r0));
+        q8_tile_rows<Kind>(rows, x, r0, packed + p * panel_bytes, buf);
+        store_tile(buf, rows, r0, n, p * kNR, out);
+      }
+    }
+  });
+}
+
+// The largest |quant| each 8-bit layout's int16 sums allow (see the top of this file).
+int32_t q8_bound(int kind) { return kind == kQ8_0m ? 31 : kind == kQ8_0h ? 32 : 128; }
+
+}  // namespace
+
+// x [m, k] float32 or bfloat16 -> (q int8 [m, k], d float32 [m, k / 32], s int32 [m, k / 32]).
+std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0, "x has ", k, " columns, not a multiple of 32");
+  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+  torch::Tensor q = torch::empty({m, k}, x.options().dtype(torch::kInt8));
+  torch::Tensor d = torch::empty({m, k / kBlock}, x.options().dtype(torch::kFloat32));
+  torch::Tensor s = torch::empty({m, k / kBlock}, x.options().dtype(torch::kInt32));
+  quantize_rows(xf.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                s.data_ptr<int32_t>());
+  return {q, d, s};
+}
+
+// A tensor packed by pack_gguf_weight / pack_gguf_parts in `layout`, its quants regrouped for
+// gguf_linear_q8 (the scales as they are).
+torch::Tensor pack_q8_layout(const torch::Tensor& packed, const std::string& layout, int64_t n,
+                             int64_t k) {
+  const int kind = kind_of(layout);
+  TORCH_CHECK(k % kBlock == 0, "k must be a multiple of 32 (got ", k, ")");
+  const int64_t panels = (n + kNR - 1) / kNR, nb = k / kBlock, bytes = packed_block_bytes(kind);
+  TORCH_CHECK(packed.numel() == panels * nb * bytes, "packed weights are not ", n, " x ", k,
+              " of ", layout);
+  const torch::Tensor src = packed.contiguous();
+  torch::Tensor out = src.clone();
+  const uint8_t* in = src.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t offset = quants_offset(kind), inputs = kind == kQ4_1 ? 16 : kBlock;
+  const int32_t bound = q8_bound(kind);
+  std::atomic<bool> in_range{true};
+  at::parallel_for(0, panels * nb, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* q = in + b * bytes + offset;
+      uint8_t* o = dst + b * bytes + offset;
+      for (int64_t j = 0; j < inputs; ++j)
+        for (int64_t c = 0; c < kNR; ++c) {
+          const uint8_t v = q[j * kNR + c];
+          o[q8_offset(j, c)] = v;
+          if (kind == kQ8_0m && v > bound) in_range = false;
+          if (kind == kQ8_0h && std::abs(static_cast<int8_t>(v)) > bound) in_range = false;
+        }
+    }
+  });
+  TORCH_CHECK(in_range.load(), "the ", layout, " layout's quants exceed ", bound,
+              " in magnitude, which the integer path's int16 sums cannot hold");
+  return out;
+}
+
+// x @ w.T (+ bias) with x quantized to 8 bits per block of 32 (quantize_q8's q, d, s) over
+// weights regrouped by pack_q8_layout; float32 out, or bfloat16.
+torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& s,
+                             const torch::Tensor& packed, const std::string& layout, int64_t n,
+                             const c10::optional<torch::Tensor>& bias, bool bf16_out) {
+  const int kind = kind_of(layout);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous(),
+              "q must be contiguous int8 [m, k]");
+  const int64_t m = q.size(0), k = q.size(1), nb = k / kBlock;
+  TORCH_CHECK(k % kBlock == 0 && d.scalar_type() == torch::kFloat32 && d.is_contiguous() &&
+                  d.numel() == m * nb && s.scalar_type() == torch::kInt32 &&
+                  s.is_contiguous() && s.numel() == m * nb,
+              "d and s must be contiguous float32 and int32 [m, k / 32] (quantize_q8)");
+  const int64_t panels = (n + kNR - 1) / kNR;
+  TORCH_CHECK(packed.numel() == panels * nb * packed_block_bytes(kind), "packed weights are not ",
+              n, " x ", k, " of ", layout, " from pack_q8_layout");
+  const Q8Rows x{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), k};
+  torch::Tensor out =
+      torch::empty({m, n}, q.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (m > 0) {
+    auto go = [&](auto kind_tag) {
+      constexpr int K = decltype(kind_tag)::value;
+      if (bf16_out) run_q8<K>(x, m, w, n, out.data_ptr<at::BFloat16>());
+      else run_q8<K>(x, m, w, n, out.data_ptr<float>());
+    };
+    if (kind == kQ4_1) go(std::integral_constant<int, kQ4_1>{});
+    else if (kind == kQ8_0) go(std::integral_constant<int, kQ8_0>{});
+    else if (kind == kQ8_0m) go(std::integral_constant<int, kQ8_0m>{});
+    else go(std::integral_constant<int, kQ8_0h>{});
+  }
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
+// gguf_linear for a layout named "<layout>+q8": x quantized here, then gguf_linear_q8.
+torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& packed,
+                               const std::string& layout, int64_t n,
+                               const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "float32 or bfloat16 x");
+  const std::vector<torch::Tensor> q = quantize_q8(x);
+  return gguf_linear_q8(q[0], q[1], q[2], packed, layout, n, bias,
+                        x.scalar_type() == torch::kBFloat16);
+}
+
+#pragma GCC pop_options
+
+void register_quant_int8(pybind11::module& m) {
+  m.def("quantize_q8", &quantize_q8,
+        "rows quantized per block of 32 to 8 bits: (q int8, d float32, s = sum q int32)");
+  m.def("pack_q8_layout", &pack_q8_layout,
+        "gguf_linear's packed weights with each block's quants regrouped for gguf_linear_q8");
+  m.def("gguf_linear_q8", &gguf_linear_q8,
+        "x @ w.T (+ bias) from x quantized by quantize_q8, in integer dot products per block");
+}
