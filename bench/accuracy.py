@@ -112,7 +112,8 @@ arrays = {}
 for i, ids in enumerate(texts):
     llm.reset()
     llm.eval(ids)
-    arrays[str(i)] = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float32)
+    # A copy: the next eval writes over llm.scores.
+    arrays[str(i)] = np.array(llm.scores[: len(ids) - 1], dtype=np.float32)
 np.savez(out_file, **arrays)
 """
 

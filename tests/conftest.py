@@ -15,6 +15,25 @@ from spectral.models.resolve import resolve_model_path
 torch.set_num_threads(2)
 
 
+def _build_test_kernels_beside() -> None:
+    """The builds of the kernels that only the tests use (scalar loops; AVX2 on an AVX-512 CPU)
+    start in processes of their own as the session starts, so that on a fresh machine they
+    compile while the native build does (each is one single-threaded compiler run); the test
+    modules that load them then wait on torch's build lock for a build already under way."""
+    import subprocess
+    import sys
+
+    from spectral.kernels.cpu_kernels import cpu_signature, is_built
+
+    for isa in ("scalar", "avx2") if "avx512f" in cpu_signature().split() else ("scalar",):
+        if not is_built(isa):
+            code = f"from spectral.kernels.cpu_kernels import load_cpu_kernels as l; l({isa!r})"
+            subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
+
+
+_build_test_kernels_beside()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     return resolve_model_path("default")

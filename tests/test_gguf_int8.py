@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spectral.kernels.cpu_kernels import load_cpu_kernels
-from spectral.layers.gguf_blocks import BLOCKS, LAYOUTS, BlockParts, decode, pack_blocks
+from spectral.layers.gguf_blocks import BLOCKS, BlockParts, decode, pack_blocks, pack_int8
 from tests.test_cpu_kernels import NARROWER
 from tests.test_gguf_blocks import random_blocks
 
@@ -63,11 +63,9 @@ def linear_reference(x: np.ndarray, parts: BlockParts) -> np.ndarray:
 
 
 def int8_linear(build, x: torch.Tensor, raw: np.ndarray, fmt: str) -> torch.Tensor:
-    n, k = raw.shape[0], x.shape[1]
-    packed = pack_blocks(torch.from_numpy(raw), fmt, k, build)
-    layout = LAYOUTS[fmt]
-    q8 = build.pack_q8_layout(packed, layout, n, k)
-    return build.gguf_linear(x, q8, layout + "+q8", n, None)
+    """x through the integer path over `raw` blocks of `fmt`, packed as a model's are."""
+    data, layout = pack_int8(torch.from_numpy(raw), fmt, x.shape[1], build)
+    return build.gguf_linear(x, data, layout, raw.shape[0], None)
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
@@ -128,6 +126,19 @@ def test_the_integer_path_stays_close_to_the_exact_one():
     exact = x @ decode(torch.from_numpy(raw), "Q4_K").dequantize().T
     rel = (int8_linear(kernels, x, raw, "Q4_K") - exact).norm() / exact.norm()
     assert float(rel) < 0.01
+
+
+def test_q4_k_takes_its_compact_layout_and_the_exact_path_refuses_it():
+    """Q4_K on the integer path: 0.59 bytes a weight (the file's 0.56; Q4_1's layout 0.75)."""
+    raw = random_blocks("Q4_K", 64, 2, 3)
+    data, layout = pack_int8(torch.from_numpy(raw), "Q4_K", 512, kernels)
+    assert layout == "Q4_K+q8" and data.numel() / (64 * 512) < 0.6
+    with pytest.raises(RuntimeError, match="Q4_K"):
+        kernels.gguf_linear(torch.ones(1, 512), data, "Q4_K", 64, None)
+    with pytest.raises(RuntimeError, match="pack_q4_k_q8"):
+        kernels.pack_q8_layout(
+            pack_blocks(torch.from_numpy(raw), "Q4_K", 512, kernels), "Q4_K", 64, 512
+        )
 
 
 def test_quants_beyond_a_layouts_int16_sums_are_refused():

@@ -42,14 +42,8 @@ ISA_FLAGS = {
 @functools.cache
 def load_cpu_kernels(isa: str = "native") -> ModuleType | None:
     """The kernels built for `isa` (a key of ISA_FLAGS), or None where they cannot be built."""
-    digest = hashlib.sha256(isa.encode())
-    for src in sorted(p for p in KERNEL_DIR.iterdir() if p.is_file()):
-        digest.update(src.name.encode() + src.read_bytes())
-    digest.update(torch.__version__.encode() + sys.version.encode())
-    digest.update(cpu_signature().encode())  # -march=native: a build runs only on its own CPU
-    build_dir = DEFAULT_CACHE_DIR / "kernels" / digest.hexdigest()[:16]
+    build_dir, name = build_dir_of(isa), module_name(isa)
     build_dir.mkdir(parents=True, exist_ok=True)
-    name = "spectral_cpu_kernels" if isa == "native" else f"spectral_cpu_kernels_{isa}"
     _remove_stale_lock(build_dir / "lock")
     built = build_dir / f"{name}.so"
     try:
@@ -69,6 +63,24 @@ def load_cpu_kernels(isa: str = "native") -> ModuleType | None:
             "PyTorch's; --disable-cpu-kernels runs the PyTorch references"
         )
     return module
+
+
+def module_name(isa: str) -> str:
+    return "spectral_cpu_kernels" if isa == "native" else f"spectral_cpu_kernels_{isa}"
+
+
+def build_dir_of(isa: str) -> Path:
+    """Where the build of `isa` from these sources, for this CPU, torch and Python, lives."""
+    digest = hashlib.sha256(isa.encode())
+    for src in sorted(p for p in KERNEL_DIR.iterdir() if p.is_file()):
+        digest.update(src.name.encode() + src.read_bytes())
+    digest.update(torch.__version__.encode() + sys.version.encode())
+    digest.update(cpu_signature().encode())  # -march=native: a build runs only on its own CPU
+    return DEFAULT_CACHE_DIR / "kernels" / digest.hexdigest()[:16]
+
+
+def is_built(isa: str) -> bool:
+    return (build_dir_of(isa) / f"{module_name(isa)}.so").exists()
 
 
 def _build(name: str, isa: str, build_dir: Path) -> ModuleType:

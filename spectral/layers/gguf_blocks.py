@@ -117,16 +117,31 @@ def decode(rows: torch.Tensor, type_name: str) -> BlockParts:
     return BlockParts(d, m, q.reshape(n, -1))
 
 
-def _decode_k(b: torch.Tensor, type_name: str) -> BlockParts:
-    """Q4_K, Q5_K: superblocks of 256 weights, 8 sub-blocks of 32 with 6-bit scales and minimums
-    of an fp16 d and dmin: w = (d * scale) * q - dmin * min."""
-    n = b.shape[0]
-    d, dmin = _half(b[..., 0:2]).unsqueeze(-1), _half(b[..., 2:4]).unsqueeze(-1)
+@dataclass
+class KParts:
+    """A Q4_K or Q5_K tensor's parts before their products: per superblock of 256 the fp16 d and
+    dmin (float32 [n, k / 256]), per sub-block of 32 the 6-bit scale and minimum (uint8
+    [n, k / 32]), a quant per weight (uint8 [n, k])."""
+
+    d: torch.Tensor
+    dmin: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    quants: torch.Tensor
+
+    def parts(self) -> BlockParts:
+        """w = (d * scale) * q - dmin * min, as a float32 d and m per 32 weights."""
+        n = self.quants.shape[0]
+        scales = (self.d.unsqueeze(-1) * self.scales.view(n, -1, 8).float()).reshape(n, -1)
+        mins = -(self.dmin.unsqueeze(-1) * self.mins.view(n, -1, 8).float()).reshape(n, -1)
+        return BlockParts(scales, mins, self.quants)
+
+
+def k_parts(rows: torch.Tensor, type_name: str) -> KParts:
+    """The parts of Q4_K or Q5_K block rows (uint8 [n, bytes])."""
+    n = rows.shape[0]
+    b = rows.reshape(n, -1, BLOCKS[type_name][1])
     sc, mn = _k_scales(b[..., 4:16])
-    scales = (d * sc.float()).reshape(n, -1)
-    mins = -(dmin * mn.float()).reshape(n, -1)
-    if type_name == "Q6_K":
-        return _decode_q6_k(b)
     if type_name == "Q4_K":
         # Each 32 bytes hold two sub-blocks: low nibbles the first, high nibbles the second.
         q = _nibbles(b[..., 16:].reshape(n, -1, 4, 32))
@@ -134,7 +149,21 @@ def _decode_k(b: torch.Tensor, type_name: str) -> BlockParts:
         high = _bits(b[..., 16:48].reshape(n, -1, 32, 1), 8)  # [n, sb, 32 bytes, 8 sub-blocks]
         q = _nibbles(b[..., 48:].reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32)
         q = q | (high.transpose(-1, -2) << 4)
-    return BlockParts(scales, mins, q.reshape(n, -1))
+    return KParts(
+        _half(b[..., 0:2]),
+        _half(b[..., 2:4]),
+        sc.reshape(n, -1),
+        mn.reshape(n, -1),
+        q.reshape(n, -1),
+    )
+
+
+def _decode_k(b: torch.Tensor, type_name: str) -> BlockParts:
+    """Q4_K, Q5_K: superblocks of 256 weights, 8 sub-blocks of 32 with 6-bit scales and minimums
+    of an fp16 d and dmin: w = (d * scale) * q - dmin * min; Q6_K."""
+    if type_name == "Q6_K":
+        return _decode_q6_k(b)
+    return k_parts(b.reshape(b.shape[0], -1), type_name).parts()
 
 
 def _decode_q6_k(b: torch.Tensor) -> BlockParts:
@@ -151,6 +180,21 @@ def _decode_q6_k(b: torch.Tensor) -> BlockParts:
     d = _half(b[..., 208:210]).unsqueeze(-1)
     scales = (d * b[..., 192:208].contiguous().view(torch.int8).float()).reshape(n, -1)
     return BlockParts(scales, None, (q.to(torch.int8) - 32).reshape(n, -1), group=16)
+
+
+def pack_int8(
+    rows: torch.Tensor, type_name: str, k: int, kernels: ModuleType
+) -> tuple[torch.Tensor, str]:
+    """GGUF block rows of `type_name` packed for the integer path: (data, the layout name
+    kernels.gguf_linear takes, "<layout>+q8"). Q4_K in its own compact layout."""
+    if type_name == "Q4_K":
+        p = k_parts(rows, type_name)
+        return kernels.pack_q4_k_q8(p.d, p.dmin, p.scales, p.mins, p.quants), "Q4_K+q8"
+    layout = LAYOUTS[type_name]
+    data = kernels.pack_q8_layout(
+        pack_blocks(rows, type_name, k, kernels), layout, rows.shape[0], k
+    )
+    return data, layout + "+q8"
 
 
 def pack_blocks(rows: torch.Tensor, type_name: str, k: int, kernels: ModuleType) -> torch.Tensor:

@@ -23,6 +23,10 @@ class PackedWeight:
     n: int
     gguf_type: str | None = None
 
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
     def matmul(self, kernels: ModuleType, x: torch.Tensor, bias: torch.Tensor | None):
         if self.gguf_type is not None:
             return kernels.gguf_linear(x, self.data, self.gguf_type, self.n, bias)
@@ -42,6 +46,10 @@ class PackedRows:
     tensors come in formats of different layouts (a Q4_K_M file's Q4_K q and k, Q6_K v)."""
 
     parts: list[PackedWeight]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
 
     def matmul(self, kernels: ModuleType, x: torch.Tensor, bias: torch.Tensor | None):
         out = torch.cat([part.matmul(kernels, x, None) for part in self.parts], dim=-1)

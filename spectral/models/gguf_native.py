@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from spectral.layers.embedding import BlockEmbedding, dequantize
-from spectral.layers.gguf_blocks import LAYOUTS, BlockParts, decode, pack_blocks
+from spectral.layers.gguf_blocks import LAYOUTS, BlockParts, decode, pack_blocks, pack_int8
 from spectral.layers.linear import PackedRows, PackedWeight, integer_path
 from spectral.models.config import ModelConfig
 from spectral.models.registry import gguf_architecture
@@ -99,12 +99,6 @@ def load_gguf_model(
     def blocks(names: list[str], k: int) -> PackedWeight | PackedRows | None:
         """The tensors `names` packed for gguf_linear as one weight (in parts of one layout
         each where their formats differ), or None where the kernels cannot serve them."""
-        packed = packed_blocks(names, k)
-        if int8 and isinstance(packed, PackedWeight):
-            return integer_path(packed, k, kernels)
-        return packed
-
-    def packed_blocks(names: list[str], k: int) -> PackedWeight | PackedRows | None:
         kinds = [tensor(n).tensor_type.name for n in names]
         layouts = [LAYOUTS.get(kind) for kind in kinds]
         if kernels is None or None in layouts:
@@ -115,10 +109,14 @@ def load_gguf_model(
         layout = layouts[0]
         if len(set(kinds)) == 1:
             rows = torch.from_numpy(np.concatenate([rows_of(n) for n in names]))
+            if int8:
+                data, name = pack_int8(rows, kinds[0], k, kernels)
+                return PackedWeight(data, rows.shape[0], name)
             return PackedWeight(pack_blocks(rows, kinds[0], k, kernels), rows.shape[0], layout)
         parts = [decode(torch.from_numpy(rows_of(n)), kind) for n, kind in zip(names, kinds)]
         joined = BlockParts.join(parts)
-        return PackedWeight(joined.pack(kernels, layout), joined.quants.shape[0], layout)
+        packed = PackedWeight(joined.pack(kernels, layout), joined.quants.shape[0], layout)
+        return integer_path(packed, k, kernels) if int8 else packed
 
     def linear(module: nn.Module, names: list[str]) -> bool:
         """Serve `module` from its blocks (its dense weight emptied) or fill it; True if blocks."""

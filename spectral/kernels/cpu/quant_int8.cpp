@@ -15,6 +15,12 @@
 // Q4_1: 4 groups of kNR x 4 bytes (low nibble: inputs 4g..4g+3, high nibble: 16 + 4g..);
 // 8-bit layouts: 8 groups of kNR x 4 bytes.
 //
+// Q4_K has a layout of its own here, as compact as the file's (0.59 bytes a weight against
+// Q4_1's 0.75): per panel, first each superblock's d and -dmin (kNR float32 each), then per
+// block of 32 its 6-bit scale and minimum (kNR bytes each) and its regrouped nibbles; a block's
+// dw = d * scale and mw = -dmin * min are made as the block is read (the same float32 products
+// gguf_blocks' decoder makes, so the arithmetic above is unchanged).
+//
 // AVX2 (the AVX-512 builds too, 256 bits at a time): `maddubs` multiplies unsigned weight
 // bytes by signed activation bytes and adds pairs into int16; signed weights (Q8_0, Q8_0h)
 // go in as |w| against x carrying w's sign. int16 sums stay exact: a pair is at most
@@ -32,6 +38,22 @@
 namespace {
 
 constexpr int kQ8Rows = 4;  // rows of x per tile
+constexpr int kQ4_K = 4;    // the integer path's own layout of Q4_K (see above)
+
+constexpr int64_t q8_block_bytes(int kind) {
+  return kind == kQ4_K ? 18 * kNR : packed_block_bytes(kind);
+}
+constexpr int64_t q8_quants_offset(int kind) {
+  return kind == kQ4_K ? 2 * kNR : quants_offset(kind);
+}
+// Bytes before a panel's first block: Q4_K's superblock scales.
+constexpr int64_t q8_header_bytes(int kind, int64_t nb) {
+  return kind == kQ4_K ? (nb / 8) * 8 * kNR : 0;
+}
+constexpr int64_t q8_panel_bytes(int kind, int64_t nb) {
+  return q8_header_bytes(kind, nb) + nb * q8_block_bytes(kind);
+}
+int q8_kind_of(const std::string& layout) { return layout == "Q4_K" ? kQ4_K : kind_of(layout); }
 
 // x quantized: q [m, k] int8, d [m, k / 32] float32, s [m, k / 32] int32.
 struct Q8Rows {
@@ -67,25 +89,24 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, in
 // the byte that also holds input j + 16).
 inline int64_t q8_offset(int64_t j, int64_t c) { return (j / 4) * kNR * 4 + c * 4 + j % 4; }
 
-// isum[r][c] (and, Q8_0h, isum[r][kNR + c] for the last 16 inputs): the integer dot products of
-// the R rows' quants of block b with the block's columns.
+#if defined(SPECTRAL_VEC)
+constexpr int kV = kNR / 8;  // 256-bit vectors of 8 columns x 4 inputs per group
+
+// isum[r][v] (and, Q8_0h, isum[r][kV + v] for the last 16 inputs): the integer dot products of
+// the R rows' quants of block b with the block's columns 8v..8v+7.
 template <int Kind, int R>
 inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t b,
-                       int32_t (&isum)[R][2 * kNR]) {
+                       __m256i (&isum)[R][2 * kV]) {
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) xq[r] = x.q + (row0 + r) * x.k + b * kBlock;
-#if defined(SPECTRAL_VEC)
-  constexpr int kV = kNR / 8;  // 256-bit vectors of 8 columns x 4 inputs per group
   const __m256i ones = _mm256_set1_epi16(1);
   auto bcast = [](const int8_t* p) {
     int32_t v;
     std::memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
   };
-  auto store = [&](int r, int half, int v, __m256i sum32) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&isum[r][half * kNR + v * 8]), sum32);
-  };
-  if constexpr (Kind == kQ4_1) {
+  auto store = [&](int r, int half, int v, __m256i sum32) { isum[r][half * kV + v] = sum32; };
+  if constexpr (Kind == kQ4_1 || Kind == kQ4_K) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
     __m256i acc[R][kV];
     for (int r = 0; r < R; ++r)
@@ -154,16 +175,69 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
     }
     if constexpr (Kind == kQ8_0m) {
       for (int r = 0; r < R; ++r)
-        for (int64_t c = 0; c < kNR; ++c) isum[r][c] += isum[r][kNR + c];
+        for (int v = 0; v < kV; ++v) isum[r][v] = _mm256_add_epi32(isum[r][v], isum[r][kV + v]);
     }
   }
+}
+
+// out[R][kNR]: rows row0.. of x over one panel, block sums combined block after block.
+template <int Kind, int R>
+void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
+  const int64_t nb = x.k / kBlock;
+  __m256 acc[R][kV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kV; ++v) acc[r][v] = _mm256_setzero_ps();
+  const uint8_t* blocks = panel + q8_header_bytes(Kind, nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = blocks + b * q8_block_bytes(Kind);
+    __m256 dw[kV], mw[kV];  // the block's d and m (Q8_0h: the last 16 inputs' d) per column
+    for (int v = 0; v < kV; ++v) {
+      if constexpr (Kind == kQ4_K) {
+        const float* sb = reinterpret_cast<const float*>(panel + (b / 8) * 8 * kNR);
+        auto widen = [](const uint8_t* p) {
+          return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+        };
+        dw[v] = _mm256_mul_ps(_mm256_loadu_ps(sb + 8 * v), widen(blk + 8 * v));
+        mw[v] = _mm256_mul_ps(_mm256_loadu_ps(sb + kNR + 8 * v), widen(blk + kNR + 8 * v));
+      } else {
+        const float* d = reinterpret_cast<const float*>(blk);
+        dw[v] = _mm256_loadu_ps(d + 8 * v);
+        if constexpr (Kind != kQ8_0) mw[v] = _mm256_loadu_ps(d + kNR + 8 * v);
+      }
+    }
+    __m256i isum[R][2 * kV];
+    block_sums<Kind, R>(blk + q8_quants_offset(Kind), x, row0, b, isum);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(x.d[(row0 + r) * nb + b]);
+      const __m256 sx = _mm256_set1_ps(static_cast<float>(x.s[(row0 + r) * nb + b]));
+      for (int v = 0; v < kV; ++v) {
+        __m256 u = _mm256_mul_ps(dw[v], _mm256_cvtepi32_ps(isum[r][v]));
+        if constexpr (Kind == kQ4_1 || Kind == kQ4_K || Kind == kQ8_0m) {
+          u = _mm256_add_ps(u, _mm256_mul_ps(mw[v], sx));
+        } else if constexpr (Kind == kQ8_0h) {
+          u = _mm256_add_ps(u, _mm256_mul_ps(mw[v], _mm256_cvtepi32_ps(isum[r][kV + v])));
+        }
+        acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(dx, u));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kV; ++v) _mm256_storeu_ps(out + r * kNR + 8 * v, acc[r][v]);
+}
 #else
+// isum[r][c] (and, Q8_0h, isum[r][kNR + c] for the last 16 inputs): the integer dot products of
+// the R rows' quants of block b with the block's columns.
+template <int Kind, int R>
+inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t b,
+                       int32_t (&isum)[R][2 * kNR]) {
+  const int8_t* xq[R];
+  for (int r = 0; r < R; ++r) xq[r] = x.q + (row0 + r) * x.k + b * kBlock;
   for (int r = 0; r < R; ++r) {
     for (int64_t c = 0; c < kNR; ++c) {
       int32_t first = 0, last = 0;
       for (int64_t j = 0; j < kBlock; ++j) {
         int32_t w;
-        if constexpr (Kind == kQ4_1) {
+        if constexpr (Kind == kQ4_1 || Kind == kQ4_K) {
           const uint8_t byte = qw[q8_offset(j % 16, c)];
           w = j < 16 ? byte & 0x0F : byte >> 4;
         } else if constexpr (Kind == kQ8_0m) {
@@ -181,7 +255,6 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
       }
     }
   }
-#endif
 }
 
 // out[R][kNR]: rows row0.. of x over one panel, block sums combined block after block.
@@ -190,39 +263,36 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
   const int64_t nb = x.k / kBlock;
   alignas(64) float acc[R][kNR] = {};
   alignas(64) int32_t isum[R][2 * kNR];
+  const uint8_t* blocks = panel + q8_header_bytes(Kind, nb);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = panel + b * packed_block_bytes(Kind);
-    const float* dw = reinterpret_cast<const float*>(blk);
-    block_sums<Kind, R>(blk + quants_offset(Kind), x, row0, b, isum);
+    const uint8_t* blk = blocks + b * q8_block_bytes(Kind);
+    float dw[kNR], mw[kNR];
+    for (int64_t c = 0; c < kNR; ++c) {
+      if constexpr (Kind == kQ4_K) {
+        const float* sb = reinterpret_cast<const float*>(panel + (b / 8) * 8 * kNR);
+        dw[c] = sb[c] * static_cast<float>(blk[c]);
+        mw[c] = sb[kNR + c] * static_cast<float>(blk[kNR + c]);
+      } else {
+        const float* d = reinterpret_cast<const float*>(blk);
+        dw[c] = d[c];
+        mw[c] = Kind == kQ8_0 ? 0.f : d[kNR + c];
+      }
+    }
+    block_sums<Kind, R>(blk + q8_quants_offset(Kind), x, row0, b, isum);
     for (int r = 0; r < R; ++r) {
       const float dx = x.d[(row0 + r) * nb + b];
       const float sx = static_cast<float>(x.s[(row0 + r) * nb + b]);
-#if defined(SPECTRAL_VEC)
-      for (int64_t c = 0; c < kNR; c += 8) {
-        __m256 u = _mm256_mul_ps(_mm256_loadu_ps(dw + c),
-                                 _mm256_cvtepi32_ps(_mm256_loadu_si256(
-                                     reinterpret_cast<const __m256i*>(&isum[r][c]))));
-        if constexpr (Kind == kQ4_1 || Kind == kQ8_0m) {
-          u = _mm256_add_ps(u, _mm256_mul_ps(_mm256_loadu_ps(dw + kNR + c), _mm256_set1_ps(sx)));
-        } else if constexpr (Kind == kQ8_0h) {
-          const __m256i last = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&isum[r][kNR + c]));
-          u = _mm256_add_ps(u, _mm256_mul_ps(_mm256_loadu_ps(dw + kNR + c), _mm256_cvtepi32_ps(last)));
-        }
-        const __m256 a = _mm256_loadu_ps(&acc[r][c]);
-        _mm256_storeu_ps(&acc[r][c], _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(dx), u)));
-      }
-#else
       for (int64_t c = 0; c < kNR; ++c) {
         float u = dw[c] * static_cast<float>(isum[r][c]);
-        if constexpr (Kind == kQ4_1 || Kind == kQ8_0m) u = u + dw[kNR + c] * sx;
-        if constexpr (Kind == kQ8_0h) u = u + dw[kNR + c] * static_cast<float>(isum[r][kNR + c]);
+        if constexpr (Kind == kQ4_1 || Kind == kQ4_K || Kind == kQ8_0m) u = u + mw[c] * sx;
+        if constexpr (Kind == kQ8_0h) u = u + mw[c] * static_cast<float>(isum[r][kNR + c]);
         acc[r][c] = acc[r][c] + dx * u;
       }
-#endif
     }
   }
   std::memcpy(out, acc, sizeof(acc));
 }
+#endif
 
 template <int Kind, int R = kQ8Rows>
 void q8_tile_rows(int rows, const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
@@ -235,7 +305,7 @@ void q8_tile_rows(int rows, const Q8Rows& x, int64_t row0, const uint8_t* panel,
 template <int Kind, typename O>
 void run_q8(const Q8Rows& x, int64_t m, const uint8_t* packed, int64_t n, O* out) {
   const int64_t panels = (n + kNR - 1) / kNR;
-  const int64_t panel_bytes = (x.k / kBlock) * packed_block_bytes(Kind);
+  const int64_t panel_bytes = q8_panel_bytes(Kind, x.k / kBlock);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) float buf[kQ8Rows * kNR];
     for (int64_t p = p0; p < p1; ++p) {
@@ -271,6 +341,7 @@ std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x) {
 // gguf_linear_q8 (the scales as they are).
 torch::Tensor pack_q8_layout(const torch::Tensor& packed, const std::string& layout, int64_t n,
                              int64_t k) {
+  TORCH_CHECK(layout != "Q4_K", "Q4_K blocks are packed for the integer path by pack_q4_k_q8");
   const int kind = kind_of(layout);
   TORCH_CHECK(k % kBlock == 0, "k must be a multiple of 32 (got ", k, ")");
   const int64_t panels = (n + kNR - 1) / kNR, nb = k / kBlock, bytes = packed_block_bytes(kind);
@@ -301,12 +372,62 @@ torch::Tensor pack_q8_layout(const torch::Tensor& packed, const std::string& lay
   return out;
 }
 
+// Q4_K blocks decoded into their parts (gguf_blocks.k_parts: d and dmin float32 [n, k / 256],
+// 6-bit scales and minimums uint8 [n, k / 32], quants uint8 [n, k] in 0..15) in the integer
+// path's Q4_K layout.
+torch::Tensor pack_q4_k_q8(const torch::Tensor& d, const torch::Tensor& dmin,
+                           const torch::Tensor& scales, const torch::Tensor& mins,
+                           const torch::Tensor& quants) {
+  TORCH_CHECK(quants.dim() == 2 && quants.scalar_type() == torch::kUInt8, "uint8 [n, k] quants");
+  const int64_t n = quants.size(0), k = quants.size(1), nb = k / kBlock;
+  TORCH_CHECK(k % 256 == 0, "Q4_K rows are whole superblocks of 256 (got ", k, ")");
+  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.sizes() == dmin.sizes() &&
+                  dmin.scalar_type() == torch::kFloat32 && d.dim() == 2 && d.size(0) == n &&
+                  d.size(1) == nb / 8,
+              "float32 [n, k / 256] d and dmin");
+  TORCH_CHECK(scales.scalar_type() == torch::kUInt8 && mins.scalar_type() == torch::kUInt8 &&
+                  scales.dim() == 2 && scales.size(0) == n && scales.size(1) == nb &&
+                  mins.sizes() == scales.sizes(),
+              "uint8 [n, k / 32] scales and mins");
+  const torch::Tensor dc = d.contiguous(), mc = dmin.contiguous(), sc = scales.contiguous(),
+                      mn = mins.contiguous(), q = quants.contiguous();
+  const float* dp = dc.data_ptr<float>();
+  const float* mp = mc.data_ptr<float>();
+  const uint8_t *sp = sc.data_ptr<uint8_t>(), *np = mn.data_ptr<uint8_t>(), *qp = q.data_ptr<uint8_t>();
+  const int64_t panels = (n + kNR - 1) / kNR, panel_bytes = q8_panel_bytes(kQ4_K, nb);
+  torch::Tensor packed = torch::zeros({panels * panel_bytes}, quants.options());
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      uint8_t* panel = out + p * panel_bytes;
+      uint8_t* blocks = panel + q8_header_bytes(kQ4_K, nb);
+      for (int64_t c = 0; c < kNR && p * kNR + c < n; ++c) {
+        const int64_t row = p * kNR + c;
+        for (int64_t s = 0; s < nb / 8; ++s) {
+          float* sb = reinterpret_cast<float*>(panel + s * 8 * kNR);
+          sb[c] = dp[row * (nb / 8) + s];
+          sb[kNR + c] = -mp[row * (nb / 8) + s];
+        }
+        for (int64_t b = 0; b < nb; ++b) {
+          uint8_t* blk = blocks + b * q8_block_bytes(kQ4_K);
+          blk[c] = sp[row * nb + b];
+          blk[kNR + c] = np[row * nb + b];
+          const uint8_t* src = qp + row * k + b * kBlock;
+          for (int64_t j = 0; j < 16; ++j)
+            blk[2 * kNR + q8_offset(j, c)] = static_cast<uint8_t>((src[j] & 0x0F) | (src[j + 16] << 4));
+        }
+      }
+    }
+  });
+  return packed;
+}
+
 // x @ w.T (+ bias) with x quantized to 8 bits per block of 32 (quantize_q8's q, d, s) over
 // weights regrouped by pack_q8_layout; float32 out, or bfloat16.
 torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& s,
                              const torch::Tensor& packed, const std::string& layout, int64_t n,
                              const c10::optional<torch::Tensor>& bias, bool bf16_out) {
-  const int kind = kind_of(layout);
+  const int kind = q8_kind_of(layout);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous(),
               "q must be contiguous int8 [m, k]");
   const int64_t m = q.size(0), k = q.size(1), nb = k / kBlock;
@@ -315,8 +436,9 @@ torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, con
                   s.is_contiguous() && s.numel() == m * nb,
               "d and s must be contiguous float32 and int32 [m, k / 32] (quantize_q8)");
   const int64_t panels = (n + kNR - 1) / kNR;
-  TORCH_CHECK(packed.numel() == panels * nb * packed_block_bytes(kind), "packed weights are not ",
-              n, " x ", k, " of ", layout, " from pack_q8_layout");
+  TORCH_CHECK(kind != kQ4_K || nb % 8 == 0, "Q4_K rows are whole superblocks of 256");
+  TORCH_CHECK(packed.numel() == panels * q8_panel_bytes(kind, nb), "packed weights are not ", n,
+              " x ", k, " of ", layout, " from pack_q8_layout or pack_q4_k_q8");
   const Q8Rows x{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), k};
   torch::Tensor out =
       torch::empty({m, n}, q.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
@@ -328,6 +450,7 @@ torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, con
       else run_q8<K>(x, m, w, n, out.data_ptr<float>());
     };
     if (kind == kQ4_1) go(std::integral_constant<int, kQ4_1>{});
+    else if (kind == kQ4_K) go(std::integral_constant<int, kQ4_K>{});
     else if (kind == kQ8_0) go(std::integral_constant<int, kQ8_0>{});
     else if (kind == kQ8_0m) go(std::integral_constant<int, kQ8_0m>{});
     else go(std::integral_constant<int, kQ8_0h>{});
@@ -354,6 +477,9 @@ void register_quant_int8(pybind11::module& m) {
         "rows quantized per block of 32 to 8 bits: (q int8, d float32, s = sum q int32)");
   m.def("pack_q8_layout", &pack_q8_layout,
         "gguf_linear's packed weights with each block's quants regrouped for gguf_linear_q8");
+  m.def("pack_q4_k_q8", &pack_q4_k_q8,
+        "Q4_K blocks' parts (d, dmin, 6-bit scales and minimums, quants) in the integer path's "
+        "compact Q4_K layout");
   m.def("gguf_linear_q8", &gguf_linear_q8,
         "x @ w.T (+ bias) from x quantized by quantize_q8, in integer dot products per block");
 }
