@@ -166,30 +166,40 @@ def _decode_k(b: torch.Tensor, type_name: str) -> BlockParts:
     return k_parts(b.reshape(b.shape[0], -1), type_name).parts()
 
 
-def _decode_q6_k(b: torch.Tensor) -> BlockParts:
-    """Q6_K: superblocks of 256 weights, 16 sub-blocks of 16 with int8 scales of an fp16 d (the
-    block's last bytes): w = (d * scale) * (q - 32), q of 4 low bits and 2 high bits."""
-    n = b.shape[0]
-    low = b[..., :128].reshape(n, -1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(
-        2, 1
-    )
+def q6_k_parts(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K block rows (uint8 [n, bytes]) as (d float32 [n, k / 256], int8 scales [n, k / 16],
+    quants + 32 uint8 [n, k] in 0..63): superblocks of 256 weights, 16 sub-blocks of 16 with
+    int8 scales of an fp16 d (the block's last bytes), q of 4 low bits and 2 high bits."""
+    n = rows.shape[0]
+    b = rows.reshape(n, -1, BLOCKS["Q6_K"][1])
+    shifts = torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    low = b[..., :128].reshape(n, -1, 2, 1, 64) >> shifts
     high = b[..., 128:192].reshape(n, -1, 2, 1, 32) >> torch.tensor(
         [0, 2, 4, 6], dtype=torch.uint8
     ).view(4, 1)
     q = (low & 0x0F).reshape(n, -1, 8, 32) | ((high & 0x03).reshape(n, -1, 8, 32) << 4)
-    d = _half(b[..., 208:210]).unsqueeze(-1)
-    scales = (d * b[..., 192:208].contiguous().view(torch.int8).float()).reshape(n, -1)
-    return BlockParts(scales, None, (q.to(torch.int8) - 32).reshape(n, -1), group=16)
+    scales = b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
+    return _half(b[..., 208:210]), scales, q.reshape(n, -1)
+
+
+def _decode_q6_k(b: torch.Tensor) -> BlockParts:
+    """Q6_K: w = (d * scale) * (q - 32) per sub-block of 16."""
+    n = b.shape[0]
+    d, scales, q = q6_k_parts(b.reshape(n, -1))
+    products = (d.unsqueeze(-1) * scales.view(n, d.shape[1], 16).float()).reshape(n, -1)
+    return BlockParts(products, None, (q.to(torch.int8) - 32), group=16)
 
 
 def pack_int8(
     rows: torch.Tensor, type_name: str, k: int, kernels: ModuleType
 ) -> tuple[torch.Tensor, str]:
     """GGUF block rows of `type_name` packed for the integer path: (data, the layout name
-    kernels.gguf_linear takes, "<layout>+q8"). Q4_K in its own compact layout."""
+    kernels.gguf_linear takes, "<layout>+q8"). Q4_K and Q6_K in compact layouts of their own."""
     if type_name == "Q4_K":
         p = k_parts(rows, type_name)
         return kernels.pack_q4_k_q8(p.d, p.dmin, p.scales, p.mins, p.quants), "Q4_K+q8"
+    if type_name == "Q6_K":
+        return kernels.pack_q6_k_q8(*q6_k_parts(rows)), "Q6_K+q8"
     layout = LAYOUTS[type_name]
     data = kernels.pack_q8_layout(
         pack_blocks(rows, type_name, k, kernels), layout, rows.shape[0], k

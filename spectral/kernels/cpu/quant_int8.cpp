@@ -19,7 +19,10 @@
 // Q4_1's 0.75): per panel, first each superblock's d and -dmin (kNR float32 each), then per
 // block of 32 its 6-bit scale and minimum (kNR bytes each) and its regrouped nibbles; a block's
 // dw = d * scale and mw = -dmin * min are made as the block is read (the same float32 products
-// gguf_blocks' decoder makes, so the arithmetic above is unchanged).
+// gguf_blocks' decoder makes, so the arithmetic above is unchanged). Q6_K likewise (0.83 bytes a
+// weight against Q8_0h's 1.25): per superblock d; per block the int8 scales of its two halves,
+// the low 4 bits of its quants as Q4_K's nibbles, and their high 2 bits, a byte holding those of
+// inputs 4g + t, 16 + 4g + t, 8 + 4g + t and 24 + 4g + t (g = 0, 1; bits 0-1, 2-3, 4-5, 6-7).
 //
 // AVX2 (the AVX-512 builds too, 256 bits at a time): `maddubs` multiplies unsigned weight
 // bytes by signed activation bytes and adds pairs into int16; signed weights (Q8_0, Q8_0h)
@@ -38,22 +41,29 @@
 namespace {
 
 constexpr int kQ8Rows = 4;  // rows of x per tile
-constexpr int kQ4_K = 4;    // the integer path's own layout of Q4_K (see above)
+constexpr int kQ4_K = 4, kQ6_K = 5;  // the integer path's own layouts of Q4_K, Q6_K (above)
 
 constexpr int64_t q8_block_bytes(int kind) {
-  return kind == kQ4_K ? 18 * kNR : packed_block_bytes(kind);
+  return kind == kQ4_K ? 18 * kNR : kind == kQ6_K ? 26 * kNR : packed_block_bytes(kind);
 }
 constexpr int64_t q8_quants_offset(int kind) {
-  return kind == kQ4_K ? 2 * kNR : quants_offset(kind);
+  return kind == kQ4_K || kind == kQ6_K ? 2 * kNR : quants_offset(kind);
 }
-// Bytes before a panel's first block: Q4_K's superblock scales.
+// Bytes before a panel's first block: the superblocks' d (and -dmin).
 constexpr int64_t q8_header_bytes(int kind, int64_t nb) {
-  return kind == kQ4_K ? (nb / 8) * 8 * kNR : 0;
+  return kind == kQ4_K ? (nb / 8) * 8 * kNR : kind == kQ6_K ? (nb / 8) * 4 * kNR : 0;
 }
+// Where input j (0..31) of column c keeps its high 2 bits in a Q6_K block's high-bit bytes.
+inline int64_t q6_high_offset(int64_t j, int64_t c) {
+  return ((j % 16) / 4 % 2) * kNR * 4 + c * 4 + j % 4;
+}
+inline int q6_high_shift(int64_t j) { return ((j % 16) / 8) * 4 + (j / 16) * 2; }
 constexpr int64_t q8_panel_bytes(int kind, int64_t nb) {
   return q8_header_bytes(kind, nb) + nb * q8_block_bytes(kind);
 }
-int q8_kind_of(const std::string& layout) { return layout == "Q4_K" ? kQ4_K : kind_of(layout); }
+int q8_kind_of(const std::string& layout) {
+  return layout == "Q4_K" ? kQ4_K : layout == "Q6_K" ? kQ6_K : kind_of(layout);
+}
 
 // x quantized: q [m, k] int8, d [m, k / 32] float32, s [m, k / 32] int32.
 struct Q8Rows {
@@ -129,6 +139,47 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
     }
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kV; ++v) store(r, 0, v, _mm256_madd_epi16(acc[r][v], ones));
+  } else if constexpr (Kind == kQ6_K) {
+    // Quants q + 32 rebuilt from nibbles and high bits, as |q| against x signed by q; the
+    // first 16 inputs (low nibbles) and the last 16 (high nibbles) apart, four groups each.
+    const __m256i mask = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+    const __m256i bias = _mm256_set1_epi8(32);
+    __m256i first[R][kV], last[R][kV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kV; ++v) first[r][v] = last[r][v] = _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      __m256i lo[kV], hi[kV];
+      for (int v = 0; v < kV; ++v) {
+        const __m256i w =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
+        const __m256i h = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(qw + 16 * kNR + (g % 2) * kNR * 4 + v * 32));
+        const __m256i hl = _mm256_and_si256(_mm256_srli_epi16(h, (g / 2) * 4), two);
+        const __m256i hh = _mm256_and_si256(_mm256_srli_epi16(h, (g / 2) * 4 + 2), two);
+        lo[v] = _mm256_sub_epi8(
+            _mm256_or_si256(_mm256_and_si256(w, mask), _mm256_slli_epi16(hl, 4)), bias);
+        hi[v] = _mm256_sub_epi8(
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), mask),
+                            _mm256_slli_epi16(hh, 4)),
+            bias);
+      }
+      __m256i alo[kV], ahi[kV];
+      for (int v = 0; v < kV; ++v) alo[v] = _mm256_abs_epi8(lo[v]), ahi[v] = _mm256_abs_epi8(hi[v]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xa = bcast(xq[r] + 4 * g), xb = bcast(xq[r] + 16 + 4 * g);
+        for (int v = 0; v < kV; ++v) {
+          first[r][v] = _mm256_add_epi16(
+              first[r][v], _mm256_maddubs_epi16(alo[v], _mm256_sign_epi8(xa, lo[v])));
+          last[r][v] = _mm256_add_epi16(
+              last[r][v], _mm256_maddubs_epi16(ahi[v], _mm256_sign_epi8(xb, hi[v])));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kV; ++v) {
+        store(r, 0, v, _mm256_madd_epi16(first[r][v], ones));
+        store(r, 1, v, _mm256_madd_epi16(last[r][v], ones));
+      }
   } else if constexpr (Kind == kQ8_0) {
     __m256i acc[R][kV];
     for (int r = 0; r < R; ++r)
@@ -199,6 +250,13 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
         };
         dw[v] = _mm256_mul_ps(_mm256_loadu_ps(sb + 8 * v), widen(blk + 8 * v));
         mw[v] = _mm256_mul_ps(_mm256_loadu_ps(sb + kNR + 8 * v), widen(blk + kNR + 8 * v));
+      } else if constexpr (Kind == kQ6_K) {
+        const float* sb = reinterpret_cast<const float*>(panel + (b / 8) * 4 * kNR);
+        auto widen = [](const uint8_t* p) {
+          return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+        };
+        dw[v] = _mm256_mul_ps(_mm256_loadu_ps(sb + 8 * v), widen(blk + 8 * v));
+        mw[v] = _mm256_mul_ps(_mm256_loadu_ps(sb + 8 * v), widen(blk + kNR + 8 * v));
       } else {
         const float* d = reinterpret_cast<const float*>(blk);
         dw[v] = _mm256_loadu_ps(d + 8 * v);
@@ -214,7 +272,7 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
         __m256 u = _mm256_mul_ps(dw[v], _mm256_cvtepi32_ps(isum[r][v]));
         if constexpr (Kind == kQ4_1 || Kind == kQ4_K || Kind == kQ8_0m) {
           u = _mm256_add_ps(u, _mm256_mul_ps(mw[v], sx));
-        } else if constexpr (Kind == kQ8_0h) {
+        } else if constexpr (Kind == kQ8_0h || Kind == kQ6_K) {
           u = _mm256_add_ps(u, _mm256_mul_ps(mw[v], _mm256_cvtepi32_ps(isum[r][kV + v])));
         }
         acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(dx, u));
@@ -240,6 +298,10 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
         if constexpr (Kind == kQ4_1 || Kind == kQ4_K) {
           const uint8_t byte = qw[q8_offset(j % 16, c)];
           w = j < 16 ? byte & 0x0F : byte >> 4;
+        } else if constexpr (Kind == kQ6_K) {
+          const uint8_t byte = qw[q8_offset(j % 16, c)];
+          const int32_t high = (qw[16 * kNR + q6_high_offset(j, c)] >> q6_high_shift(j)) & 3;
+          w = ((j < 16 ? byte & 0x0F : byte >> 4) | (high << 4)) - 32;
         } else if constexpr (Kind == kQ8_0m) {
           w = qw[q8_offset(j, c)];
         } else {
@@ -247,7 +309,7 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
         }
         (j < 16 ? first : last) += w * xq[r][j];
       }
-      if constexpr (Kind == kQ8_0h) {
+      if constexpr (Kind == kQ8_0h || Kind == kQ6_K) {
         isum[r][c] = first;
         isum[r][kNR + c] = last;
       } else {
@@ -272,6 +334,10 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
         const float* sb = reinterpret_cast<const float*>(panel + (b / 8) * 8 * kNR);
         dw[c] = sb[c] * static_cast<float>(blk[c]);
         mw[c] = sb[kNR + c] * static_cast<float>(blk[kNR + c]);
+      } else if constexpr (Kind == kQ6_K) {
+        const float* sb = reinterpret_cast<const float*>(panel + (b / 8) * 4 * kNR);
+        dw[c] = sb[c] * static_cast<float>(static_cast<int8_t>(blk[c]));
+        mw[c] = sb[c] * static_cast<float>(static_cast<int8_t>(blk[kNR + c]));
       } else {
         const float* d = reinterpret_cast<const float*>(blk);
         dw[c] = d[c];
@@ -285,7 +351,8 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
       for (int64_t c = 0; c < kNR; ++c) {
         float u = dw[c] * static_cast<float>(isum[r][c]);
         if constexpr (Kind == kQ4_1 || Kind == kQ4_K || Kind == kQ8_0m) u = u + mw[c] * sx;
-        if constexpr (Kind == kQ8_0h) u = u + mw[c] * static_cast<float>(isum[r][kNR + c]);
+        if constexpr (Kind == kQ8_0h || Kind == kQ6_K)
+          u = u + mw[c] * static_cast<float>(isum[r][kNR + c]);
         acc[r][c] = acc[r][c] + dx * u;
       }
     }
@@ -341,7 +408,8 @@ std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x) {
 // gguf_linear_q8 (the scales as they are).
 torch::Tensor pack_q8_layout(const torch::Tensor& packed, const std::string& layout, int64_t n,
                              int64_t k) {
-  TORCH_CHECK(layout != "Q4_K", "Q4_K blocks are packed for the integer path by pack_q4_k_q8");
+  TORCH_CHECK(layout != "Q4_K" && layout != "Q6_K",
+              layout, " blocks are packed for the integer path by pack_q4_k_q8 / pack_q6_k_q8");
   const int kind = kind_of(layout);
   TORCH_CHECK(k % kBlock == 0, "k must be a multiple of 32 (got ", k, ")");
   const int64_t panels = (n + kNR - 1) / kNR, nb = k / kBlock, bytes = packed_block_bytes(kind);
@@ -422,6 +490,52 @@ torch::Tensor pack_q4_k_q8(const torch::Tensor& d, const torch::Tensor& dmin,
   return packed;
 }
 
+// Q6_K blocks decoded into their parts (gguf_blocks.q6_k_parts: d float32 [n, k / 256], int8
+// scales [n, k / 16], quants + 32 uint8 [n, k] in 0..63) in the integer path's Q6_K layout.
+torch::Tensor pack_q6_k_q8(const torch::Tensor& d, const torch::Tensor& scales,
+                           const torch::Tensor& quants) {
+  TORCH_CHECK(quants.dim() == 2 && quants.scalar_type() == torch::kUInt8, "uint8 [n, k] quants");
+  const int64_t n = quants.size(0), k = quants.size(1), nb = k / kBlock;
+  TORCH_CHECK(k % 256 == 0, "Q6_K rows are whole superblocks of 256 (got ", k, ")");
+  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.dim() == 2 && d.size(0) == n &&
+                  d.size(1) == nb / 8,
+              "float32 [n, k / 256] d");
+  TORCH_CHECK(scales.scalar_type() == torch::kInt8 && scales.dim() == 2 && scales.size(0) == n &&
+                  scales.size(1) == 2 * nb,
+              "int8 [n, k / 16] scales");
+  const torch::Tensor dc = d.contiguous(), sc = scales.contiguous(), q = quants.contiguous();
+  const float* dp = dc.data_ptr<float>();
+  const int8_t* sp = sc.data_ptr<int8_t>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const int64_t panels = (n + kNR - 1) / kNR, panel_bytes = q8_panel_bytes(kQ6_K, nb);
+  torch::Tensor packed = torch::zeros({panels * panel_bytes}, quants.options());
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      uint8_t* panel = out + p * panel_bytes;
+      uint8_t* blocks = panel + q8_header_bytes(kQ6_K, nb);
+      for (int64_t c = 0; c < kNR && p * kNR + c < n; ++c) {
+        const int64_t row = p * kNR + c;
+        for (int64_t s = 0; s < nb / 8; ++s)
+          reinterpret_cast<float*>(panel + s * 4 * kNR)[c] = dp[row * (nb / 8) + s];
+        for (int64_t b = 0; b < nb; ++b) {
+          uint8_t* blk = blocks + b * q8_block_bytes(kQ6_K);
+          blk[c] = static_cast<uint8_t>(sp[row * 2 * nb + 2 * b]);
+          blk[kNR + c] = static_cast<uint8_t>(sp[row * 2 * nb + 2 * b + 1]);
+          const uint8_t* src = qp + row * k + b * kBlock;
+          for (int64_t j = 0; j < 16; ++j)
+            blk[2 * kNR + q8_offset(j, c)] =
+                static_cast<uint8_t>((src[j] & 0x0F) | ((src[j + 16] & 0x0F) << 4));
+          for (int64_t j = 0; j < kBlock; ++j)
+            blk[18 * kNR + q6_high_offset(j, c)] |=
+                static_cast<uint8_t>(((src[j] >> 4) & 3) << q6_high_shift(j));
+        }
+      }
+    }
+  });
+  return packed;
+}
+
 // x @ w.T (+ bias) with x quantized to 8 bits per block of 32 (quantize_q8's q, d, s) over
 // weights regrouped by pack_q8_layout; float32 out, or bfloat16.
 torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& s,
@@ -436,7 +550,8 @@ torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, con
                   s.is_contiguous() && s.numel() == m * nb,
               "d and s must be contiguous float32 and int32 [m, k / 32] (quantize_q8)");
   const int64_t panels = (n + kNR - 1) / kNR;
-  TORCH_CHECK(kind != kQ4_K || nb % 8 == 0, "Q4_K rows are whole superblocks of 256");
+  TORCH_CHECK((kind != kQ4_K && kind != kQ6_K) || nb % 8 == 0,
+              layout, " rows are whole superblocks of 256");
   TORCH_CHECK(packed.numel() == panels * q8_panel_bytes(kind, nb), "packed weights are not ", n,
               " x ", k, " of ", layout, " from pack_q8_layout or pack_q4_k_q8");
   const Q8Rows x{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), k};
@@ -451,6 +566,7 @@ torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, con
     };
     if (kind == kQ4_1) go(std::integral_constant<int, kQ4_1>{});
     else if (kind == kQ4_K) go(std::integral_constant<int, kQ4_K>{});
+    else if (kind == kQ6_K) go(std::integral_constant<int, kQ6_K>{});
     else if (kind == kQ8_0) go(std::integral_constant<int, kQ8_0>{});
     else if (kind == kQ8_0m) go(std::integral_constant<int, kQ8_0m>{});
     else go(std::integral_constant<int, kQ8_0h>{});
@@ -480,6 +596,9 @@ void register_quant_int8(pybind11::module& m) {
   m.def("pack_q4_k_q8", &pack_q4_k_q8,
         "Q4_K blocks' parts (d, dmin, 6-bit scales and minimums, quants) in the integer path's "
         "compact Q4_K layout");
+  m.def("pack_q6_k_q8", &pack_q6_k_q8,
+        "Q6_K blocks' parts (d, int8 scales per 16, quants + 32) in the integer path's compact "
+        "Q6_K layout");
   m.def("gguf_linear_q8", &gguf_linear_q8,
         "x @ w.T (+ bias) from x quantized by quantize_q8, in integer dot products per block");
 }
