@@ -208,7 +208,8 @@ def test_load_format_dummy_serves_the_configs_shape_with_random_weights(tmp_path
 
 def test_a_q4_k_m_mix_is_served_natively_in_parts_and_equals_transformers(gguf_dir, cache_dir):
     """llama.cpp's Q4_K_M: q and k Q4_K but v Q6_K in one fused q|k|v, served as packed parts of
-    two layouts stacked by rows; greedy output equals transformers loading the same file."""
+    two layouts stacked by rows (decode steps in the one-call C++ layer); greedy output equals
+    transformers loading the same file."""
     path = tiny_gguf(gguf_dir, "qwen2", "Q4_K_M")
     expected = transformers_greedy(str(gguf_dir), path.name)
     engine = Engine(
@@ -218,6 +219,7 @@ def test_a_q4_k_m_mix_is_served_natively_in_parts_and_equals_transformers(gguf_d
         qkv = engine.worker.model.layers[0].self_attn.qkv_proj.packed
         assert isinstance(qkv, PackedRows)
         assert [part.gguf_type for part in qkv.parts] == ["Q4_1", "Q8_0h"]
+        assert engine.worker.model.layers[0].fused is not None  # parts run in the C++ layer too
         assert engine.worker.model.layers[0].self_attn.qkv_proj.weight.numel() == 0
         outs = engine.generate(PROMPTS, GREEDY)
         assert [o["output_ids"] for o in outs] == expected

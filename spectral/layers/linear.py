@@ -51,9 +51,17 @@ class PackedRows:
     def nbytes(self) -> int:
         return sum(part.nbytes for part in self.parts)
 
+    @classmethod
+    def of(cls, packed: PackedWeight | PackedRows) -> PackedRows:
+        return packed if isinstance(packed, PackedRows) else cls([packed])
+
     def matmul(self, kernels: ModuleType, x: torch.Tensor, bias: torch.Tensor | None):
-        out = torch.cat([part.matmul(kernels, x, None) for part in self.parts], dim=-1)
-        return out if bias is None else out + bias
+        return kernels.linear_parts(x, *self.fields(), bias)
+
+    def fields(self) -> tuple[list[torch.Tensor], list[str], list[int]]:
+        """The parts' data, layouts ("" for dense) and row counts, as the kernels take them."""
+        parts = self.parts
+        return [p.data for p in parts], [p.gguf_type or "" for p in parts], [p.n for p in parts]
 
     def serves(self, x: torch.Tensor) -> bool:
         return all(part.serves(x) for part in self.parts)

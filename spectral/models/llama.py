@@ -17,7 +17,7 @@ from torch import nn
 
 from spectral.attention.base import AttentionBackend, DecodeKernelInputs
 from spectral.core.forward import ForwardBatch
-from spectral.layers.linear import Linear, PackedWeight
+from spectral.layers.linear import Linear, PackedRows, PackedWeight
 from spectral.layers.logits import LogitsHead
 from spectral.layers.norm import RMSNorm
 from spectral.layers.rotary import RotaryEmbedding
@@ -94,12 +94,9 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp.down_proj,
         )
         self.fused = None
-        if kernels is None or any(not isinstance(m.packed, PackedWeight) for m in linears):
-            return  # (a weight packed in parts of several layouts: PackedRows, per op)
-        packed = [
-            kernels.PackedLinear(m.packed.data, m.packed.gguf_type or "", m.packed.n, m.bias)
-            for m in linears
-        ]
+        if kernels is None or any(m.packed is None for m in linears):
+            return
+        packed = [kernels.PackedLinear(*PackedRows.of(m.packed).fields(), m.bias) for m in linears]
         attn = self.self_attn
         self.fused = kernels.DecoderLayer(
             self.input_layernorm.weight,

@@ -29,17 +29,30 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_bu
                                const torch::Tensor& v_buf, const torch::Tensor& kv_indices,
                                const torch::Tensor& seq_lens, double scale);
 
+torch::Tensor linear_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& data,
+                           const std::vector<std::string>& kinds, const std::vector<int64_t>& ns,
+                           const c10::optional<torch::Tensor>& bias);  // quant_int8.cpp
+
 namespace {
 
-// A weight packed for one of the matmul kernels: GGUF blocks of `kind`, or dense ("" kind).
+// A weight packed for the matmul kernels: GGUF blocks of `kind`, or dense ("" kind); or such
+// parts stacked by rows (a fused weight whose tensors need different layouts).
 struct PackedLinear {
-  torch::Tensor data;
-  std::string kind;
-  int64_t n;
+  std::vector<torch::Tensor> data;
+  std::vector<std::string> kinds;
+  std::vector<int64_t> ns;
   c10::optional<torch::Tensor> bias;
 
+  PackedLinear(torch::Tensor d, std::string kind, int64_t n, c10::optional<torch::Tensor> b)
+      : data{std::move(d)}, kinds{std::move(kind)}, ns{n}, bias(std::move(b)) {}
+  PackedLinear(std::vector<torch::Tensor> d, std::vector<std::string> k, std::vector<int64_t> n,
+               c10::optional<torch::Tensor> b)
+      : data(std::move(d)), kinds(std::move(k)), ns(std::move(n)), bias(std::move(b)) {}
+
   torch::Tensor operator()(const torch::Tensor& x) const {
-    return kind.empty() ? packed_linear(x, data, n, bias) : gguf_linear(x, data, kind, n, bias);
+    if (data.size() > 1) return linear_parts(x, data, kinds, ns, bias);
+    return kinds[0].empty() ? packed_linear(x, data[0], ns[0], bias)
+                            : gguf_linear(x, data[0], kinds[0], ns[0], bias);
   }
 };
 
@@ -99,7 +112,10 @@ struct DecoderLayer {
 void register_decoder_layer(pybind11::module& m) {
   pybind11::class_<PackedLinear>(m, "PackedLinear")
       .def(pybind11::init<torch::Tensor, std::string, int64_t, c10::optional<torch::Tensor>>(),
-           "a weight packed for gguf_linear (kind Q4_0, Q4_1, Q8_0) or packed_linear (kind '')");
+           "a weight packed for gguf_linear (its layout as kind) or packed_linear (kind '')")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<std::string>,
+                          std::vector<int64_t>, c10::optional<torch::Tensor>>(),
+           "parts of a weight stacked by rows, each packed as above (linear_parts)");
   pybind11::class_<DecoderLayer>(m, "DecoderLayer")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, PackedLinear, PackedLinear,
                           PackedLinear, PackedLinear, int64_t, int64_t, int64_t, int64_t>(),

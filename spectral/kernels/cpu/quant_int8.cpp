@@ -440,6 +440,28 @@ torch::Tensor pack_q8_layout(const torch::Tensor& packed, const std::string& lay
   return out;
 }
 
+// A compact layout's packed tensor (Q4_K, Q6_K) of n rows of nb blocks: fill(sb, blk, row, b, c)
+// writes column c's part of block b of `row` into blk, and of its superblock's scales into sb;
+// the packers differ only in what they write where.
+template <typename Fill>
+torch::Tensor pack_compact(int64_t n, int64_t nb, int kind, const torch::TensorOptions& options,
+                           Fill&& fill) {
+  const int64_t panels = (n + kNR - 1) / kNR, panel_bytes = q8_panel_bytes(kind, nb);
+  const int64_t header = q8_header_bytes(kind, nb) / (nb / 8);  // bytes of one superblock's
+  torch::Tensor packed = torch::zeros({panels * panel_bytes}, options);
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      uint8_t* panel = out + p * panel_bytes;
+      uint8_t* blocks = panel + q8_header_bytes(kind, nb);
+      for (int64_t c = 0; c < kNR && p * kNR + c < n; ++c)
+        for (int64_t b = 0; b < nb; ++b)
+          fill(panel + (b / 8) * header, blocks + b * q8_block_bytes(kind), p * kNR + c, b, c);
+    }
+  });
+  return packed;
+}
+
 // Q4_K blocks decoded into their parts (gguf_blocks.k_parts: d and dmin float32 [n, k / 256],
 // 6-bit scales and minimums uint8 [n, k / 32], quants uint8 [n, k] in 0..15) in the integer
 // path's Q4_K layout.
@@ -462,32 +484,18 @@ torch::Tensor pack_q4_k_q8(const torch::Tensor& d, const torch::Tensor& dmin,
   const float* dp = dc.data_ptr<float>();
   const float* mp = mc.data_ptr<float>();
   const uint8_t *sp = sc.data_ptr<uint8_t>(), *np = mn.data_ptr<uint8_t>(), *qp = q.data_ptr<uint8_t>();
-  const int64_t panels = (n + kNR - 1) / kNR, panel_bytes = q8_panel_bytes(kQ4_K, nb);
-  torch::Tensor packed = torch::zeros({panels * panel_bytes}, quants.options());
-  uint8_t* out = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      uint8_t* panel = out + p * panel_bytes;
-      uint8_t* blocks = panel + q8_header_bytes(kQ4_K, nb);
-      for (int64_t c = 0; c < kNR && p * kNR + c < n; ++c) {
-        const int64_t row = p * kNR + c;
-        for (int64_t s = 0; s < nb / 8; ++s) {
-          float* sb = reinterpret_cast<float*>(panel + s * 8 * kNR);
-          sb[c] = dp[row * (nb / 8) + s];
-          sb[kNR + c] = -mp[row * (nb / 8) + s];
-        }
-        for (int64_t b = 0; b < nb; ++b) {
-          uint8_t* blk = blocks + b * q8_block_bytes(kQ4_K);
-          blk[c] = sp[row * nb + b];
-          blk[kNR + c] = np[row * nb + b];
-          const uint8_t* src = qp + row * k + b * kBlock;
-          for (int64_t j = 0; j < 16; ++j)
-            blk[2 * kNR + q8_offset(j, c)] = static_cast<uint8_t>((src[j] & 0x0F) | (src[j + 16] << 4));
-        }
-      }
+  return pack_compact(n, nb, kQ4_K, quants.options(), [&](uint8_t* sb, uint8_t* blk, int64_t row,
+                                                         int64_t b, int64_t c) {
+    if (b % 8 == 0) {
+      reinterpret_cast<float*>(sb)[c] = dp[row * (nb / 8) + b / 8];
+      reinterpret_cast<float*>(sb)[kNR + c] = -mp[row * (nb / 8) + b / 8];
     }
+    blk[c] = sp[row * nb + b];
+    blk[kNR + c] = np[row * nb + b];
+    const uint8_t* src = qp + row * k + b * kBlock;
+    for (int64_t j = 0; j < 16; ++j)
+      blk[2 * kNR + q8_offset(j, c)] = static_cast<uint8_t>((src[j] & 0x0F) | (src[j + 16] << 4));
   });
-  return packed;
 }
 
 // Q6_K blocks decoded into their parts (gguf_blocks.q6_k_parts: d float32 [n, k / 256], int8
@@ -507,33 +515,19 @@ torch::Tensor pack_q6_k_q8(const torch::Tensor& d, const torch::Tensor& scales,
   const float* dp = dc.data_ptr<float>();
   const int8_t* sp = sc.data_ptr<int8_t>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const int64_t panels = (n + kNR - 1) / kNR, panel_bytes = q8_panel_bytes(kQ6_K, nb);
-  torch::Tensor packed = torch::zeros({panels * panel_bytes}, quants.options());
-  uint8_t* out = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      uint8_t* panel = out + p * panel_bytes;
-      uint8_t* blocks = panel + q8_header_bytes(kQ6_K, nb);
-      for (int64_t c = 0; c < kNR && p * kNR + c < n; ++c) {
-        const int64_t row = p * kNR + c;
-        for (int64_t s = 0; s < nb / 8; ++s)
-          reinterpret_cast<float*>(panel + s * 4 * kNR)[c] = dp[row * (nb / 8) + s];
-        for (int64_t b = 0; b < nb; ++b) {
-          uint8_t* blk = blocks + b * q8_block_bytes(kQ6_K);
-          blk[c] = static_cast<uint8_t>(sp[row * 2 * nb + 2 * b]);
-          blk[kNR + c] = static_cast<uint8_t>(sp[row * 2 * nb + 2 * b + 1]);
-          const uint8_t* src = qp + row * k + b * kBlock;
-          for (int64_t j = 0; j < 16; ++j)
-            blk[2 * kNR + q8_offset(j, c)] =
-                static_cast<uint8_t>((src[j] & 0x0F) | ((src[j + 16] & 0x0F) << 4));
-          for (int64_t j = 0; j < kBlock; ++j)
-            blk[18 * kNR + q6_high_offset(j, c)] |=
-                static_cast<uint8_t>(((src[j] >> 4) & 3) << q6_high_shift(j));
-        }
-      }
-    }
+  return pack_compact(n, nb, kQ6_K, quants.options(), [&](uint8_t* sb, uint8_t* blk, int64_t row,
+                                                         int64_t b, int64_t c) {
+    if (b % 8 == 0) reinterpret_cast<float*>(sb)[c] = dp[row * (nb / 8) + b / 8];
+    blk[c] = static_cast<uint8_t>(sp[row * 2 * nb + 2 * b]);
+    blk[kNR + c] = static_cast<uint8_t>(sp[row * 2 * nb + 2 * b + 1]);
+    const uint8_t* src = qp + row * k + b * kBlock;
+    for (int64_t j = 0; j < 16; ++j)
+      blk[2 * kNR + q8_offset(j, c)] =
+          static_cast<uint8_t>((src[j] & 0x0F) | ((src[j + 16] & 0x0F) << 4));
+    for (int64_t j = 0; j < kBlock; ++j)
+      blk[18 * kNR + q6_high_offset(j, c)] |=
+          static_cast<uint8_t>(((src[j] >> 4) & 3) << q6_high_shift(j));
   });
-  return packed;
 }
 
 // x @ w.T (+ bias) with x quantized to 8 bits per block of 32 (quantize_q8's q, d, s) over
@@ -586,6 +580,35 @@ torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& pack
                         x.scalar_type() == torch::kBFloat16);
 }
 
+// x @ w.T (+ bias) for a weight in parts stacked by rows (packed for gguf_linear, or dense with
+// kind ""), their outputs side by side; x is quantized once for all the integer-path parts.
+torch::Tensor linear_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& data,
+                           const std::vector<std::string>& kinds, const std::vector<int64_t>& ns,
+                           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(!data.empty() && data.size() == kinds.size() && data.size() == ns.size(),
+              "one kind and one row count per part");
+  const std::string q8 = "+q8";
+  auto is_q8 = [&](const std::string& kind) {
+    return kind.size() > q8.size() && kind.compare(kind.size() - q8.size(), q8.size(), q8) == 0;
+  };
+  std::vector<torch::Tensor> quantized;
+  if (std::any_of(kinds.begin(), kinds.end(), is_q8)) quantized = quantize_q8(x);
+  const c10::optional<torch::Tensor> none;
+  std::vector<torch::Tensor> outs;
+  for (size_t i = 0; i < data.size(); ++i) {
+    const std::string& kind = kinds[i];
+    if (is_q8(kind))
+      outs.push_back(gguf_linear_q8(quantized[0], quantized[1], quantized[2], data[i],
+                                    kind.substr(0, kind.size() - q8.size()), ns[i], none,
+                                    x.scalar_type() == torch::kBFloat16));
+    else if (kind.empty()) outs.push_back(packed_linear(x, data[i], ns[i], none));
+    else outs.push_back(gguf_linear(x, data[i], kind, ns[i], none));
+  }
+  torch::Tensor out = torch::cat(outs, 1);
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
 #pragma GCC pop_options
 
 void register_quant_int8(pybind11::module& m) {
@@ -599,6 +622,9 @@ void register_quant_int8(pybind11::module& m) {
   m.def("pack_q6_k_q8", &pack_q6_k_q8,
         "Q6_K blocks' parts (d, int8 scales per 16, quants + 32) in the integer path's compact "
         "Q6_K layout");
+  m.def("linear_parts", &linear_parts,
+        "x @ w.T (+ bias) for a weight in parts stacked by rows (x quantized once for all "
+        "integer-path parts)");
   m.def("gguf_linear_q8", &gguf_linear_q8,
         "x @ w.T (+ bias) from x quantized by quantize_q8, in integer dot products per block");
 }
