@@ -93,6 +93,12 @@ def main() -> None:
     )
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="every prompt prefilled whole in every run (the outputs then compare bit for bit "
+        "under gguf-int8, whose prefill attention depends on how a prompt was split)",
+    )
+    ap.add_argument(
         "--fixed-tree", action="store_true", help="every round the full tree (no planner)"
     )
     ap.add_argument("--quick", action="store_true", help="the first 16 MT-Bench questions")
@@ -122,6 +128,7 @@ def main() -> None:
         "quantization": args.quantization,
         "temperature": args.temperature,
         "fixed_tree": args.fixed_tree,
+        "disable_radix_cache": args.disable_radix_cache,
         "num_prompts": len(questions),
         "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(),
@@ -132,6 +139,7 @@ def main() -> None:
         dtype=args.dtype,
         quantization=args.quantization,
         max_total_tokens=65536,
+        disable_radix_cache=args.disable_radix_cache,
     )
     spec_options = dict(
         speculative_num_steps=args.num_steps,
