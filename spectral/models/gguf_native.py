@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import mmap
 from pathlib import Path
 from types import ModuleType
 
@@ -43,6 +44,25 @@ LAYER_LINEARS = {
     "mlp.down_proj": ("ffn_down",),
 }
 LAYER_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+# Rows packed at a time: a multiple of every build's panel width (16 or 32 columns).
+SLICE_ROWS = 4096
+
+
+def row_slices(arrays: list[np.ndarray], size: int):
+    """The rows of `arrays` (stacked in order) as torch tensors of `size` rows (the last
+    shorter), copying only the slice at hand."""
+    total = sum(a.shape[0] for a in arrays)
+    starts = np.cumsum([0] + [a.shape[0] for a in arrays])
+    for lo in range(0, total, size):
+        hi = min(lo + size, total)
+        parts = [
+            a[max(lo - s, 0) : min(hi - s, a.shape[0])]
+            for a, s in zip(arrays, starts)
+            if s < hi and s + a.shape[0] > lo
+        ]
+        yield torch.from_numpy(np.ascontiguousarray(np.concatenate(parts)))
 
 
 def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -108,11 +128,18 @@ def load_gguf_model(
             return PackedRows([blocks([name for name, _ in run], k) for _, run in runs])
         layout = layouts[0]
         if len(set(kinds)) == 1:
-            rows = torch.from_numpy(np.concatenate([rows_of(n) for n in names]))
-            if int8:
-                data, name = pack_int8(rows, kinds[0], k, kernels)
-                return PackedWeight(data, rows.shape[0], name)
-            return PackedWeight(pack_blocks(rows, kinds[0], k, kernels), rows.shape[0], layout)
+            # Packed a slice of rows at a time (panels never straddle one): decoding a whole
+            # LM head at once held several copies of it at load.
+            arrays = [rows_of(n) for n in names]
+            pieces, name = [], layout
+            for rows in row_slices(arrays, SLICE_ROWS):
+                if int8:
+                    data, name = pack_int8(rows, kinds[0], k, kernels)
+                else:
+                    data = pack_blocks(rows, kinds[0], k, kernels)
+                pieces.append(data)
+            data = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            return PackedWeight(data, sum(a.shape[0] for a in arrays), name)
         parts = [decode(torch.from_numpy(rows_of(n)), kind) for n, kind in zip(names, kinds)]
         joined = BlockParts.join(parts)
         packed = PackedWeight(joined.pack(kernels, layout), joined.quants.shape[0], layout)
@@ -128,7 +155,19 @@ def load_gguf_model(
             fill(module.weight, names)
         if module.bias is not None:
             fill(module.bias, [n.replace(".weight", ".bias") for n in names])
+        release(names)
         return packed is not None
+
+    def release(names: list[str]) -> None:
+        """Drop from memory the file pages `names` were read from, packed or copied by now
+        (a later read maps them again): the file is not held resident beside its packing."""
+        mapped = getattr(reader.data, "_mmap", None)
+        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        for name in names:
+            t = tensor(name)
+            start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+            mapped.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
 
     for i, layer in enumerate(model.layers):
         for ours, theirs in LAYER_LINEARS.items():
@@ -140,6 +179,7 @@ def load_gguf_model(
     if config.tie_word_embeddings:
         model.lm_head_packed = blocks(["token_embd.weight"], config.hidden_size)
         native += model.lm_head_packed is not None
+        release(["token_embd.weight"])
     else:
         native += linear(model.lm_head, ["output.weight"])
         model.lm_head_packed = model.lm_head.packed
