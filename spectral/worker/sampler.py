@@ -63,8 +63,8 @@ def apply_penalties(logits: torch.Tensor, sampling: list[RequestSampling]) -> to
         return logits
     out, device, vocab = logits.clone(), logits.device, logits.shape[-1]
     flat = out.view(-1)  # scatters and gathers over flat indices: none makes the host wait
-    index = on_device(banned[0] + seen[0] + counted[0], torch.long, device) * vocab
-    index += on_device(banned[1] + seen[1] + counted[1], torch.long, device)
+    rows, tokens = banned[0] + seen[0] + counted[0], banned[1] + seen[1] + counted[1]
+    index = on_device([r * vocab + t for r, t in zip(rows, tokens)], torch.long, device)
     a, b = len(banned[0]), len(banned[0]) + len(seen[0])
     if a:
         flat.index_fill_(0, index[:a], float("-inf"))

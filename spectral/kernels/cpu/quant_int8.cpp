@@ -587,10 +587,7 @@ torch::Tensor linear_parts(const torch::Tensor& x, const std::vector<torch::Tens
                            const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(!data.empty() && data.size() == kinds.size() && data.size() == ns.size(),
               "one kind and one row count per part");
-  const std::string q8 = "+q8";
-  auto is_q8 = [&](const std::string& kind) {
-    return kind.size() > q8.size() && kind.compare(kind.size() - q8.size(), q8.size(), q8) == 0;
-  };
+  auto is_q8 = [](const std::string& kind) { return !q8_layout(kind).empty(); };
   std::vector<torch::Tensor> quantized;
   if (std::any_of(kinds.begin(), kinds.end(), is_q8)) quantized = quantize_q8(x);
   const c10::optional<torch::Tensor> none;
@@ -599,7 +596,7 @@ torch::Tensor linear_parts(const torch::Tensor& x, const std::vector<torch::Tens
     const std::string& kind = kinds[i];
     if (is_q8(kind))
       outs.push_back(gguf_linear_q8(quantized[0], quantized[1], quantized[2], data[i],
-                                    kind.substr(0, kind.size() - q8.size()), ns[i], none,
+                                    q8_layout(kind), ns[i], none,
                                     x.scalar_type() == torch::kBFloat16));
     else if (kind.empty()) outs.push_back(packed_linear(x, data[i], ns[i], none));
     else outs.push_back(gguf_linear(x, data[i], kind, ns[i], none));

@@ -421,12 +421,19 @@ torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& pack
                                const std::string& layout, int64_t n,
                                const c10::optional<torch::Tensor>& bias);  // quant_int8.cpp
 
+// The layout of an integer-path type "<layout>+q8", or "" for any other type.
+std::string q8_layout(const std::string& type) {
+  const std::string q8 = "+q8";
+  const bool is_q8 =
+      type.size() > q8.size() && type.compare(type.size() - q8.size(), q8.size(), q8) == 0;
+  return is_q8 ? type.substr(0, type.size() - q8.size()) : "";
+}
+
 // type: a layout, or "<layout>+q8" for the integer path (weights from pack_q8_layout).
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const std::string& type, int64_t n, const c10::optional<torch::Tensor>& bias) {
-  const std::string q8 = "+q8";
-  if (type.size() > q8.size() && type.compare(type.size() - q8.size(), q8.size(), q8) == 0)
-    return gguf_linear_int8(x, packed, type.substr(0, type.size() - q8.size()), n, bias);
+  const std::string layout = q8_layout(type);
+  if (!layout.empty()) return gguf_linear_int8(x, packed, layout, n, bias);
   const int kind = kind_of(type);
   TORCH_CHECK(x.dim() == 2, "x must be 2-D");
   const int64_t m = x.size(0), k = x.size(1);
