@@ -153,14 +153,100 @@ def test_decode_attention_over_trees_reads_shared_prefixes_once_and_matches_a_re
     lens = torch.tensor([len(r) for r in rows])
     q = torch.randn(len(rows), heads, dim).to(dtype)
     got = kernels.decode_attention(q, k_buf, v_buf, indices, lens, dim**-0.5)
-    group = heads // kv_heads
     for i, r in enumerate(rows):
-        keys = k_buf[r].double().repeat_interleave(group, dim=1)  # [L, heads, dim]
-        values = v_buf[r].double().repeat_interleave(group, dim=1)
-        weights = torch.softmax(torch.einsum("hd,lhd->hl", q[i].double(), keys) * dim**-0.5, -1)
-        expected = torch.einsum("hl,lhd->hd", weights, values)
+        expected = attention_reference(q[i], k_buf, v_buf, r)
         tol = 1e-5 if dtype == torch.float32 else 2**-7
         assert torch.allclose(got[i].double(), expected, rtol=tol, atol=tol), i
+
+
+def attention_reference(q: torch.Tensor, k_buf, v_buf, keys: list[int]) -> torch.Tensor:
+    """softmax(q k^T / sqrt(dim)) v in float64 for one row q [heads, dim] over slots `keys`."""
+    heads, dim = q.shape
+    group = heads // k_buf.shape[1]
+    k = k_buf[keys].double().repeat_interleave(group, dim=1)  # [L, heads, dim]
+    v = v_buf[keys].double().repeat_interleave(group, dim=1)
+    weights = torch.softmax(torch.einsum("hd,lhd->hl", q.double(), k) * dim**-0.5, -1)
+    return torch.einsum("hl,lhd->hd", weights, v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 128, 48])
+def test_prefill_rows_match_a_reference_and_each_row_computed_alone(dtype, dim):
+    """Prefill rows (extend_lens): two requests' new tokens after their prefixes, causal, one
+    long enough for the larger row groups; each row against a float64 reference, and bit-equal
+    to the same row computed alone as a decode row and to the rows of the same request split
+    into two batches at another point (a row does not depend on how a prompt is split)."""
+    check_prefill_rows(dtype, dim, kernels)
+
+
+def check_prefill_rows(dtype: torch.dtype, dim: int, kernels) -> None:
+    torch.manual_seed(11)
+    heads, kv_heads, slots = 6, 2, 700
+    k_buf = torch.randn(slots, kv_heads, dim).to(dtype)
+    v_buf = torch.randn(slots, kv_heads, dim).to(dtype)
+    perm = torch.randperm(slots)
+    requests = [(perm[:330], 30), (perm[330:351], 0)]  # (slots, prefix)
+    width = max(len(s) for s, _ in requests)
+    table = torch.zeros(len(requests), width, dtype=torch.int64)
+    for j, (s, _) in enumerate(requests):
+        table[j, : len(s)] = s
+    lens = torch.tensor([len(s) for s, _ in requests])
+    ext = torch.tensor([len(s) - p for s, p in requests])
+    q = torch.randn(int(ext.sum()), heads, dim).to(dtype)
+    scale = dim**-0.5
+    got = kernels.decode_attention(q, k_buf, v_buf, table, lens, scale, ext)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    row = 0
+    for s, prefix in requests:
+        for i in range(len(s) - prefix):
+            keys = s[: prefix + i + 1]
+            expected = attention_reference(q[row], k_buf, v_buf, keys.tolist())
+            assert torch.allclose(got[row].double(), expected, rtol=tol, atol=tol), row
+            alone = kernels.decode_attention(
+                q[row : row + 1],
+                k_buf,
+                v_buf,
+                keys[None].contiguous(),
+                torch.tensor([len(keys)]),
+                scale,
+            )
+            assert torch.equal(alone[0], got[row]), row
+            row += 1
+    # The first request's new tokens in two batches, split after 117 of them.
+    s, prefix = requests[0]
+    first = kernels.decode_attention(
+        q[:117],
+        k_buf,
+        v_buf,
+        s[None, : prefix + 117].contiguous(),
+        torch.tensor([prefix + 117]),
+        scale,
+        torch.tensor([117]),
+    )
+    rest = kernels.decode_attention(
+        q[117:300],
+        k_buf,
+        v_buf,
+        s[None].contiguous(),
+        torch.tensor([len(s)]),
+        scale,
+        torch.tensor([183]),
+    )
+    assert torch.equal(torch.cat([first, rest]), got[:300])
+
+
+def test_prefill_rows_refuse_lengths_outside_their_slots():
+    k_buf = torch.randn(16, 1, 64)
+    q = torch.randn(5, 1, 64)
+    table = torch.arange(8)[None]
+    with pytest.raises(RuntimeError, match="extends 5 tokens of 9 in rows of 8 slots"):
+        kernels.decode_attention(
+            q, k_buf, k_buf, table, torch.tensor([9]), 0.125, torch.tensor([5])
+        )
+    with pytest.raises(RuntimeError, match="q has 5 rows, the slots 4"):
+        kernels.decode_attention(
+            q, k_buf, k_buf, table, torch.tensor([8]), 0.125, torch.tensor([4])
+        )
 
 
 def float32_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -374,6 +460,8 @@ def test_narrower_builds_hold_to_the_same_references(isa):
                 check_gguf_linear(kind, dtype, rows, build=build)
     for kind in GGUF_TYPES:
         check_gguf_expansion(kind, 33, 64, build=build)
+    for dtype in DTYPES:
+        check_prefill_rows(dtype, 64, build)
 
 
 class CountingLayer:
@@ -388,10 +476,11 @@ class CountingLayer:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", ["decode", "tree"])
+@pytest.mark.parametrize("shape", ["decode", "tree", "prefill"])
 def test_the_fused_decoder_layer_equals_the_layer_op_by_op(tiny_model_dir, dtype, shape):
-    """Each layer as one kernel call (decode steps and tree verification) against the same
-    layer run op by op through the same kernels and PyTorch glue; and it really ran."""
+    """Each layer as one kernel call (decode steps, tree verification, prefill chunks after a
+    prefix) against the same layer run op by op through the same kernels and PyTorch glue;
+    and it really ran."""
     from spectral.worker.model_worker import ModelWorker
 
     worker = ModelWorker(
@@ -420,6 +509,9 @@ def test_the_fused_decoder_layer_equals_the_layer_op_by_op(tiny_model_dir, dtype
     if shape == "decode":
         new, custom = [1, 1, 1], None
         mode = ForwardMode.DECODE
+    elif shape == "prefill":  # two requests' next chunks of 4 and 3 tokens
+        rows, lens, new, custom = [0, 2], [7, 30], [4, 3], None
+        mode = ForwardMode.EXTEND
     else:  # a 4-node tree (root, two children, a grandchild) on one request
         rows, lens, new = [2], [30], [4]
         custom = torch.tensor(
@@ -431,14 +523,14 @@ def test_the_fused_decoder_layer_equals_the_layer_op_by_op(tiny_model_dir, dtype
     def run() -> torch.Tensor:
         batch = ForwardBatch(
             mode=mode,
-            input_ids=torch.tensor([5, 9, 11, 13][: sum(new)]),
+            input_ids=torch.tensor([5, 9, 11, 13, 17, 19, 23][: sum(new)]),
             positions=torch.cat([torch.arange(n, n + e) for n, e in zip(lens, new)]),
             out_cache_loc=loc,
             req_pool_indices=torch.tensor(rows),
             prefix_lens=lens,
             extend_lens=new,
             custom_mask=custom,
-            logits_rows="all" if custom is not None else "last",
+            logits_rows="all" if shape != "decode" else "last",
         )
         return worker.forward_logits(batch)
 

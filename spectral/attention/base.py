@@ -51,12 +51,15 @@ class AttentionBackend(ABC):
 @dataclass(frozen=True)
 class DecodeKernelInputs:
     """What decode_attention reads, besides each layer's q: every new token's row of KV slots
-    (`kv_indices` [T, L], valid up to `seq_lens` [T]), the pool and the softmax scale."""
+    (`kv_indices` [T, L], valid up to `seq_lens` [T]), or, with `extend_lens` [B], each
+    request's row of slots (`kv_indices` [B, L]) whose last `extend_lens` new tokens are query
+    rows over the keys up to their own; the pool and the softmax scale."""
 
     kv_indices: torch.Tensor
     seq_lens: torch.Tensor
     kv_pool: KVPool
     scaling: float
+    extend_lens: torch.Tensor | None = None
 
 
 def request_mask(

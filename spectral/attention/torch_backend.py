@@ -1,7 +1,8 @@
 """Attention in plain PyTorch, on any device: per request (no work spent on padding), gather
 its K/V by slot and run SDPA under an explicit mask. The oracle the other backends are tested
-against. With spectral's CPU kernels, decode batches and tree verification go through the
-fused decode-attention kernel instead (a tree token: a query row over prefix and ancestors).
+against. With spectral's CPU kernels, every batch goes through the decode-attention kernel
+instead (a decode token, a prefill token or a tree token: a query row over the keys it sees),
+whose rows do not depend on how a prompt is split into batches or which rows share one.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ class RequestAttention:
 @dataclass
 class TorchAttnMetadata:
     requests: list[RequestAttention]
-    # For the decode kernel: [B, max_seq_len] slots (padding → dummy slot 0) and lengths.
+    # For the decode kernel: [B, max_seq_len] slots (padding → dummy slot 0) and lengths; for
+    # prefill rows, each request's number of new tokens too.
     kv_indices: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    extend_lens: torch.Tensor | None = None
 
 
 def query_row_slots(batch: ForwardBatch, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +78,12 @@ class TorchAttentionBackend(AttentionBackend):
             return
         if self._use_tree_kernel(batch):
             batch.attn_metadata = self._tree_metadata(batch)
+            return
+        if self._has_decode_kernel:
+            extend_lens = torch.tensor(batch.extend_lens, dtype=torch.int64)
+            batch.attn_metadata = TorchAttnMetadata(
+                [], *request_slots(batch, self.req_to_token.table), extend_lens
+            )
             return
         requests = []
         token_start = mask_offset = 0
@@ -119,7 +128,9 @@ class TorchAttentionBackend(AttentionBackend):
         meta: TorchAttnMetadata = batch.attn_metadata
         if meta.kv_indices is None:
             return None
-        return DecodeKernelInputs(meta.kv_indices, meta.seq_lens, self.kv_pool, self.scaling)
+        return DecodeKernelInputs(
+            meta.kv_indices, meta.seq_lens, self.kv_pool, self.scaling, meta.extend_lens
+        )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -135,6 +146,7 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.kv_indices,
                 meta.seq_lens,
                 self.scaling,
+                meta.extend_lens,
             )
             return out.view(num_tokens, num_heads * head_dim).to(q.dtype)
 

@@ -129,6 +129,7 @@ class LlamaDecoderLayer(nn.Module):
                 decode.kv_indices,
                 decode.seq_lens,
                 decode.scaling,
+                decode.extend_lens,
             )
             return delta, residual
         h, residual = self.input_layernorm(x, residual)

@@ -1,7 +1,7 @@
 // One whole Llama decoder layer in a single call, for the steps whose attention runs through
-// decode_attention (decode steps and tree verification): the same kernels, in the same order,
-// as LlamaDecoderLayer.forward over the CPU kernels, without a trip through Python and torch's
-// dispatcher between them (about 10 us each on a small CPU, some 25 per layer).
+// decode_attention (decode steps, tree verification, prefill on the CPU): the same kernels, in
+// the same order, as LlamaDecoderLayer.forward over the CPU kernels, without a trip through
+// Python and torch's dispatcher between them (about 10 us each on a small CPU, some 25 a layer).
 //
 //   residual, h = add_rms_norm(x, residual)        (residual += x, in place)
 //   qkv = h @ Wqkv;  rotary on q and k, in place;  k, v written to their KV slots
@@ -27,7 +27,8 @@ void rotary_inplace(torch::Tensor& x, int64_t heads, int64_t dim, const torch::T
                     const torch::Tensor& sin, const torch::Tensor& positions);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf,
                                const torch::Tensor& v_buf, const torch::Tensor& kv_indices,
-                               const torch::Tensor& seq_lens, double scale);
+                               const torch::Tensor& seq_lens, double scale,
+                               const c10::optional<torch::Tensor>& extend_lens);
 
 torch::Tensor linear_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& data,
                            const std::vector<std::string>& kinds, const std::vector<int64_t>& ns,
@@ -68,7 +69,8 @@ struct DecoderLayer {
                                      const torch::Tensor& sin, const torch::Tensor& k_buf,
                                      const torch::Tensor& v_buf, const torch::Tensor& out_loc,
                                      const torch::Tensor& kv_indices,
-                                     const torch::Tensor& seq_lens, double scale) const {
+                                     const torch::Tensor& seq_lens, double scale,
+                                     const c10::optional<torch::Tensor>& extend_lens) const {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [tokens, hidden]");
     TORCH_CHECK(k_buf.scalar_type() == x.scalar_type() && k_buf.is_contiguous() &&
                     v_buf.is_contiguous(),
@@ -82,7 +84,7 @@ struct DecoderLayer {
     write_kv(qkv_out, k_buf, v_buf, out_loc.contiguous());
     const int64_t tokens = x.size(0);
     torch::Tensor q = qkv_out.narrow(1, 0, heads * head_dim).view({tokens, heads, head_dim});
-    torch::Tensor attn = decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, scale);
+    torch::Tensor attn = decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, scale, extend_lens);
     normed = add_rms_norm(o(attn.view({tokens, heads * head_dim})), res, post_norm, eps);
     // torch's own (vectorised) silu and product, as the op-by-op layer computes them.
     const std::vector<torch::Tensor> gate_and_up = gate_up(normed[0]).split(intermediate, 1);
@@ -123,5 +125,10 @@ void register_decoder_layer(pybind11::module& m) {
            "intermediate)")
       .def("forward", &DecoderLayer::forward,
            "(x, residual, positions, cos, sin, k_buf, v_buf, out_loc, kv_indices, seq_lens, "
-           "scale) -> [delta, residual]: the layer over decode_attention");
+           "scale, extend_lens) -> [delta, residual]: the layer over decode_attention",
+           pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("positions"),
+           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_buf"),
+           pybind11::arg("v_buf"), pybind11::arg("out_loc"), pybind11::arg("kv_indices"),
+           pybind11::arg("seq_lens"), pybind11::arg("scale"),
+           pybind11::arg("extend_lens") = pybind11::none());
 }

@@ -2,8 +2,8 @@
 // (float32 arithmetic inside, results cast to the tensor dtype):
 //   add_rms_norm: optional residual add, then RMSNorm (transformers' order of operations)
 //   rotary_inplace: rotate-half rotary embedding of q and k, in place
-//   decode_attention: one query per row over its KV slots, grouped-query heads (the rows of
-//   one verified tree read their shared prefix once)
+//   decode_attention: query rows over their KV slots (decode, tree and prefill rows alike),
+//   grouped-query heads (rows that start with the same keys read them once)
 #include <ATen/ATen.h>
 #include <torch/python.h>
 #include <ATen/Parallel.h>
@@ -186,52 +186,95 @@ inline void softmax_inplace(float* s, int64_t len) {
   for (l = 0; l < len; ++l) s[l] *= inv;
 }
 
-// out[0..dim) = sum over l of p[l] * v(row l), the rows given by slot; sums in registers.
+// acc[0..dim) += p[l] * v(row l) for l in [l0, l1), the rows given by slot, l in order: each
+// value gets the same sum, to the bit, whatever blocks the keys are taken in.
 template <typename T>
-inline void weighted_values(const float* p, const T* vbuf, const int64_t* idx, int64_t len,
-                            int64_t row_stride, int64_t dim, float* acc) {
+inline void weighted_values(const float* p, const T* vbuf, const int64_t* idx, int64_t l0,
+                            int64_t l1, int64_t row_stride, int64_t dim, float* acc) {
 #if defined(SPECTRAL_VEC)
   using spectral_cpu::Vec;
-  constexpr int kMaxVecs = 8;
-  if (dim % Vec::kWidth == 0 && dim / Vec::kWidth <= kMaxVecs) {
-    const int vecs = static_cast<int>(dim / Vec::kWidth);
-    Vec::R a[kMaxVecs];
-    for (int j = 0; j < vecs; ++j) a[j] = Vec::zero();
-    for (int64_t l = 0; l < len; ++l) {
-      if (l + kPrefetch < len) prefetch_head(vbuf + idx[l + kPrefetch] * row_stride, dim);
-      const T* v = vbuf + idx[l] * row_stride;
-      const Vec::R pl = Vec::set1(p[l]);
-      for (int j = 0; j < vecs; ++j) a[j] = Vec::fma(pl, spectral_cpu::load(v + j * Vec::kWidth), a[j]);
+  constexpr int kVecs = 64 / Vec::kWidth;  // 64 values a pass, in registers
+  if (dim % 64 == 0) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+      Vec::R a[kVecs];
+      for (int j = 0; j < kVecs; ++j) a[j] = Vec::load(acc + d0 + j * Vec::kWidth);
+      for (int64_t l = l0; l < l1; ++l) {
+        const T* v = vbuf + idx[l] * row_stride + d0;
+        const Vec::R pl = Vec::set1(p[l]);
+        for (int j = 0; j < kVecs; ++j)
+          a[j] = Vec::fma(pl, spectral_cpu::load(v + j * Vec::kWidth), a[j]);
+      }
+      for (int j = 0; j < kVecs; ++j) Vec::store(acc + d0 + j * Vec::kWidth, a[j]);
     }
-    for (int j = 0; j < vecs; ++j) Vec::store(acc + j * Vec::kWidth, a[j]);
     return;
   }
 #endif
-  std::fill(acc, acc + dim, 0.f);
-  for (int64_t l = 0; l < len; ++l) axpy_head(p[l], vbuf + idx[l] * row_stride, acc, dim);
+  for (int64_t l = l0; l < l1; ++l) axpy_head(p[l], vbuf + idx[l] * row_stride, acc, dim);
 }
 
-// Rows of one tree share their request's prefix: in a verify batch, consecutive rows whose slot
-// lists start alike form a group (at most kGroupRows rows, for balance over threads), and each
-// key of the shared part is read once for all of the group's queries.
+// scores[i * stride] = dot_head(q + i * dim, k) for i < n: four queries at a time against
+// the key's values as they are loaded (each sum the one dot_head makes, to the bit).
+template <typename T>
+inline void dot_queries(const float* q, int64_t n, const T* k, int64_t dim, float* scores,
+                        int64_t stride) {
+  int64_t i = 0;
+#if defined(SPECTRAL_VEC)
+  using spectral_cpu::Vec;
+  if (dim % Vec::kWidth == 0) {
+    for (; i + 4 <= n; i += 4) {
+      const float* qi = q + i * dim;
+      Vec::R a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+      for (int64_t d = 0; d < dim; d += Vec::kWidth) {
+        const Vec::R kv = spectral_cpu::load(k + d);
+        a0 = Vec::fma(Vec::load(qi + d), kv, a0);
+        a1 = Vec::fma(Vec::load(qi + dim + d), kv, a1);
+        a2 = Vec::fma(Vec::load(qi + 2 * dim + d), kv, a2);
+        a3 = Vec::fma(Vec::load(qi + 3 * dim + d), kv, a3);
+      }
+      scores[i * stride] = Vec::reduce(a0);
+      scores[(i + 1) * stride] = Vec::reduce(a1);
+      scores[(i + 2) * stride] = Vec::reduce(a2);
+      scores[(i + 3) * stride] = Vec::reduce(a3);
+    }
+  }
+#endif
+  for (; i < n; ++i) scores[i * stride] = dot_head(q + i * dim, k, dim);
+}
+
+// Keys per block of the weighted values: every query of a group takes the block's value rows
+// while they are in the L1 cache.
+constexpr int64_t kValueBlock = 64;
+
+// A query row's keys: `len` KV slots from `idx`.
+struct RowKeys {
+  const int64_t* idx;
+  int64_t len;
+};
+
+// Rows that read the same keys first share them: consecutive rows whose slot lists start alike
+// (a verified tree's rows, a prefill's causal rows) form a group (at most kGroupRows rows, for
+// balance over threads; twice that in a long prefill), and each key of the shared part is read
+// once for all of the group's queries. A row's arithmetic is its own whatever its group: its result depends only on its
+// query and its keys, never on which rows share the call (tests/test_fused_ops.py).
 constexpr int64_t kGroupRows = 8;
 constexpr int64_t kMinShared = 16;
 
 template <typename T>
-void decode_attention_impl(const T* q, const T* kbuf, const T* vbuf, const int64_t* kv_indices,
-                           const int64_t* seq_lens, T* out, int64_t batch, int64_t heads,
-                           int64_t kv_heads, int64_t dim, int64_t max_len, int64_t q_stride,
-                           double scale) {
+void attention_rows_impl(const T* q, const T* kbuf, const T* vbuf, const std::vector<RowKeys>& rows,
+                         T* out, int64_t heads, int64_t kv_heads, int64_t dim, int64_t q_stride,
+                         double scale) {
+  const int64_t batch = static_cast<int64_t>(rows.size());
   const int64_t group = heads / kv_heads, row_stride = kv_heads * dim;
+  const int64_t group_rows = batch >= 256 ? 2 * kGroupRows : kGroupRows;
   // Groups of rows [start, end) and the keys all of them share.
   std::vector<int64_t> starts, shared;
   for (int64_t r = 0; r < batch;) {
-    int64_t end = r + 1, common = seq_lens[r];
-    const int64_t* first = kv_indices + r * max_len;
-    while (end < batch && end - r < kGroupRows) {
-      const int64_t* other = kv_indices + end * max_len;
-      int64_t lcp = 0;
-      const int64_t most = std::min(common, seq_lens[end]);
+    int64_t end = r + 1, common = rows[r].len;
+    const int64_t* first = rows[r].idx;
+    while (end < batch && end - r < group_rows) {
+      const int64_t* other = rows[end].idx;
+      const int64_t most = std::min(common, rows[end].len);
+      int64_t lcp = other == first ? most : 0;
       while (lcp < most && other[lcp] == first[lcp]) ++lcp;
       if (lcp < kMinShared) break;
       common = lcp;
@@ -244,45 +287,58 @@ void decode_attention_impl(const T* q, const T* kbuf, const T* vbuf, const int64
   starts.push_back(batch);
   const int64_t groups = static_cast<int64_t>(shared.size());
   at::parallel_for(0, groups * kv_heads, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> qf, scores, acc(dim);
+    std::vector<float> qf, scores, acc;
     for (int64_t task = a; task < b; ++task) {
       const int64_t gi = task / kv_heads, kh = task % kv_heads;
-      const int64_t r0 = starts[gi], rows = starts[gi + 1] - r0, common = shared[gi];
-      const int64_t queries = rows * group;
+      const int64_t r0 = starts[gi], count = starts[gi + 1] - r0, common = shared[gi];
+      const int64_t queries = count * group;
       int64_t longest = 0;
-      for (int64_t r = r0; r < r0 + rows; ++r) longest = std::max(longest, seq_lens[r]);
+      for (int64_t r = r0; r < r0 + count; ++r) longest = std::max(longest, rows[r].len);
       qf.resize(queries * dim);
       scores.resize(queries * longest);
-      for (int64_t r = 0; r < rows; ++r)
+      for (int64_t r = 0; r < count; ++r)
         for (int64_t g = 0; g < group; ++g)
           for (int64_t d = 0; d < dim; ++d)
             qf[(r * group + g) * dim + d] =
                 load(q, (r0 + r) * q_stride + (kh * group + g) * dim + d) * static_cast<float>(scale);
       // Scores over the shared keys, each key read once for every query of the group.
-      const int64_t* idx0 = kv_indices + r0 * max_len;
+      const int64_t* idx0 = rows[r0].idx;
       for (int64_t l = 0; l < common; ++l) {
         if (l + kPrefetch < common) prefetch_head(kbuf + idx0[l + kPrefetch] * row_stride + kh * dim, dim);
         const T* krow = kbuf + idx0[l] * row_stride + kh * dim;
-        for (int64_t i = 0; i < queries; ++i) scores[i * longest + l] = dot_head(qf.data() + i * dim, krow, dim);
+        dot_queries(qf.data(), queries, krow, dim, scores.data() + l, longest);
       }
-      // Each row's own keys, then its softmax and weighted values.
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t len = seq_lens[r0 + r];
-        const int64_t* idx = kv_indices + (r0 + r) * max_len;
+      // Each row's own keys, then its softmax.
+      for (int64_t r = 0; r < count; ++r) {
+        const int64_t len = rows[r0 + r].len;
+        const int64_t* idx = rows[r0 + r].idx;
         for (int64_t l = common; l < len; ++l) {
           if (l + kPrefetch < len) prefetch_head(kbuf + idx[l + kPrefetch] * row_stride + kh * dim, dim);
           const T* krow = kbuf + idx[l] * row_stride + kh * dim;
-          for (int64_t g = 0; g < group; ++g)
-            scores[(r * group + g) * longest + l] = dot_head(qf.data() + (r * group + g) * dim, krow, dim);
+          dot_queries(qf.data() + r * group * dim, group, krow, dim,
+                      scores.data() + r * group * longest + l, longest);
         }
-        for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + (r * group + g) * longest;
-          softmax_inplace(sg, len);
-          weighted_values(sg, vbuf + kh * dim, idx, len, row_stride, dim, acc.data());
-          for (int64_t d = 0; d < dim; ++d)
-            store(out, ((r0 + r) * heads + kh * group + g) * dim + d, acc[d]);
+        for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + (r * group + g) * longest, len);
+      }
+      // The weighted values, block of keys after block of keys for every query.
+      acc.assign(queries * dim, 0.f);
+      for (int64_t l0 = 0; l0 < longest; l0 += kValueBlock) {
+        // The next block's shared value rows, fetched while this one is summed.
+        for (int64_t l = l0 + kValueBlock; l < std::min(common, l0 + 2 * kValueBlock); ++l)
+          prefetch_head(vbuf + idx0[l] * row_stride + kh * dim, dim);
+        for (int64_t r = 0; r < count; ++r) {
+          const int64_t l1 = std::min(rows[r0 + r].len, l0 + kValueBlock);
+          for (int64_t g = 0; l0 < l1 && g < group; ++g) {
+            const int64_t i = r * group + g;
+            weighted_values(scores.data() + i * longest, vbuf + kh * dim, rows[r0 + r].idx, l0,
+                            l1, row_stride, dim, acc.data() + i * dim);
+          }
         }
       }
+      for (int64_t r = 0; r < count; ++r)
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d = 0; d < dim; ++d)
+            store(out, ((r0 + r) * heads + kh * group + g) * dim + d, acc[(r * group + g) * dim + d]);
     }
   });
 }
@@ -341,33 +397,60 @@ void rotary_inplace(torch::Tensor& x, int64_t heads, int64_t dim, const torch::T
                      }));
 }
 
+// Attention of query rows over KV slots of the pool, grouped-query heads. Decode and tree rows
+// (extend_lens absent): row r reads kv_indices[r, :seq_lens[r]]. Extend rows (extend_lens
+// [B]): request j's kv_indices[j, :seq_lens[j]] end with its extend_lens[j] new tokens, whose
+// rows (consecutive, request after request) each see the keys up to and including their own
+// (causal). Either way a row's result does not depend on the other rows of the call.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_buf,
                                const torch::Tensor& v_buf, const torch::Tensor& kv_indices,
-                               const torch::Tensor& seq_lens, double scale) {
+                               const torch::Tensor& seq_lens, double scale,
+                               const c10::optional<torch::Tensor>& extend_lens) {
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3,
-              "q: [batch, heads, dim], k_buf: [slots, kv_heads, dim]");
+              "q: [tokens, heads, dim], k_buf: [slots, kv_heads, dim]");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "each row of q must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_buf.scalar_type(), "q and the KV pool dtypes differ");
-  TORCH_CHECK(kv_indices.scalar_type() == torch::kInt64 && kv_indices.is_contiguous(),
-              "kv_indices must be contiguous int64");
-  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_buf.size(1);
+  TORCH_CHECK(kv_indices.scalar_type() == torch::kInt64 && kv_indices.is_contiguous() &&
+                  kv_indices.dim() == 2,
+              "kv_indices must be contiguous int64 [rows or requests, width]");
+  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_buf.size(1), width = kv_indices.size(1);
   TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv heads");
-  torch::Tensor out = torch::empty({batch, heads, dim}, q.options());
-  torch::Tensor lens = seq_lens.to(torch::kInt64).contiguous();
+  const torch::Tensor lens = seq_lens.to(torch::kInt64).contiguous();
+  TORCH_CHECK(lens.numel() == kv_indices.size(0), "one length per row of kv_indices");
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t* idx = kv_indices.data_ptr<int64_t>();
+  std::vector<RowKeys> rows;
+  rows.reserve(tokens);
+  if (extend_lens.has_value()) {
+    const torch::Tensor ext = extend_lens->to(torch::kInt64).contiguous();
+    TORCH_CHECK(ext.numel() == lens.numel(), "one extend length per request");
+    const int64_t* e = ext.data_ptr<int64_t>();
+    for (int64_t j = 0; j < lens.numel(); ++j) {
+      TORCH_CHECK(e[j] >= 0 && e[j] <= len[j] && len[j] <= width, "request ", j, " extends ",
+                  e[j], " tokens of ", len[j], " in rows of ", width, " slots");
+      for (int64_t i = 0; i < e[j]; ++i) rows.push_back({idx + j * width, len[j] - e[j] + i + 1});
+    }
+  } else {
+    for (int64_t r = 0; r < lens.numel(); ++r) {
+      TORCH_CHECK(len[r] >= 0 && len[r] <= width, "row ", r, " reads ", len[r], " of ", width, " slots");
+      rows.push_back({idx + r * width, len[r]});
+    }
+  }
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == tokens, "q has ", tokens, " rows, the slots ",
+              rows.size());
+  torch::Tensor out = torch::empty({tokens, heads, dim}, q.options());
   AT_DISPATCH_SWITCH(q.scalar_type(), "decode_attention",
                      AT_DISPATCH_CASE(torch::kFloat32, [&] {
-                       decode_attention_impl<float>(
-                           q.data_ptr<float>(), k_buf.data_ptr<float>(), v_buf.data_ptr<float>(),
-                           kv_indices.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                           out.data_ptr<float>(), batch, heads, kv_heads, dim, kv_indices.size(1),
-                           q.stride(0), scale);
+                       attention_rows_impl<float>(q.data_ptr<float>(), k_buf.data_ptr<float>(),
+                                                  v_buf.data_ptr<float>(), rows,
+                                                  out.data_ptr<float>(), heads, kv_heads, dim,
+                                                  q.stride(0), scale);
                      }) AT_DISPATCH_CASE(torch::kBFloat16, [&] {
-                       decode_attention_impl<at::BFloat16>(
+                       attention_rows_impl<at::BFloat16>(
                            q.data_ptr<at::BFloat16>(), k_buf.data_ptr<at::BFloat16>(),
-                           v_buf.data_ptr<at::BFloat16>(), kv_indices.data_ptr<int64_t>(),
-                           lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), batch, heads,
-                           kv_heads, dim, kv_indices.size(1), q.stride(0), scale);
+                           v_buf.data_ptr<at::BFloat16>(), rows, out.data_ptr<at::BFloat16>(),
+                           heads, kv_heads, dim, q.stride(0), scale);
                      }));
   return out;
 }
@@ -425,5 +508,10 @@ void register_fused_ops(pybind11::module& m) {
         "is 0");
   m.def("add_rms_norm", &add_rms_norm, "(x [+ residual]) -> RMSNorm; returns (normed, residual)");
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding, in place");
-  m.def("decode_attention", &decode_attention, "one query per request over its KV slots");
+  m.def("decode_attention", &decode_attention,
+        "query rows over KV slots: one row per kv_indices row, or (extend_lens) each request's "
+        "new tokens, causal",
+        pybind11::arg("q"), pybind11::arg("k_buf"), pybind11::arg("v_buf"),
+        pybind11::arg("kv_indices"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("extend_lens") = pybind11::none());
 }

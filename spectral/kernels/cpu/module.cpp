@@ -9,14 +9,14 @@
 #include "packed_linear.cpp"
 #include "quant_linear.cpp"
 #include "quant_int8.cpp"
-#if !defined(SPECTRAL_MATMULS_ONLY)  // a test build of the matmuls alone
 #include "fused_ops.cpp"
+#if !defined(SPECTRAL_TEST_BUILD)  // a test build of the kernels, without the fused layer
 #include "decoder_layer.cpp"
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-#if !defined(SPECTRAL_MATMULS_ONLY)
   register_fused_ops(m);
+#if !defined(SPECTRAL_TEST_BUILD)
   register_decoder_layer(m);
 #endif
   register_packed_linear(m);
