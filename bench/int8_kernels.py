@@ -40,7 +40,7 @@ def main() -> None:
         exact = pack_blocks(raw, fmt, k, kernels)
         paths = {
             "exact": (exact, layout),
-            "int8": (kernels.pack_q8_layout(exact, layout, n, k), layout + "+q8"),
+            "int8": (kernels.pack_q8_layout(exact, layout, n, k, False)[0], layout + "+q8"),
             "int8 compact": pack_int8(raw, fmt, k, kernels),
         }
         sizes = ", ".join(f"{name} {data.nbytes / n / k:.2f}" for name, (data, _) in paths.items())

@@ -137,8 +137,31 @@ def test_q4_k_takes_its_compact_layout_and_the_exact_path_refuses_it():
         kernels.gguf_linear(torch.ones(1, 512), data, "Q4_K", 64, None)
     with pytest.raises(RuntimeError, match="pack_q4_k_q8"):
         kernels.pack_q8_layout(
-            pack_blocks(torch.from_numpy(raw), "Q4_K", 512, kernels), "Q4_K", 64, 512
+            pack_blocks(torch.from_numpy(raw), "Q4_K", 512, kernels), "Q4_K", 64, 512, True
         )
+
+
+@pytest.mark.parametrize(
+    ("fmt", "layout", "size"),
+    [("Q4_1", "Q4_1f16+q8", 0.625), ("Q4_0", "Q4_1f16+q8", 0.625), ("Q8_0", "Q8_0f16+q8", 1.0625)],
+)
+def test_file_scales_stay_float16_and_fall_back_to_float32_where_one_is_not(fmt, layout, size):
+    """Q4_1 keeps the file's float16 d and m (0.625 bytes a weight against 0.75 in float32);
+    a Q4_0 block whose minimum -8 d is beyond float16's range takes float32 scales, and both
+    hold to the reference."""
+    raw = random_blocks(fmt, 48, 2, 8)
+    nbytes = BLOCKS[fmt][1]
+    for b in range(2):  # ordinary d (and m): random_blocks makes some extreme
+        raw[:, b * nbytes : b * nbytes + 4] = np.array([1.5, 0.25], np.float16).view(np.uint8)
+    data, got_layout = pack_int8(torch.from_numpy(raw), fmt, 64, kernels)
+    assert got_layout == layout and data.numel() == size * 48 * 64
+    if fmt == "Q4_0":
+        raw[7, :2] = np.array([9000.0], np.float16).view(np.uint8)  # -8 d = -72000
+        data, got_layout = pack_int8(torch.from_numpy(raw), fmt, 64, kernels)
+        assert got_layout == "Q4_1+q8"
+    x = torch.randn((3, 64), generator=torch.Generator().manual_seed(3))
+    expected = linear_reference(x.numpy(), decode(torch.from_numpy(raw), fmt))
+    assert np.array_equal(kernels.gguf_linear(x, data, got_layout, 48, None).numpy(), expected)
 
 
 def test_quants_beyond_a_layouts_int16_sums_are_refused():
@@ -147,7 +170,7 @@ def test_quants_beyond_a_layouts_int16_sums_are_refused():
     )
     packed = parts.pack(kernels, "Q8_0m")
     with pytest.raises(RuntimeError, match="Q8_0m"):
-        kernels.pack_q8_layout(packed, "Q8_0m", 4, 32)
+        kernels.pack_q8_layout(packed, "Q8_0m", 4, 32, False)
 
 
 def test_a_weight_in_parts_quantizes_x_once_and_equals_its_parts_side_by_side():

@@ -36,6 +36,8 @@ LAYOUTS = {
     "Q6_K": "Q8_0h",
 }
 STORED_LAYOUT = ("Q4_0", "Q4_1", "Q8_0")
+# Formats whose layout's scales are the file's float16 values (Q4_0's minimum, -8 d, too).
+HALF_SCALES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")
 
 
 @dataclass
@@ -191,18 +193,23 @@ def _decode_q6_k(b: torch.Tensor) -> BlockParts:
 
 
 def pack_int8(
-    rows: torch.Tensor, type_name: str, k: int, kernels: ModuleType
+    rows: torch.Tensor, type_name: str, k: int, kernels: ModuleType, half: bool = True
 ) -> tuple[torch.Tensor, str]:
     """GGUF block rows of `type_name` packed for the integer path: (data, the layout name
-    kernels.gguf_linear takes, "<layout>+q8"). Q4_K and Q6_K in compact layouts of their own."""
+    kernels.gguf_linear takes, "<layout>+q8"). Q4_K and Q6_K in compact layouts of their own;
+    the formats whose scales are float16 in the file keep them so (with `half`, where all are
+    exact: Q4_0's minimums, -8 d, may not be)."""
     if type_name == "Q4_K":
         p = k_parts(rows, type_name)
         return kernels.pack_q4_k_q8(p.d, p.dmin, p.scales, p.mins, p.quants), "Q4_K+q8"
     if type_name == "Q6_K":
         return kernels.pack_q6_k_q8(*q6_k_parts(rows)), "Q6_K+q8"
-    layout = LAYOUTS[type_name]
-    data = kernels.pack_q8_layout(
-        pack_blocks(rows, type_name, k, kernels), layout, rows.shape[0], k
+    data, layout = kernels.pack_q8_layout(
+        pack_blocks(rows, type_name, k, kernels),
+        LAYOUTS[type_name],
+        rows.shape[0],
+        k,
+        half and type_name in HALF_SCALES,
     )
     return data, layout + "+q8"
 

@@ -95,9 +95,10 @@ def quantize_weight(
 def integer_path(packed: PackedWeight, k: int, kernels: ModuleType) -> PackedWeight:
     """GGUF blocks (`packed`, k inputs) regrouped for the integer path: `gguf_linear` then
     quantizes each input row to 8 bits per 32 and sums the blocks in integer dot products
-    (layout "<layout>+q8"; spectral/kernels/cpu/quant_int8.cpp)."""
-    data = kernels.pack_q8_layout(packed.data, packed.gguf_type, packed.n, k)
-    return PackedWeight(data, packed.n, packed.gguf_type + "+q8")
+    (layout "<layout>+q8", with "f16" after the layout where its scales are all float16
+    values; spectral/kernels/cpu/quant_int8.cpp)."""
+    data, layout = kernels.pack_q8_layout(packed.data, packed.gguf_type, packed.n, k, True)
+    return PackedWeight(data, packed.n, layout + "+q8")
 
 
 def linear(

@@ -131,15 +131,22 @@ def load_gguf_model(
             # Packed a slice of rows at a time (panels never straddle one): decoding a whole
             # LM head at once held several copies of it at load.
             arrays = [rows_of(n) for n in names]
-            pieces, name = [], layout
-            for rows in row_slices(arrays, SLICE_ROWS):
-                if int8:
-                    data, name = pack_int8(rows, kinds[0], k, kernels)
-                else:
-                    data = pack_blocks(rows, kinds[0], k, kernels)
-                pieces.append(data)
+
+            def pack(half: bool) -> tuple[list[torch.Tensor], set[str]]:
+                if not int8:
+                    slices = row_slices(arrays, SLICE_ROWS)
+                    return [pack_blocks(rows, kinds[0], k, kernels) for rows in slices], {layout}
+                packed = [
+                    pack_int8(rows, kinds[0], k, kernels, half)
+                    for rows in row_slices(arrays, SLICE_ROWS)
+                ]
+                return [data for data, _ in packed], {name for _, name in packed}
+
+            pieces, names_of = pack(half=True)
+            if len(names_of) > 1:  # float16 scales in some slices only: none in any
+                pieces, names_of = pack(half=False)
             data = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            return PackedWeight(data, sum(a.shape[0] for a in arrays), name)
+            return PackedWeight(data, sum(a.shape[0] for a in arrays), names_of.pop())
         parts = [decode(torch.from_numpy(rows_of(n)), kind) for n, kind in zip(names, kinds)]
         joined = BlockParts.join(parts)
         packed = PackedWeight(joined.pack(kernels, layout), joined.quants.shape[0], layout)

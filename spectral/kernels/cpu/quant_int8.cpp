@@ -30,6 +30,7 @@
 // 2 * 15 * 127 (Q4_1; eight added), 2 * 31 * 127 (Q8_0m; four), 2 * 32 * 127 (Q8_0h; four) or
 // 2 * 128 * 127 (Q8_0; widened at once); `pack_q8_layout` refuses quants outside those ranges.
 #include <atomic>
+#include <tuple>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -42,12 +43,23 @@ namespace {
 
 constexpr int kQ8Rows = 4;  // rows of x per tile
 constexpr int kQ4_K = 4, kQ6_K = 5;  // the integer path's own layouts of Q4_K, Q6_K (above)
+// Q4_1, Q8_0 and Q8_0m with their scales in float16 (kQ4_1 + kHalf, ...), where every scale is
+// one exactly (those of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 files): a fifth fewer bytes for Q4_1.
+constexpr int kHalf = 6;
+constexpr bool half_scales(int kind) { return kind >= kHalf; }
+constexpr int quant_kind(int kind) { return half_scales(kind) ? kind - kHalf : kind; }
 
-constexpr int64_t q8_block_bytes(int kind) {
-  return kind == kQ4_K ? 18 * kNR : kind == kQ6_K ? 26 * kNR : packed_block_bytes(kind);
-}
 constexpr int64_t q8_quants_offset(int kind) {
-  return kind == kQ4_K || kind == kQ6_K ? 2 * kNR : quants_offset(kind);
+  return kind == kQ4_K || kind == kQ6_K ? 2 * kNR
+         : half_scales(kind)             ? quants_offset(quant_kind(kind)) / 2
+                                         : quants_offset(kind);
+}
+constexpr int64_t q8_block_bytes(int kind) {
+  return kind == kQ4_K     ? 18 * kNR
+         : kind == kQ6_K   ? 26 * kNR
+         : half_scales(kind) ? q8_quants_offset(kind) + packed_block_bytes(quant_kind(kind)) -
+                                 quants_offset(quant_kind(kind))
+                           : packed_block_bytes(kind);
 }
 // Bytes before a panel's first block: the superblocks' d (and -dmin).
 constexpr int64_t q8_header_bytes(int kind, int64_t nb) {
@@ -61,7 +73,15 @@ inline int q6_high_shift(int64_t j) { return ((j % 16) / 8) * 4 + (j / 16) * 2; 
 constexpr int64_t q8_panel_bytes(int kind, int64_t nb) {
   return q8_header_bytes(kind, nb) + nb * q8_block_bytes(kind);
 }
+// "Q4_K", "Q6_K", a layout of quant_linear.cpp, or one of those with "f16" after it.
 int q8_kind_of(const std::string& layout) {
+  const std::string suffix = "f16";
+  if (layout.size() > suffix.size() &&
+      layout.compare(layout.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    const int kind = kind_of(layout.substr(0, layout.size() - suffix.size()));
+    TORCH_CHECK(kind != kQ8_0h, "Q8_0h has no float16-scale layout");
+    return kind + kHalf;
+  }
   return layout == "Q4_K" ? kQ4_K : layout == "Q6_K" ? kQ6_K : kind_of(layout);
 }
 
@@ -234,6 +254,7 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
 // out[R][kNR]: rows row0.. of x over one panel, block sums combined block after block.
 template <int Kind, int R>
 void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
+  constexpr int Q = quant_kind(Kind);  // how the block's quants are kept
   const int64_t nb = x.k / kBlock;
   __m256 acc[R][kV];
   for (int r = 0; r < R; ++r)
@@ -257,6 +278,10 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
         };
         dw[v] = _mm256_mul_ps(_mm256_loadu_ps(sb + 8 * v), widen(blk + 8 * v));
         mw[v] = _mm256_mul_ps(_mm256_loadu_ps(sb + 8 * v), widen(blk + kNR + 8 * v));
+      } else if constexpr (half_scales(Kind)) {
+        const auto* h = reinterpret_cast<const __m128i*>(blk);
+        dw[v] = _mm256_cvtph_ps(_mm_loadu_si128(h + v));
+        if constexpr (Q != kQ8_0) mw[v] = _mm256_cvtph_ps(_mm_loadu_si128(h + kV + v));
       } else {
         const float* d = reinterpret_cast<const float*>(blk);
         dw[v] = _mm256_loadu_ps(d + 8 * v);
@@ -264,15 +289,15 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
       }
     }
     __m256i isum[R][2 * kV];
-    block_sums<Kind, R>(blk + q8_quants_offset(Kind), x, row0, b, isum);
+    block_sums<Q, R>(blk + q8_quants_offset(Kind), x, row0, b, isum);
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_set1_ps(x.d[(row0 + r) * nb + b]);
       const __m256 sx = _mm256_set1_ps(static_cast<float>(x.s[(row0 + r) * nb + b]));
       for (int v = 0; v < kV; ++v) {
         __m256 u = _mm256_mul_ps(dw[v], _mm256_cvtepi32_ps(isum[r][v]));
-        if constexpr (Kind == kQ4_1 || Kind == kQ4_K || Kind == kQ8_0m) {
+        if constexpr (Q == kQ4_1 || Q == kQ4_K || Q == kQ8_0m) {
           u = _mm256_add_ps(u, _mm256_mul_ps(mw[v], sx));
-        } else if constexpr (Kind == kQ8_0h || Kind == kQ6_K) {
+        } else if constexpr (Q == kQ8_0h || Q == kQ6_K) {
           u = _mm256_add_ps(u, _mm256_mul_ps(mw[v], _mm256_cvtepi32_ps(isum[r][kV + v])));
         }
         acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(dx, u));
@@ -322,6 +347,7 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
 // out[R][kNR]: rows row0.. of x over one panel, block sums combined block after block.
 template <int Kind, int R>
 void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
+  constexpr int Q = quant_kind(Kind);  // how the block's quants are kept
   const int64_t nb = x.k / kBlock;
   alignas(64) float acc[R][kNR] = {};
   alignas(64) int32_t isum[R][2 * kNR];
@@ -338,20 +364,24 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
         const float* sb = reinterpret_cast<const float*>(panel + (b / 8) * 4 * kNR);
         dw[c] = sb[c] * static_cast<float>(static_cast<int8_t>(blk[c]));
         mw[c] = sb[c] * static_cast<float>(static_cast<int8_t>(blk[kNR + c]));
+      } else if constexpr (half_scales(Kind)) {
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(blk);
+        dw[c] = static_cast<float>(c10::Half(h[c], c10::Half::from_bits()));
+        mw[c] = Q == kQ8_0 ? 0.f : static_cast<float>(c10::Half(h[kNR + c], c10::Half::from_bits()));
       } else {
         const float* d = reinterpret_cast<const float*>(blk);
         dw[c] = d[c];
         mw[c] = Kind == kQ8_0 ? 0.f : d[kNR + c];
       }
     }
-    block_sums<Kind, R>(blk + q8_quants_offset(Kind), x, row0, b, isum);
+    block_sums<Q, R>(blk + q8_quants_offset(Kind), x, row0, b, isum);
     for (int r = 0; r < R; ++r) {
       const float dx = x.d[(row0 + r) * nb + b];
       const float sx = static_cast<float>(x.s[(row0 + r) * nb + b]);
       for (int64_t c = 0; c < kNR; ++c) {
         float u = dw[c] * static_cast<float>(isum[r][c]);
-        if constexpr (Kind == kQ4_1 || Kind == kQ4_K || Kind == kQ8_0m) u = u + mw[c] * sx;
-        if constexpr (Kind == kQ8_0h || Kind == kQ6_K)
+        if constexpr (Q == kQ4_1 || Q == kQ4_K || Q == kQ8_0m) u = u + mw[c] * sx;
+        if constexpr (Q == kQ8_0h || Q == kQ6_K)
           u = u + mw[c] * static_cast<float>(isum[r][kNR + c]);
         acc[r][c] = acc[r][c] + dx * u;
       }
@@ -405,9 +435,11 @@ std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x) {
 }
 
 // A tensor packed by pack_gguf_weight / pack_gguf_parts in `layout`, its quants regrouped for
-// gguf_linear_q8 (the scales as they are).
-torch::Tensor pack_q8_layout(const torch::Tensor& packed, const std::string& layout, int64_t n,
-                             int64_t k) {
+// gguf_linear_q8; with half_scales, its scales in float16 where every one of them is exactly
+// one. Returns (packed, the layout's name: `layout`, or `layout` + "f16").
+std::tuple<torch::Tensor, std::string> pack_q8_layout(const torch::Tensor& packed,
+                                                      const std::string& layout, int64_t n,
+                                                      int64_t k, bool half_scales) {
   TORCH_CHECK(layout != "Q4_K" && layout != "Q6_K",
               layout, " blocks are packed for the integer path by pack_q4_k_q8 / pack_q6_k_q8");
   const int kind = kind_of(layout);
@@ -416,20 +448,45 @@ torch::Tensor pack_q8_layout(const torch::Tensor& packed, const std::string& lay
   TORCH_CHECK(packed.numel() == panels * nb * bytes, "packed weights are not ", n, " x ", k,
               " of ", layout);
   const torch::Tensor src = packed.contiguous();
-  torch::Tensor out = src.clone();
   const uint8_t* in = src.data_ptr<uint8_t>();
+  const int64_t offset = quants_offset(kind), scales = offset / 4;  // float32 scales a block
+  if (half_scales && kind != kQ8_0h) {
+    std::atomic<bool> exact{true};
+    at::parallel_for(0, panels * nb, 64, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1 && exact.load(std::memory_order_relaxed); ++b) {
+        const float* d = reinterpret_cast<const float*>(in + b * bytes);
+        for (int64_t i = 0; i < scales; ++i)
+          if (static_cast<float>(static_cast<c10::Half>(d[i])) != d[i] && !std::isnan(d[i]))
+            exact = false;
+      }
+    });
+    half_scales = exact.load();
+  } else {
+    half_scales = false;
+  }
+  const int q8_kind = half_scales ? kind + kHalf : kind;
+  const int64_t out_bytes = q8_block_bytes(q8_kind), out_offset = q8_quants_offset(q8_kind);
+  torch::Tensor out = torch::zeros({panels * nb * out_bytes}, src.options());
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t offset = quants_offset(kind), inputs = kind == kQ4_1 ? 16 : kBlock;
+  const int64_t inputs = kind == kQ4_1 ? 16 : kBlock;
   const int32_t bound = q8_bound(kind);
   std::atomic<bool> in_range{true};
   at::parallel_for(0, panels * nb, 64, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* q = in + b * bytes + offset;
-      uint8_t* o = dst + b * bytes + offset;
+      const uint8_t* blk = in + b * bytes;
+      uint8_t* o = dst + b * out_bytes;
+      if (half_scales) {
+        const float* d = reinterpret_cast<const float*>(blk);
+        uint16_t* h = reinterpret_cast<uint16_t*>(o);
+        for (int64_t i = 0; i < scales; ++i) h[i] = static_cast<c10::Half>(d[i]).x;
+      } else {
+        std::memcpy(o, blk, offset);
+      }
+      const uint8_t* q = blk + offset;
       for (int64_t j = 0; j < inputs; ++j)
         for (int64_t c = 0; c < kNR; ++c) {
           const uint8_t v = q[j * kNR + c];
-          o[q8_offset(j, c)] = v;
+          o[out_offset + q8_offset(j, c)] = v;
           if (kind == kQ8_0m && v > bound) in_range = false;
           if (kind == kQ8_0h && std::abs(static_cast<int8_t>(v)) > bound) in_range = false;
         }
@@ -437,7 +494,7 @@ torch::Tensor pack_q8_layout(const torch::Tensor& packed, const std::string& lay
   });
   TORCH_CHECK(in_range.load(), "the ", layout, " layout's quants exceed ", bound,
               " in magnitude, which the integer path's int16 sums cannot hold");
-  return out;
+  return {out, half_scales ? layout + "f16" : layout};
 }
 
 // A compact layout's packed tensor (Q4_K, Q6_K) of n rows of nb blocks: fill(sb, blk, row, b, c)
@@ -563,7 +620,10 @@ torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, con
     else if (kind == kQ6_K) go(std::integral_constant<int, kQ6_K>{});
     else if (kind == kQ8_0) go(std::integral_constant<int, kQ8_0>{});
     else if (kind == kQ8_0m) go(std::integral_constant<int, kQ8_0m>{});
-    else go(std::integral_constant<int, kQ8_0h>{});
+    else if (kind == kQ8_0h) go(std::integral_constant<int, kQ8_0h>{});
+    else if (kind == kQ4_1 + kHalf) go(std::integral_constant<int, kQ4_1 + kHalf>{});
+    else if (kind == kQ8_0 + kHalf) go(std::integral_constant<int, kQ8_0 + kHalf>{});
+    else go(std::integral_constant<int, kQ8_0m + kHalf>{});
   }
   if (bias.has_value()) out.add_(*bias);
   return out;
@@ -612,7 +672,8 @@ void register_quant_int8(pybind11::module& m) {
   m.def("quantize_q8", &quantize_q8,
         "rows quantized per block of 32 to 8 bits: (q int8, d float32, s = sum q int32)");
   m.def("pack_q8_layout", &pack_q8_layout,
-        "gguf_linear's packed weights with each block's quants regrouped for gguf_linear_q8");
+        "gguf_linear's packed weights with each block's quants regrouped for gguf_linear_q8, "
+        "and with half_scales their scales in float16 where all are exact: (packed, layout)");
   m.def("pack_q4_k_q8", &pack_q4_k_q8,
         "Q4_K blocks' parts (d, dmin, 6-bit scales and minimums, quants) in the integer path's "
         "compact Q4_K layout");
