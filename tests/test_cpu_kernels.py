@@ -83,6 +83,25 @@ def test_rotary_inplace_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    """silu(gate) * up of a fused gate|up row block, tails past the vector width and extreme
+    gates (exp over- and underflow) included."""
+    check_silu_mul(dtype, kernels)
+
+
+def check_silu_mul(dtype: torch.dtype, kernels) -> None:
+    torch.manual_seed(3)
+    gate_up = (torch.randn(5, 2 * 77) * 4).to(dtype)
+    gate_up[0, :6] = torch.tensor([-200.0, -88.0, 0.0, 88.0, 200.0, -0.0]).to(dtype)
+    gate, up = gate_up.split(77, dim=1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = kernels.silu_mul(gate_up)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    assert got.dtype == dtype and got.shape == (5, 77)
+    assert torch.allclose(got.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_matches_the_torch_backend(dtype):
     """A batch of decode queries over scattered slots with different lengths."""
     torch.manual_seed(2)
@@ -462,6 +481,7 @@ def test_narrower_builds_hold_to_the_same_references(isa):
         check_gguf_expansion(kind, 33, 64, build=build)
     for dtype in DTYPES:
         check_prefill_rows(dtype, 64, build)
+        check_silu_mul(dtype, build)
 
 
 class CountingLayer:

@@ -7,7 +7,7 @@
 //   qkv = h @ Wqkv;  rotary on q and k, in place;  k, v written to their KV slots
 //   attn = decode_attention(q, pool)                (each row over its kv_indices)
 //   residual, h = add_rms_norm(attn @ Wo, residual)
-//   return (silu(gate) * up) @ Wdown, residual     (gate | up = h @ Wgate_up)
+//   return silu_mul(h @ Wgate_up) @ Wdown, residual  (silu(gate) * up of gate | up)
 #include <ATen/ATen.h>
 #include <torch/python.h>
 
@@ -30,6 +30,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_bu
                                const torch::Tensor& seq_lens, double scale,
                                const c10::optional<torch::Tensor>& extend_lens);
 
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
 torch::Tensor linear_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& data,
                            const std::vector<std::string>& kinds, const std::vector<int64_t>& ns,
                            const c10::optional<torch::Tensor>& bias);  // quant_int8.cpp
@@ -86,9 +87,7 @@ struct DecoderLayer {
     torch::Tensor q = qkv_out.narrow(1, 0, heads * head_dim).view({tokens, heads, head_dim});
     torch::Tensor attn = decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, scale, extend_lens);
     normed = add_rms_norm(o(attn.view({tokens, heads * head_dim})), res, post_norm, eps);
-    // torch's own (vectorised) silu and product, as the op-by-op layer computes them.
-    const std::vector<torch::Tensor> gate_and_up = gate_up(normed[0]).split(intermediate, 1);
-    return {down(at::silu(gate_and_up[0]).mul_(gate_and_up[1])), res};
+    return {down(silu_mul(gate_up(normed[0]))), res};
   }
 
   // k and v of every token (after q in each row of qkv) into their slots of the pool.

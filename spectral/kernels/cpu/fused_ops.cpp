@@ -2,6 +2,7 @@
 // (float32 arithmetic inside, results cast to the tensor dtype):
 //   add_rms_norm: optional residual add, then RMSNorm (transformers' order of operations)
 //   rotary_inplace: rotate-half rotary embedding of q and k, in place
+//   silu_mul: silu(gate) * up of a fused gate|up projection
 //   decode_attention: query rows over their KV slots (decode, tree and prefill rows alike),
 //   grouped-query heads (rows that start with the same keys read them once)
 #include <ATen/ATen.h>
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -343,6 +345,40 @@ void attention_rows_impl(const T* q, const T* kbuf, const T* vbuf, const std::ve
   });
 }
 
+// out[t, i] = silu(g) * u for g = gate_up[t, i], u = gate_up[t, I + i]: silu(g) = g / (1 +
+// e^-g) in float32, rounded to T (as torch's silu gives it), then the product rounded to T.
+template <typename T>
+void silu_mul_impl(const T* gate_up, T* out, int64_t tokens, int64_t inter) {
+  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* g = gate_up + t * 2 * inter;
+      const T* u = g + inter;
+      T* o = out + t * inter;
+      int64_t i = 0;
+#if defined(SPECTRAL_VEC)
+      if constexpr (std::is_same_v<T, float>) {
+        const Vec::R one = Vec::set1(1.f), zero = Vec::zero();
+        for (; i + Vec::kWidth <= inter; i += Vec::kWidth) {
+          const Vec::R gv = Vec::load(g + i);
+#if SPECTRAL_VEC == 512
+          const Vec::R silu = _mm512_div_ps(gv, Vec::add(one, exp_vec(_mm512_sub_ps(zero, gv))));
+          Vec::store(o + i, _mm512_mul_ps(silu, Vec::load(u + i)));
+#else
+          const Vec::R silu = _mm256_div_ps(gv, Vec::add(one, exp_vec(_mm256_sub_ps(zero, gv))));
+          Vec::store(o + i, _mm256_mul_ps(silu, Vec::load(u + i)));
+#endif
+        }
+      }
+#endif
+      for (; i < inter; ++i) {
+        const float gv = load(g, i);
+        const float silu = round_to(o, gv / (1.f + std::exp(-gv)));
+        store(o, i, round_to(o, silu * load(u, i)));
+      }
+    }
+  });
+}
+
 void check_float_or_bf16(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
               " must be float32 or bfloat16");
@@ -350,6 +386,19 @@ void check_float_or_bf16(const torch::Tensor& t, const char* name) {
 }
 
 }  // namespace
+
+// gate_up [tokens, 2 I] (gate | up) -> silu(gate) * up [tokens, I].
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  check_float_or_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [tokens, 2 I]");
+  const int64_t tokens = gate_up.size(0), inter = gate_up.size(1) / 2;
+  torch::Tensor out = torch::empty({tokens, inter}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat32)
+    silu_mul_impl(gate_up.data_ptr<float>(), out.data_ptr<float>(), tokens, inter);
+  else
+    silu_mul_impl(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), tokens, inter);
+  return out;
+}
 
 // Returns (normed, residual_out). With a residual, residual is updated in place to x + residual.
 std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x,
@@ -508,6 +557,7 @@ void register_fused_ops(pybind11::module& m) {
         "is 0");
   m.def("add_rms_norm", &add_rms_norm, "(x [+ residual]) -> RMSNorm; returns (normed, residual)");
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding, in place");
+  m.def("silu_mul", &silu_mul, "gate_up [tokens, 2 I] -> silu(gate) * up [tokens, I]");
   m.def("decode_attention", &decode_attention,
         "query rows over KV slots: one row per kv_indices row, or (extend_lens) each request's "
         "new tokens, causal",
