@@ -5,6 +5,7 @@ equals them, and greedy decoding from the blocks equals transformers' (float32).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,3 +140,26 @@ def test_greedy_from_the_blocks_equals_transformers_on_20_prompts(
     expected = [hf_greedy(hf_model, tokenizer(p)["input_ids"], new_tokens) for p in prompts]
     outs = native_engine.generate(prompts, {**GREEDY, "max_new_tokens": new_tokens})
     assert [o["output_ids"] for o in outs] == expected
+
+
+def test_packing_in_slices_equals_packing_at_once(monkeypatch):
+    """Rows of several tensors packed a slice at a time (slices straddling tensors, a short
+    last one) into one tensor: the same bytes as one packing of all rows, for the exact and the
+    integer path; slices in different layouts give None."""
+    from spectral.layers.gguf_blocks import pack_blocks, pack_int8
+    from spectral.models import gguf_native
+    from tests.test_gguf_blocks import random_blocks
+
+    kernels = load_cpu_kernels()
+    monkeypatch.setattr(gguf_native, "SLICE_ROWS", 32)
+    arrays = [random_blocks("Q4_1", rows, 2, seed) for rows, seed in ((50, 1), (7, 2), (40, 3))]
+    whole = torch.from_numpy(np.concatenate(arrays))
+    for pack in (
+        lambda rows: (pack_blocks(rows, "Q4_1", 64, kernels), "Q4_1"),
+        lambda rows: pack_int8(rows, "Q4_1", 64, kernels),
+    ):
+        data, name = gguf_native.pack_in_slices(arrays, pack)
+        expected, expected_name = pack(whole)
+        assert name == expected_name and torch.equal(data, expected)
+    names = iter(["A", "A", "B", "A"])
+    assert gguf_native.pack_in_slices(arrays, lambda rows: (rows.flatten(), next(names))) is None

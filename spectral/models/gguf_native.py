@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import mmap
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -50,19 +51,42 @@ LAYER_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
 SLICE_ROWS = 4096
 
 
-def row_slices(arrays: list[np.ndarray], size: int):
-    """The rows of `arrays` (stacked in order) as torch tensors of `size` rows (the last
-    shorter), copying only the slice at hand."""
-    total = sum(a.shape[0] for a in arrays)
+def row_slice(arrays: list[np.ndarray], lo: int, hi: int) -> torch.Tensor:
+    """Rows lo..hi of `arrays` (stacked in order) as a torch tensor, copying only them."""
     starts = np.cumsum([0] + [a.shape[0] for a in arrays])
-    for lo in range(0, total, size):
-        hi = min(lo + size, total)
-        parts = [
-            a[max(lo - s, 0) : min(hi - s, a.shape[0])]
-            for a, s in zip(arrays, starts)
-            if s < hi and s + a.shape[0] > lo
-        ]
-        yield torch.from_numpy(np.ascontiguousarray(np.concatenate(parts)))
+    parts = [
+        a[max(lo - s, 0) : min(hi - s, a.shape[0])]
+        for a, s in zip(arrays, starts)
+        if s < hi and s + a.shape[0] > lo
+    ]
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts)))
+
+
+def pack_in_slices(
+    arrays: list[np.ndarray], pack: Callable[[torch.Tensor], tuple[torch.Tensor, str]]
+) -> tuple[torch.Tensor, str] | None:
+    """The rows of `arrays` packed by `pack` a slice of SLICE_ROWS at a time into one tensor,
+    holding it and at most two packed slices (whole panels: every slice but the last packs to
+    as many bytes). None where the slices came out in different layouts."""
+    total = sum(a.shape[0] for a in arrays)
+    bounds = [(lo, min(lo + SLICE_ROWS, total)) for lo in range(0, total, SLICE_ROWS)]
+    first, name = pack(row_slice(arrays, *bounds[0]))
+    if len(bounds) == 1:
+        return first, name
+    last, last_name = pack(row_slice(arrays, *bounds[-1]))
+    if last_name != name:
+        return None
+    size = first.numel()
+    out = torch.empty(size * (len(bounds) - 1) + last.numel(), dtype=first.dtype)
+    out[:size] = first
+    out[size * (len(bounds) - 1) :] = last
+    del first, last
+    for i, (lo, hi) in enumerate(bounds[1:-1], start=1):
+        data, got = pack(row_slice(arrays, lo, hi))
+        if got != name:
+            return None
+        out[i * size : (i + 1) * size] = data
+    return out, name
 
 
 def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -131,22 +155,18 @@ def load_gguf_model(
             # Packed a slice of rows at a time (panels never straddle one): decoding a whole
             # LM head at once held several copies of it at load.
             arrays = [rows_of(n) for n in names]
-
-            def pack(half: bool) -> tuple[list[torch.Tensor], set[str]]:
-                if not int8:
-                    slices = row_slices(arrays, SLICE_ROWS)
-                    return [pack_blocks(rows, kinds[0], k, kernels) for rows in slices], {layout}
-                packed = [
-                    pack_int8(rows, kinds[0], k, kernels, half)
-                    for rows in row_slices(arrays, SLICE_ROWS)
-                ]
-                return [data for data, _ in packed], {name for _, name in packed}
-
-            pieces, names_of = pack(half=True)
-            if len(names_of) > 1:  # float16 scales in some slices only: none in any
-                pieces, names_of = pack(half=False)
-            data = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            return PackedWeight(data, sum(a.shape[0] for a in arrays), names_of.pop())
+            if not int8:
+                packed = pack_in_slices(
+                    arrays, lambda rows: (pack_blocks(rows, kinds[0], k, kernels), layout)
+                )
+            else:  # float16 scales where every slice keeps them, else float32 in all
+                packed = pack_in_slices(
+                    arrays, lambda rows: pack_int8(rows, kinds[0], k, kernels)
+                ) or pack_in_slices(
+                    arrays, lambda rows: pack_int8(rows, kinds[0], k, kernels, half=False)
+                )
+            data, name = packed
+            return PackedWeight(data, sum(a.shape[0] for a in arrays), name)
         parts = [decode(torch.from_numpy(rows_of(n)), kind) for n, kind in zip(names, kinds)]
         joined = BlockParts.join(parts)
         packed = PackedWeight(joined.pack(kernels, layout), joined.quants.shape[0], layout)

@@ -11,6 +11,7 @@ from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.worker_io import WorkerBatch, WorkerResult
 from spectral.kernels.cpu_kernels import load_cpu_kernels
 from spectral.mem.kv_pool import KVPool
+from spectral.mem.process import eager_release
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.models.config import ModelConfig
 from spectral.models.gguf_native import load_gguf_model
@@ -62,22 +63,23 @@ class ModelWorker:
         self.dtype = dtype
         kernels = load_cpu_kernels() if device == "cpu" and use_cpu_kernels else None
         self.config = ModelConfig.from_pretrained(model_dir)  # what the model is built from
-        if dummy_weights:
-            self.model = dummy_model(self.config, dtype, device)
-        elif gguf_file is None:
-            self.model = load_model(model_dir, self.config, dtype, device)
-        else:
-            self.model = build_model(self.config, dtype, "cpu")
-            native = gguf_native and dtype in (torch.float32, torch.bfloat16)
-            if native and kernels is None:
-                logger.info("GGUF weights served dequantized (no CPU kernels on %s)", device)
-            served = load_gguf_model(
-                gguf_file, self.model, self.config, kernels if native else None, gguf_int8
-            )
-            logger.info("GGUF blocks served as they are for %d weight matrices", served)
-            self.model.to(device)
+        with eager_release():  # the load's temporaries go back to the system as freed
+            if dummy_weights:
+                self.model = dummy_model(self.config, dtype, device)
+            elif gguf_file is None:
+                self.model = load_model(model_dir, self.config, dtype, device)
+            else:
+                self.model = build_model(self.config, dtype, "cpu")
+                native = gguf_native and dtype in (torch.float32, torch.bfloat16)
+                if native and kernels is None:
+                    logger.info("GGUF weights served dequantized (no CPU kernels on %s)", device)
+                served = load_gguf_model(
+                    gguf_file, self.model, self.config, kernels if native else None, gguf_int8
+                )
+                logger.info("GGUF blocks served as they are for %d weight matrices", served)
+                self.model.to(device)
+            self.model.set_cpu_kernels(kernels)  # packs only what has no GGUF blocks
         cfg: ModelConfig = self.config
-        self.model.set_cpu_kernels(kernels)  # packs only what has no GGUF blocks
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
         if max_total_tokens is None:
             max_total_tokens = int(free_memory_bytes(device) * mem_fraction_static) // per_token

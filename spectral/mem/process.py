@@ -1,0 +1,48 @@
+"""How freed memory goes back to the system (glibc's malloc, Linux; elsewhere nothing here).
+
+glibc serves a large block from its heap once a block that large has been freed, and keeps it
+there when freed again: a model load's temporaries (rows decoded a slice at a time, packed
+pieces) then stay resident beside the weights they became. `eager_release` maps and unmaps
+every block of 1 MiB or more on its own while a load runs, so each goes back as it is freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+LOAD_THRESHOLD = 1 << 20  # while loading: blocks from 1 MiB up are mapped on their own
+SERVE_THRESHOLD = 32 << 20  # after: glibc's own ceiling for the threshold it moves itself
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim"):
+        return None
+    return libc
+
+
+@contextmanager
+def eager_release() -> Iterator[None]:
+    """Inside: blocks of 1 MiB and more are mapped and unmapped on their own. After: blocks up
+    to 32 MiB come from the heap again (the steady state glibc's moving threshold reaches), and
+    the heap's free memory is given back."""
+    libc = _glibc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, LOAD_THRESHOLD)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, SERVE_THRESHOLD)
+        libc.malloc_trim(0)
