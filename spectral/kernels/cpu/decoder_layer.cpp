@@ -51,12 +51,26 @@ struct PackedLinear {
                c10::optional<torch::Tensor> b)
       : data(std::move(d)), kinds(std::move(k)), ns(std::move(n)), bias(std::move(b)) {}
 
+  // Asks for the weights to be brought into the caches (L2 and below) ahead of their matmul,
+  // for a window where the memory bus has little else to do (attention reads a few rows).
+  void prefetch() const {
+    for (const torch::Tensor& d : data) {
+      const char* p = static_cast<const char*>(d.data_ptr());
+      const int64_t bytes = d.numel() * d.element_size();
+      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
+    }
+  }
+
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (data.size() > 1) return linear_parts(x, data, kinds, ns, bias);
     return kinds[0].empty() ? packed_linear(x, data[0], ns[0], bias)
                             : gguf_linear(x, data[0], kinds[0], ns[0], bias);
   }
 };
+
+// Steps of at most this many tokens fetch the output projection while attention runs (a
+// longer step's attention reads enough keys to keep the bus busy).
+constexpr int64_t kPrefetchTokens = 16;
 
 struct DecoderLayer {
   torch::Tensor input_norm, post_norm;
@@ -84,6 +98,7 @@ struct DecoderLayer {
     rotary_inplace(qkv_out, heads + kv_heads, head_dim, cos, sin, positions);
     write_kv(qkv_out, k_buf, v_buf, out_loc.contiguous());
     const int64_t tokens = x.size(0);
+    if (tokens <= kPrefetchTokens) o.prefetch();
     torch::Tensor q = qkv_out.narrow(1, 0, heads * head_dim).view({tokens, heads, head_dim});
     torch::Tensor attn = decode_attention(q, k_buf, v_buf, kv_indices, seq_lens, scale, extend_lens);
     normed = add_rms_norm(o(attn.view({tokens, heads * head_dim})), res, post_norm, eps);
