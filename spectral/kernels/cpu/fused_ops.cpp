@@ -324,9 +324,12 @@ void attention_rows_impl(const T* q, const T* kbuf, const T* vbuf, const std::ve
       }
       // The weighted values, block of keys after block of keys for every query.
       acc.assign(queries * dim, 0.f);
+      const int64_t len0 = rows[r0].len;  // the group's first row: its keys cover the shared
+      for (int64_t l = 0; l < std::min(len0, kValueBlock); ++l)
+        prefetch_head(vbuf + idx0[l] * row_stride + kh * dim, dim);
       for (int64_t l0 = 0; l0 < longest; l0 += kValueBlock) {
-        // The next block's shared value rows, fetched while this one is summed.
-        for (int64_t l = l0 + kValueBlock; l < std::min(common, l0 + 2 * kValueBlock); ++l)
+        // The next block's value rows, fetched while this one is summed.
+        for (int64_t l = l0 + kValueBlock; l < std::min(len0, l0 + 2 * kValueBlock); ++l)
           prefetch_head(vbuf + idx0[l] * row_stride + kh * dim, dim);
         for (int64_t r = 0; r < count; ++r) {
           const int64_t l1 = std::min(rows[r0 + r].len, l0 + kValueBlock);
