@@ -291,7 +291,10 @@ void attention_rows_impl(const T* q, const T* kbuf, const T* vbuf, const std::ve
   at::parallel_for(0, groups * kv_heads, 1, [&](int64_t a, int64_t b) {
     std::vector<float> qf, scores, acc;
     for (int64_t task = a; task < b; ++task) {
-      const int64_t gi = task / kv_heads, kh = task % kv_heads;
+      // Groups taken first, last, second, second to last...: the threads' contiguous shares
+      // of tasks then hold as many long rows as short ones (a prefill's rows grow).
+      const int64_t k = task / kv_heads, kh = task % kv_heads;
+      const int64_t gi = k % 2 == 0 ? k / 2 : groups - 1 - k / 2;
       const int64_t r0 = starts[gi], count = starts[gi + 1] - r0, common = shared[gi];
       const int64_t queries = count * group;
       int64_t longest = 0;
