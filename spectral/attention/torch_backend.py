@@ -69,22 +69,17 @@ def query_row_slots(batch: ForwardBatch, table: torch.Tensor) -> tuple[torch.Ten
 
 class TorchAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if self._has_decode_kernel:
+            if batch.custom_mask is not None:
+                batch.attn_metadata = self._tree_metadata(batch)
+            else:  # each request's new tokens (one in a decode step), causal over its slots
+                extend_lens = torch.tensor(batch.extend_lens, dtype=torch.int64)
+                batch.attn_metadata = TorchAttnMetadata(
+                    [], *request_slots(batch, self.req_to_token.table), extend_lens
+                )
+            return
         device = self.req_to_token.table.device
         rows = batch.req_pool_indices.tolist()
-        if self._use_decode_kernel(batch):
-            batch.attn_metadata = TorchAttnMetadata(
-                [], *request_slots(batch, self.req_to_token.table)
-            )
-            return
-        if self._use_tree_kernel(batch):
-            batch.attn_metadata = self._tree_metadata(batch)
-            return
-        if self._has_decode_kernel:
-            extend_lens = torch.tensor(batch.extend_lens, dtype=torch.int64)
-            batch.attn_metadata = TorchAttnMetadata(
-                [], *request_slots(batch, self.req_to_token.table), extend_lens
-            )
-            return
         requests = []
         token_start = mask_offset = 0
         for row, prefix, num_new in zip(rows, batch.prefix_lens, batch.extend_lens):
@@ -111,12 +106,6 @@ class TorchAttentionBackend(AttentionBackend):
             and self.kv_pool.k[0].device.type == "cpu"
             and self.kv_pool.dtype in (torch.float32, torch.bfloat16)
         )
-
-    def _use_decode_kernel(self, batch: ForwardBatch) -> bool:
-        return self._has_decode_kernel and batch.mode.is_decode()
-
-    def _use_tree_kernel(self, batch: ForwardBatch) -> bool:
-        return self._has_decode_kernel and batch.custom_mask is not None
 
     def _tree_metadata(self, batch: ForwardBatch) -> TorchAttnMetadata:
         """Tree tokens through the decode kernel: each token is a query row whose keys are

@@ -256,8 +256,9 @@ struct RowKeys {
 // Rows that read the same keys first share them: consecutive rows whose slot lists start alike
 // (a verified tree's rows, a prefill's causal rows) form a group (at most kGroupRows rows, for
 // balance over threads; twice that in a long prefill), and each key of the shared part is read
-// once for all of the group's queries. A row's arithmetic is its own whatever its group: its result depends only on its
-// query and its keys, never on which rows share the call (tests/test_fused_ops.py).
+// once for all of the group's queries. A row's arithmetic is its own whatever its group: its
+// result depends only on its query and its keys, never on which rows share the call
+// (tests/test_cpu_kernels.py holds it to the same row computed alone).
 constexpr int64_t kGroupRows = 8;
 constexpr int64_t kMinShared = 16;
 
@@ -366,13 +367,8 @@ void silu_mul_impl(const T* gate_up, T* out, int64_t tokens, int64_t inter) {
         const Vec::R one = Vec::set1(1.f), zero = Vec::zero();
         for (; i + Vec::kWidth <= inter; i += Vec::kWidth) {
           const Vec::R gv = Vec::load(g + i);
-#if SPECTRAL_VEC == 512
-          const Vec::R silu = _mm512_div_ps(gv, Vec::add(one, exp_vec(_mm512_sub_ps(zero, gv))));
-          Vec::store(o + i, _mm512_mul_ps(silu, Vec::load(u + i)));
-#else
-          const Vec::R silu = _mm256_div_ps(gv, Vec::add(one, exp_vec(_mm256_sub_ps(zero, gv))));
-          Vec::store(o + i, _mm256_mul_ps(silu, Vec::load(u + i)));
-#endif
+          const Vec::R silu = Vec::div(gv, Vec::add(one, exp_vec(Vec::sub(zero, gv))));
+          Vec::store(o + i, Vec::mul(silu, Vec::load(u + i)));
         }
       }
 #endif

@@ -75,10 +75,9 @@ constexpr int64_t q8_panel_bytes(int kind, int64_t nb) {
 }
 // "Q4_K", "Q6_K", a layout of quant_linear.cpp, or one of those with "f16" after it.
 int q8_kind_of(const std::string& layout) {
-  const std::string suffix = "f16";
-  if (layout.size() > suffix.size() &&
-      layout.compare(layout.size() - suffix.size(), suffix.size(), suffix) == 0) {
-    const int kind = kind_of(layout.substr(0, layout.size() - suffix.size()));
+  const std::string base = strip_suffix(layout, "f16");
+  if (!base.empty()) {
+    const int kind = kind_of(base);
     TORCH_CHECK(kind != kQ8_0h, "Q8_0h has no float16-scale layout");
     return kind + kHalf;
   }

@@ -421,13 +421,15 @@ torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& pack
                                const std::string& layout, int64_t n,
                                const c10::optional<torch::Tensor>& bias);  // quant_int8.cpp
 
-// The layout of an integer-path type "<layout>+q8", or "" for any other type.
-std::string q8_layout(const std::string& type) {
-  const std::string q8 = "+q8";
-  const bool is_q8 =
-      type.size() > q8.size() && type.compare(type.size() - q8.size(), q8.size(), q8) == 0;
-  return is_q8 ? type.substr(0, type.size() - q8.size()) : "";
+// `name` without `suffix` where it ends so (and holds more), else "".
+std::string strip_suffix(const std::string& name, const std::string& suffix) {
+  const bool ends = name.size() > suffix.size() &&
+                    name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return ends ? name.substr(0, name.size() - suffix.size()) : "";
 }
+
+// The layout of an integer-path type "<layout>+q8", or "" for any other type.
+std::string q8_layout(const std::string& type) { return strip_suffix(type, "+q8"); }
 
 // type: a layout, or "<layout>+q8" for the integer path (weights from pack_q8_layout).
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& packed,
