@@ -201,9 +201,11 @@ class ServerArgs:
             "disable_cpu_kernels": "use plain PyTorch matmuls instead of spectral's C++ kernels",
             "random_seed": "seed for unseeded sampling",
             "num_threads": "CPU threads of the model worker (default: torch's, one per core)",
-            "speculative_algorithm": "EAGLE, EAGLE3 (draft head) or NGRAM (no model)",
-            "speculative_draft_model_path": "draft head directory (EAGLE/EAGLE3); 'default' for "
-            "the head shipped for the default model",
+            "speculative_algorithm": "EAGLE, EAGLE3 (draft head), STANDALONE (draft model) or "
+            "NGRAM (no model)",
+            "speculative_draft_model_path": "draft head directory (EAGLE/EAGLE3; 'default' for "
+            "the head shipped for the default model), or the draft LM (STANDALONE: a GGUF file "
+            "or HF directory with the target's tokenizer)",
             "speculative_num_steps": "draft tree depth (draft forwards per round)",
             "speculative_eagle_topk": "children kept per expanded node",
             "speculative_num_draft_tokens": "most tree nodes a request verifies per round, the "

@@ -272,8 +272,8 @@ def test_over_the_batch_limit_the_head_writes_kv_only_and_drafts_as_after_full_e
         drafter, drafts = s.worker.drafter, []
         draft = drafter.draft
 
-        def record(rows, seq_lens, num_steps=None):
-            scores, tokens, parents = draft(rows, seq_lens, num_steps)
+        def record(rows, seq_lens, num_steps=None, roots=None, root_slots=None):
+            scores, tokens, parents = draft(rows, seq_lens, num_steps, roots, root_slots)
             drafts.append((scores.clone(), tokens.clone()))
             return scores, tokens, parents
 
@@ -392,9 +392,9 @@ def test_hybrid_ngram_mixes_ngram_and_head_trees_and_matches_plain(
     head_rows: list[tuple[int, int]] = []  # (rows the head drafted for, batch size) per round
     head_draft = drafter.draft
 
-    def counted(rows: torch.Tensor, seq_lens: torch.Tensor, num_steps: int | None = None):
+    def counted(rows: torch.Tensor, *args, **kwargs):
         head_rows.append((rows.numel(), len(s.running)))
-        return head_draft(rows, seq_lens, num_steps)
+        return head_draft(rows, *args, **kwargs)
 
     drafter.draft = counted
     again = run(s, seen + new, at_once=12, temperature=0.0)
@@ -517,7 +517,7 @@ def test_settings_refuse_what_cannot_work(tmp_path: Path, peaky_model_dir: str) 
             speculative_ngram_min_match_window_size=5,
             speculative_ngram_max_match_window_size=3,
         )
-    with pytest.raises(ValueError, match="pairs n-gram drafts with a draft head"):
+    with pytest.raises(ValueError, match="pairs n-gram drafts with a drafter"):
         ServerArgs(speculative_algorithm="NGRAM", speculative_hybrid_ngram=8)
     with pytest.raises(ValueError, match="the n-gram tree size, root included: >= 2"):
         ServerArgs(speculative_algorithm="EAGLE3", speculative_hybrid_ngram=1)
@@ -528,7 +528,7 @@ def test_settings_refuse_what_cannot_work(tmp_path: Path, peaky_model_dir: str) 
             speculative_hybrid_ngram=0,
             speculative_hybrid_merge=True,
         )
-    with pytest.raises(ValueError, match="must be one of EAGLE, EAGLE3, NGRAM"):
+    with pytest.raises(ValueError, match="must be one of EAGLE, EAGLE3, STANDALONE, NGRAM"):
         ServerArgs(speculative_algorithm="MEDUSA")
     with pytest.raises(ValueError, match="exceeds what 2 steps of top-2 can draft"):
         ServerArgs(

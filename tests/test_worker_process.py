@@ -130,3 +130,29 @@ def test_a_worker_process_hands_its_cost_model_and_draft_confidence_to_the_plann
             assert scheduler_leaks(scheduler) == []
         finally:
             worker.close()
+
+
+def test_a_draft_model_speculates_through_the_worker_process(peaky_model_dir):
+    """STANDALONE (the target as its own draft) in the worker process: the draft LM loads
+    there beside the target, rounds are verified, greedy output is plain decoding's, nothing
+    leaks."""
+    from tests.test_speculative import FLAT_COST, cost_model_file
+
+    args = remote_args(
+        peaky_model_dir,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=peaky_model_dir,
+        speculative_cost_model=cost_model_file(FLAT_COST),
+    )
+    model, _ = resolve_model(args)
+    expected = run_all(make_scheduler(peaky_model_dir), fresh(mixed_prompts(6)))
+    with tempfile.TemporaryDirectory() as ipc_dir:
+        worker = RemoteWorker(args, ipc_dir).hand_model(model).wait_ready()
+        try:
+            scheduler = remote_scheduler(worker, model, args.spec_settings())
+            assert run_all(scheduler, fresh(mixed_prompts(6))) == expected
+            stats = scheduler.stats
+            assert stats.spec_emitted_tokens > 2 * stats.spec_verify_ct > 0
+            assert scheduler_leaks(scheduler) == []
+        finally:
+            worker.close()

@@ -51,7 +51,7 @@ class Scheduler:
             config.num_kv_slots,
             config.max_running_requests,
             config.disable_radix_cache,
-            draft_kv_shift=spec is not None and spec.uses_draft_head,
+            draft_kv_shift=spec is not None and spec.is_eagle,
         )
         self.spec_round: SpecRound | None = None
         if spec is not None:
@@ -150,7 +150,7 @@ class Scheduler:
         go on. A speculative round is not rerun (the worker's draft state has moved), so
         all of its requests fail."""
         banned = self.finish.banned(batch.reqs)
-        draft_next = self.spec is not None and self.spec.uses_draft_head
+        draft_next = self.spec is not None and self.spec.is_eagle
         stale = [req.table_stale_from for req in batch.reqs]
         try:
             started = time.perf_counter()

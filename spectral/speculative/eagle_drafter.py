@@ -18,6 +18,7 @@ from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.speculative.eagle_head import DraftHead
+from spectral.speculative.expansion import TreeExpansion
 
 # write_kv computes its queued positions once this many wait.
 FLUSH_TOKENS = 64
@@ -67,10 +68,56 @@ class EagleDrafter:
         # write_kv's queue: (input ids, features, positions, slots) per call.
         self._pending: list[tuple[torch.Tensor, ...]] = []
 
+    needs_features = True
+
     @property
     def capture_layers(self) -> tuple[int, ...]:
         """Target layers whose inputs the head needs (EAGLE-3); EAGLE-1 uses the final state."""
         return self.head.cfg.aux_layers if self.head.cfg.kind == "eagle3" else ()
+
+    def observe_step(
+        self, batch: ForwardBatch, next_ids: list[int], features: torch.Tensor
+    ) -> None:
+        """A prefill or plain decode step of the target (`next_ids`: each request's token
+        after the batch): only the head's KV, queued (`write_kv`)."""
+        self.write_kv(shifted_draft_batch(batch, next_ids), features)
+
+    def observe_round(
+        self,
+        batch: ForwardBatch,
+        prefix_lens: list[int],
+        accepted_tokens: list[list[int]],
+        emitted: list[list[int]],
+        kept_slots: torch.Tensor,
+        features: torch.Tensor,
+    ) -> None:
+        """A verified round: the head extends over each request's accepted path (position p
+        pairs the target's feature there with the token emitted after it)."""
+        accepted_lens = [len(tokens) for tokens in accepted_tokens]
+        device = kept_slots.device
+        self.extend(
+            ForwardBatch(
+                mode=ForwardMode.DRAFT_EXTEND,
+                input_ids=torch.tensor([t for e in emitted for t in e], device=device),
+                positions=torch.tensor(
+                    [p + i for p, a in zip(prefix_lens, accepted_lens) for i in range(a)],
+                    device=device,
+                ),
+                out_cache_loc=kept_slots,
+                req_pool_indices=batch.req_pool_indices,
+                prefix_lens=list(prefix_lens),
+                extend_lens=accepted_lens,
+            ),
+            features,
+        )
+
+    def top1(self, rows: list[int]) -> list[float | None]:
+        """The head's top-1 probability after each request row's last verified token, known
+        before it drafts next (None where the row's top-k is stale)."""
+        index = torch.tensor(rows)
+        top1 = self.topk_logprobs[index, 0].exp().tolist()
+        stale = self.stale[index].tolist()
+        return [None if old else p for p, old in zip(top1, stale)]
 
     @torch.inference_mode()
     def extend(self, batch: ForwardBatch, features: torch.Tensor) -> None:
@@ -153,34 +200,35 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def draft(
-        self, rows: torch.Tensor, seq_lens: torch.Tensor, num_steps: int | None = None
+        self,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_steps: int | None = None,
+        roots: torch.Tensor | None = None,
+        root_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expand a tree below each request's last verified token (at position seq_len) for
         `num_steps` levels (default: the drafter's; the first levels do not depend on the
         depth), keeping the best `topk` nodes per level (EAGLE-2). Returns (cumulative log-prob,
         target token, parent candidate or -1 under the root), each [B, C] with
-        C = k + (num_steps - 1) k², level by level, so parents come before their children."""
+        C = k + (num_steps - 1) k², level by level, so parents come before their children.
+        The roots need not be given: the head's KV already pairs the last position with its
+        root."""
         self._refresh(rows)
         self.flush()
         steps = self.num_steps if num_steps is None else max(1, min(num_steps, self.num_steps))
         k = self.topk
         B = rows.shape[0]
         device = rows.device
-        scores = [self.topk_logprobs[rows]]
-        tokens = [self.topk_ids[rows]]
-        parents = [torch.full((B, k), -1, dtype=torch.int64, device=device)]
+        levels = TreeExpansion(self.topk_logprobs[rows], self.topk_ids[rows])
         if steps == 1:
-            return scores[0], tokens[0], parents[0]
+            return levels.result()
 
-        frontier_tokens = tokens[0]
-        frontier_scores = scores[0]
         frontier_hidden = self.last_hidden[rows][:, None, :].expand(B, k, -1)
-        frontier_ids = torch.arange(k, device=device).expand(B, k)
         prefix_k, prefix_v, prefix_visible = self._gather_prefix(rows, seq_lens)
         tree_k: list[torch.Tensor] = []
         tree_v: list[torch.Tensor] = []
         ancestors = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
-        base = k
         for step in range(1, steps):
             positions = (seq_lens + step - 1)[:, None].expand(B, k).reshape(-1)
             mask = torch.cat((prefix_visible[:, None, :].expand(B, k, -1), ancestors), dim=-1)
@@ -189,36 +237,26 @@ class EagleDrafter:
                 self._tree_attention, mask=mask, prefix=(prefix_k, prefix_v), tree=(tree_k, tree_v)
             )
             hidden = self.head(
-                frontier_tokens.reshape(-1),
+                levels.frontier_tokens.reshape(-1),
                 frontier_hidden.reshape(B * k, -1),
                 positions,
                 attend,
             )
             logprobs = torch.log_softmax(self.head.logits(hidden), dim=-1)
-            child_lp, child_ids = logprobs.topk(k, dim=-1)
-            child_ids = self.head.to_target_ids(child_ids).view(B, k * k)
-            cumulative = (child_lp.view(B, k, k) + frontier_scores[:, :, None]).view(B, k * k)
-            scores.append(cumulative)
-            tokens.append(child_ids)
-            parents.append(frontier_ids[:, :, None].expand(B, k, k).reshape(B, k * k))
+            levels.add_level(logprobs, self.head.to_target_ids)
             if step == steps - 1:
                 break
-            chosen = cumulative.topk(k, dim=-1).indices  # next frontier, [B, k]
-            parent_slot = chosen // k
-            frontier_tokens = child_ids.gather(1, chosen)
-            frontier_scores = cumulative.gather(1, chosen)
+            parent_slot = levels.advance()  # next frontier, [B, k]
             hidden = hidden.view(B, k, -1)
             frontier_hidden = hidden.gather(
                 1, parent_slot[:, :, None].expand(B, k, hidden.shape[-1])
             )
-            frontier_ids = base + chosen
-            base += k * k
             inherited = ancestors.gather(
                 1, parent_slot[:, :, None].expand(B, k, ancestors.shape[-1])
             )
             own = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
             ancestors = torch.cat((inherited, own), dim=-1)
-        return torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
+        return levels.result()
 
     def _tree_attention(
         self,

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ALGORITHMS = ("EAGLE", "EAGLE3", "NGRAM")
+ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 
 # Defaults for the embedded model on a CPU: (num_steps, topk, num_draft_tokens), tuned with
 # bench/spec_tune.py (docs/speculative.md, "Batch sizes and tree shapes").
-DEFAULTS = {"EAGLE": (3, 2, 4), "EAGLE3": (3, 2, 4), "NGRAM": (3, 1, 4)}
+DEFAULTS = {"EAGLE": (3, 2, 4), "EAGLE3": (3, 2, 4), "STANDALONE": (4, 2, 6), "NGRAM": (3, 1, 4)}
 # NGRAM drafts only from a suffix match of at least this many tokens (one-token matches are
 # right too rarely to pay for their verification).
 DEFAULT_NGRAM_MIN_MATCH = 2
@@ -49,6 +49,13 @@ class SpecSettings:
 
     @property
     def uses_draft_head(self) -> bool:
+        """A drafter runs in the worker: an EAGLE head or a draft model (STANDALONE)."""
+        return self.algorithm in ("EAGLE", "EAGLE3", "STANDALONE")
+
+    @property
+    def is_eagle(self) -> bool:
+        """The drafter is an EAGLE head: its KV at position p pairs the target's feature there
+        with token p + 1."""
         return self.algorithm in ("EAGLE", "EAGLE3")
 
     @property
@@ -84,6 +91,11 @@ class SpecSettings:
             raise ValueError(
                 f"--speculative-algorithm {algo} needs --speculative-draft-model-path "
                 "(a head directory, or 'default' for the head shipped for the default model)"
+            )
+        if algo == "STANDALONE" and not path:
+            raise ValueError(
+                "--speculative-algorithm STANDALONE needs --speculative-draft-model-path: a "
+                "small LM with the target's tokenizer (a GGUF file or a HF model directory)"
             )
         if algo == "NGRAM" and path:
             raise ValueError("NGRAM drafts without a model; drop --speculative-draft-model-path")
@@ -126,8 +138,8 @@ class SpecSettings:
             hybrid = DEFAULT_HYBRID_NGRAM if algo != "NGRAM" else 0
         if hybrid and algo == "NGRAM":
             raise ValueError(
-                "--speculative-hybrid-ngram pairs n-gram drafts with a draft head's "
-                "(EAGLE or EAGLE3); NGRAM alone already drafts by n-gram"
+                "--speculative-hybrid-ngram pairs n-gram drafts with a drafter's "
+                "(EAGLE, EAGLE3 or STANDALONE); NGRAM alone already drafts by n-gram"
             )
         if hybrid == 1 or hybrid < 0:
             raise ValueError(

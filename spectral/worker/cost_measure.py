@@ -126,7 +126,14 @@ def measure(worker: SpeculativeWorker) -> CostModel:
         levels = max(drafter.num_steps, 2)
         for b in DRAFT_POINTS:
             rows = torch.zeros(b, dtype=torch.int64)
-            first = _ms(lambda rows=rows: drafter.draft(rows, seq.expand(len(rows)), 1))
-            deep = _ms(lambda rows=rows: drafter.draft(rows, seq.expand(len(rows)), levels))
+            # below the prefix's last token, in the next slot (a draft model reads its root)
+            roots = torch.full((b,), prefix_ids[-1], dtype=torch.int64)
+            root_slots = torch.full((b,), slots[PREFIX], dtype=torch.int64)
+
+            def run(levels: int, rows=rows, roots=roots, root_slots=root_slots) -> None:
+                drafter.draft(rows, seq.expand(len(rows)), levels, roots, root_slots)
+
+            first = _ms(lambda run=run: run(1))
+            deep = _ms(lambda run=run, levels=levels: run(levels))
             draft.append((b, first, max(deep - first, 0.0) / (levels - 1)))
     return CostModel(verify=verify, decode_one=decode_one, draft=draft)

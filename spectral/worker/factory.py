@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -63,7 +64,9 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
     if spec is None:
         return worker
     drafter = None
-    if spec.uses_draft_head:
+    if spec.algorithm == "STANDALONE":
+        drafter = draft_model_drafter(args, model, worker, spec.topk, spec.num_steps)
+    elif spec.uses_draft_head:
         from spectral.speculative.eagle_drafter import EagleDrafter
         from spectral.speculative.eagle_head import load_draft_head
 
@@ -114,7 +117,11 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
             "cpu_kernels": not args.disable_cpu_kernels,
             "attention": args.attention_backend,
             "algorithm": spec.algorithm,
-            "head": _file_stamp(resolve_draft_path(spec.draft_model_path))
+            "head": _file_stamp(
+                spec.draft_model_path
+                if spec.algorithm == "STANDALONE"
+                else resolve_draft_path(spec.draft_model_path)
+            )
             if spec.uses_draft_head
             else None,
             "tree": [spec.num_steps, spec.topk],
@@ -122,6 +129,48 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
         }
         spec_worker.cost_model = load_or_measure(spec_worker, parts, spec.cost_model_path)
     return spec_worker
+
+
+def draft_model_drafter(
+    args: ServerArgs, model: ResolvedModel, target: ModelWorker, topk: int, num_steps: int
+):
+    """STANDALONE: the draft LM at --speculative-draft-model-path loaded as the target is (same
+    dtype, device and --quantization), its KV pool indexed by the target's slots plus scratch
+    for the tree levels. A draft whose tokenizer differs from the target's is refused, naming
+    both (their model vocabularies may be padded to different sizes)."""
+    from spectral.models.resolved import resolve_model
+    from spectral.speculative.draft_model import DraftModelDrafter, scratch_sizes
+
+    path = args.speculative_draft_model_path
+    draft, draft_tokenizer = resolve_model(
+        dataclasses.replace(args, model_path=path, tokenizer_path=None, context_length=None)
+    )
+    target_vocab = load_tokenizer(model.tokenizer_dir).get_vocab()
+    draft_vocab = draft_tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        differ = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=str)[:3]
+        raise ValueError(
+            f"the draft model {path} has another tokenizer than the target {args.model_path} "
+            f"({len(draft_vocab)} against {len(target_vocab)} tokens; e.g. {differ}): a draft "
+            "model must share the target's tokenizer"
+        )
+    rows, slots = scratch_sizes(topk, num_steps)
+    worker = ModelWorker(
+        draft.model_dir,
+        gguf_file=draft.gguf_file,
+        gguf_native=args.quantization != "none",
+        gguf_int8=args.quantization == "gguf-int8",
+        dtype=target.dtype,
+        device=target.device,
+        max_total_tokens=target.num_kv_slots + 1 + slots,
+        max_running_requests=rows,
+        max_context_len=model.context_len + num_steps + 1,
+        attention_backend=args.attention_backend,
+        use_cpu_kernels=not args.disable_cpu_kernels,
+    )
+    return DraftModelDrafter(
+        worker, target.req_to_token, target.num_kv_slots, model.vocab_size, topk, num_steps
+    )
 
 
 def grammar_backend(model: ResolvedModel) -> GrammarBackend:

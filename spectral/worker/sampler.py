@@ -91,17 +91,22 @@ def filtered_probs(logits: torch.Tensor, sampling: list[RequestSampling]) -> tor
     ]
     if not any(needs_filter):
         return probs
-    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[-1]
-    top_k = on_device(
-        [s.params.top_k if s.params.top_k > 0 else vocab for s in sampling], torch.long, device
-    )
+    limits = [s.params.top_k if s.params.top_k > 0 else vocab for s in sampling]
+    # Only the candidates some row may keep are ranked: where every row has a top-k, the
+    # largest of them (a partial sort), else the whole vocabulary.
+    width = max(limits)
+    if width < vocab:
+        sorted_probs, sorted_idx = probs.topk(width, dim=-1)
+    else:
+        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+    top_k = on_device(limits, torch.long, device)
     top_p, min_p = on_device(
         [[s.params.top_p for s in sampling], [s.params.min_p for s in sampling]],
         probs.dtype,
         device,
     )
-    ranks = torch.arange(vocab, device=device)[None, :]
+    ranks = torch.arange(width, device=device)[None, :]
     drop = ranks >= top_k[:, None]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop |= mass_before >= top_p[:, None]

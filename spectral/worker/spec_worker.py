@@ -12,10 +12,11 @@ import dataclasses
 import torch
 
 from spectral.constrained import GrammarFollower, apply_bitmask
-from spectral.core.forward import ForwardBatch, ForwardMode
+from spectral.core.forward import ForwardMode
 from spectral.core.worker_io import RequestSampling, WorkerBatch, WorkerResult
 from spectral.speculative.cost_model import CostModel
-from spectral.speculative.eagle_drafter import EagleDrafter, shifted_draft_batch
+from spectral.speculative.draft_model import DraftModelDrafter
+from spectral.speculative.eagle_drafter import EagleDrafter
 from spectral.speculative.planner import probabilities
 from spectral.speculative.tree import (
     DraftTrees,
@@ -32,7 +33,7 @@ class SpeculativeWorker:
     def __init__(
         self,
         target: ModelWorker,
-        drafter: EagleDrafter | None,
+        drafter: EagleDrafter | DraftModelDrafter | None,
         head_tree_size: int | None = None,
         merge_given_trees: bool = False,
         grammars: GrammarFollower | None = None,
@@ -63,23 +64,13 @@ class SpeculativeWorker:
                 wb.draft_next_ids or [-1] * batch.batch_size, result.next_token_ids
             )
         ]
-        draft_batch = shifted_draft_batch(batch, next_ids)
-        features = self._features(hidden, captured)
-        # A prefill or a plain decode step: only the head's keys and values (queued); a
-        # request's next draft runs the full head at its last position first, so it drafts as
-        # after full extends, without the head's attention, MLP and LM head over every prompt
-        # token and plain step.
-        self.drafter.write_kv(draft_batch, features)
-        result.draft_top1 = self._draft_top1(wb.req_pool_indices)
+        # A prefill or a plain decode step: the drafter only records it (a head queues its
+        # keys and values, a draft model the tokens); a request's next draft catches up first,
+        # so plain steps cost the drafter little.
+        features = self._features(hidden, captured) if self.drafter.needs_features else None
+        self.drafter.observe_step(batch, next_ids, features)
+        result.draft_top1 = self.drafter.top1(wb.req_pool_indices)
         return result
-
-    def _draft_top1(self, rows: list[int]) -> list[float | None]:
-        """The head's top-1 probability after each request row's last verified token, known
-        before it drafts next (None where the row's top-k is stale)."""
-        index = torch.tensor(rows)
-        top1 = self.drafter.topk_logprobs[index, 0].exp().tolist()
-        stale = self.drafter.stale[index].tolist()
-        return [None if old else p for p, old in zip(top1, stale)]
 
     def _features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(captured, dim=-1) if captured else hidden
@@ -122,26 +113,22 @@ class SpeculativeWorker:
             kept = slots[torch.tensor(acc) + offsets[b]]
             target.req_to_token.table[wb.req_pool_indices[b], start : start + len(acc)] = kept
         if self.drafter is not None:
-            accepted_lens = [len(acc) for acc in verdict.accepted]
-            draft_batch = ForwardBatch(
-                mode=ForwardMode.DRAFT_EXTEND,
-                input_ids=torch.tensor([t for e in verdict.emitted for t in e], device=device),
-                positions=torch.tensor(
-                    [p + i for p, a in zip(wb.prefix_lens, accepted_lens) for i in range(a)],
-                    device=device,
-                ),
-                out_cache_loc=slots[kept_rows_t],
-                req_pool_indices=batch.req_pool_indices,
-                prefix_lens=list(wb.prefix_lens),
-                extend_lens=accepted_lens,
+            features = None
+            if self.drafter.needs_features:
+                features = self._features(hidden, captured)[kept_rows_t.to(hidden.device)]
+            self.drafter.observe_round(
+                batch,
+                list(wb.prefix_lens),
+                [trees.tokens[b, acc].tolist() for b, acc in enumerate(verdict.accepted)],
+                verdict.emitted,
+                slots[kept_rows_t],
+                features,
             )
-            features = self._features(hidden, captured)[kept_rows_t.to(hidden.device)]
-            self.drafter.extend(draft_batch, features)
         result = self._result(verdict, logits, offsets, wb.sampling)
         result.node_ranks = [trees.ranks[b, :n].tolist() for b, n in enumerate(sizes)]
         result.draft_probs = probs
         if self.drafter is not None:
-            result.draft_top1 = self._draft_top1(wb.req_pool_indices)
+            result.draft_top1 = self.drafter.top1(wb.req_pool_indices)
         return result
 
     def _trees(
@@ -173,8 +160,17 @@ class SpeculativeWorker:
             # A tree of n nodes is at most n - 1 deep: deeper levels would not be kept. The
             # candidates come to the host (trees are built there), in one copy each.
             on_device = index.to(rows.device)
+            starts = [0]
+            for size in sizes:
+                starts.append(starts[-1] + size)
             drafts = self.drafter.draft(
-                rows[on_device], seq_lens[on_device], num_steps=max(head_n) - 1
+                rows[on_device],
+                seq_lens[on_device],
+                num_steps=max(head_n) - 1,
+                roots=torch.tensor(wb.input_ids, device=rows.device)[on_device],
+                root_slots=torch.tensor(
+                    [wb.out_cache_loc[starts[b]] for b in drafted], device=rows.device
+                ),
             )
             scores, tokens, parents = (t.cpu() for t in drafts)
             roots = torch.tensor(wb.input_ids)[index]

@@ -434,7 +434,12 @@ void rotary_inplace(torch::Tensor& x, int64_t heads, int64_t dim, const torch::T
   TORCH_CHECK(x.dim() == 2 && x.size(1) >= heads * dim, "x must be [tokens, >= heads * dim]");
   TORCH_CHECK(positions.numel() == x.size(0), "one position per token");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.is_contiguous(), "cos must be float32");
-  TORCH_CHECK(positions.scalar_type() == torch::kInt64, "positions must be int64");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous(),
+              "positions must be contiguous int64");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " is past the ",
+                cos.size(0), " the rotary tables hold");
   AT_DISPATCH_SWITCH(x.scalar_type(), "rotary_inplace",
                      AT_DISPATCH_CASE(torch::kFloat32, [&] {
                        rotary_impl<float>(x.data_ptr<float>(), x.size(0), heads, dim, x.stride(0),

@@ -1,0 +1,251 @@
+"""STANDALONE speculation: a small LM with the target's tokenizer drafts EAGLE-2 trees from its
+own top-k (SGLang's STANDALONE, vLLM's draft model, llama.cpp's --model-draft).
+
+KV: the draft's pool is indexed by the target's slot ids, as the EAGLE head's is: position p
+of a request keeps the draft's KV in the slot the target's req-to-token row gives p, so the
+draft never allocates or frees a slot and its KV lives and dies with the target's. A slot's
+draft KV depends only on the tokens up to its position, so a prefix the radix cache shares has
+the same draft KV for every request that matches it. The draft catches up lazily: every token
+the target commits (prefill, plain step, accepted path) is recorded with its slot and marked
+not yet computed; when the draft next drafts for a request it runs one forward over the
+request's positions from the first uncomputed one to its root (the last verified token,
+written into the root's own slot). Plain steps the planner chooses over speculation thus cost
+the draft nothing until it drafts again, and a matched prefix computed by an earlier request
+is not computed again (docs/speculative.md, "Draft models").
+
+Tree levels: each frontier node gets a scratch row of the draft's own req-to-token table (its
+request's prefix, then its ancestors' scratch slots) and a scratch slot past the target's, so a
+level is one plain decode step of B x k rows through the draft's attention backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from spectral.core.forward import ForwardBatch, ForwardMode
+from spectral.mem.req_to_token import ReqToTokenPool
+from spectral.speculative.expansion import TreeExpansion
+
+# Requests drafted in one pass (the scratch rows are this times top-k).
+DRAFT_CHUNK = 16
+
+
+def scratch_sizes(topk: int, num_steps: int) -> tuple[int, int]:
+    """(scratch rows, scratch slots) a drafter of this tree shape needs past the target's
+    slot ids."""
+    rows = DRAFT_CHUNK * topk
+    return rows, rows * max(num_steps, 1)
+
+
+class DraftLM(Protocol):
+    """What the drafter needs of the draft LM's worker (a ModelWorker)."""
+
+    config: Any
+    device: str
+    model: Any
+    num_kv_slots: int
+    req_to_token: ReqToTokenPool
+
+    def forward_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
+
+
+class DraftModelDrafter:
+    capture_layers: tuple[int, ...] = ()
+    needs_features = False
+
+    def __init__(
+        self,
+        draft: DraftLM,
+        target_table: ReqToTokenPool,
+        num_target_slots: int,
+        target_vocab_size: int,
+        topk: int,
+        num_steps: int,
+    ) -> None:
+        """`draft` is the draft LM's worker, its KV pool holding `num_target_slots` slots plus
+        the scratch slots and its req-to-token table the scratch rows (`scratch_sizes`)."""
+        rows, slots = scratch_sizes(topk, num_steps)
+        # the target's slot ids run 0..num_target_slots (its pool's dummy slot among them)
+        self.scratch_slot0 = num_target_slots + 1
+        if (
+            draft.req_to_token.max_requests < rows
+            or draft.num_kv_slots < self.scratch_slot0 + slots
+        ):
+            raise ValueError("the draft worker has too few scratch rows or slots")
+        self.lm = draft
+        self.target_table = target_table
+        self.topk = topk
+        self.num_steps = num_steps
+        self.vocab = min(target_vocab_size, draft.config.vocab_size)
+        self.scratch = draft.req_to_token
+        device = draft.device
+        # Per target slot: the token the target committed there, and whether the draft's KV
+        # there is computed for it.
+        self.slot_token = torch.zeros(self.scratch_slot0, dtype=torch.int64, device=device)
+        self.computed = torch.zeros(self.scratch_slot0, dtype=torch.bool, device=device)
+        # Request row -> the root slot this round's draft wrote (computed when committed).
+        self._rooted: dict[int, int] = {}
+
+    # ---- what the target commits ---------------------------------------------------------
+
+    def commit(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The target keeps `tokens` at `slots`: the draft's KV there is to be computed."""
+        slots = slots.to(self.slot_token.device)
+        self.slot_token[slots] = tokens.to(self.slot_token.device)
+        self.computed[slots] = False
+
+    def observe_step(self, batch: ForwardBatch, next_ids: list[int], features: object) -> None:
+        """A prefill or plain decode step: its input tokens are committed at their slots."""
+        self.commit(batch.out_cache_loc, batch.input_ids)
+
+    def observe_round(
+        self,
+        batch: ForwardBatch,
+        prefix_lens: list[int],
+        accepted_tokens: list[list[int]],
+        emitted: list[list[int]],
+        kept_slots: torch.Tensor,
+        features: object,
+    ) -> None:
+        """A verified round: each request's accepted path (root first) is committed at its
+        kept slots; a root this round's draft wrote stays computed."""
+        offset = 0
+        starts: list[int] = []
+        for b, tokens in enumerate(accepted_tokens):
+            row = int(batch.req_pool_indices[b])
+            rooted = self._rooted.get(row) == int(kept_slots[offset])
+            starts.extend(range(offset + (1 if rooted else 0), offset + len(tokens)))
+            offset += len(tokens)
+        self._rooted.clear()
+        if starts:
+            flat = torch.tensor([t for tokens in accepted_tokens for t in tokens])
+            index = torch.tensor(starts)
+            self.commit(kept_slots[index], flat[index])
+
+    def top1(self, rows: list[int]) -> list[float | None]:
+        """The draft's confidence is known only once it drafts (it reads the root first)."""
+        return [None] * len(rows)
+
+    # ---- drafting ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_steps: int | None = None,
+        roots: torch.Tensor | None = None,
+        root_slots: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expand a tree below each request's root (token `roots[i]` at position
+        `seq_lens[i]`, slot `root_slots[i]`) for `num_steps` levels, keeping the best `topk`
+        nodes a level; returns (cumulative log-prob, token, parent candidate or -1), each
+        [B, C] with C = k + (levels - 1) k², level by level (EagleDrafter.draft's layout)."""
+        if roots is None or root_slots is None:
+            raise ValueError("a draft model drafts below given roots (their tokens and slots)")
+        steps = self.num_steps if num_steps is None else max(1, min(num_steps, self.num_steps))
+        self._rooted.clear()
+        parts = [
+            self._draft_chunk(
+                rows[i : i + DRAFT_CHUNK],
+                seq_lens[i : i + DRAFT_CHUNK],
+                roots[i : i + DRAFT_CHUNK],
+                root_slots[i : i + DRAFT_CHUNK],
+                steps,
+            )
+            for i in range(0, rows.shape[0], DRAFT_CHUNK)
+        ]
+        return tuple(torch.cat(column) for column in zip(*parts))  # type: ignore[return-value]
+
+    def _draft_chunk(
+        self,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        roots: torch.Tensor,
+        root_slots: torch.Tensor,
+        steps: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k = self.topk
+        B = rows.shape[0]
+        lens = seq_lens.tolist()
+        logprobs = self._catch_up(rows, lens, roots, root_slots)
+        levels = TreeExpansion(*logprobs.topk(k, dim=-1))
+        if steps == 1:
+            return levels.result()
+        table = self.scratch.table
+        group = torch.arange(B)[:, None] * k + torch.arange(k)[None, :]  # scratch rows [B, k]
+        for b, n in enumerate(lens):  # every row of a request starts as its prefix and root
+            table[group[b, 1:], : n + 1] = table[group[b, 0], : n + 1]
+        for step in range(1, steps):
+            slots = self.scratch_slot0 + group * steps + step  # [B, k], this level's own
+            for b, n in enumerate(lens):
+                table[group[b], n + step] = slots[b]
+            positions = torch.tensor(lens)[:, None] + step
+            batch = ForwardBatch(
+                mode=ForwardMode.DECODE,
+                input_ids=levels.frontier_tokens.reshape(-1),
+                positions=positions.expand(B, k).reshape(-1).contiguous(),
+                out_cache_loc=slots.reshape(-1),
+                req_pool_indices=group.reshape(-1),
+                prefix_lens=[n + step for n in lens for _ in range(k)],
+                extend_lens=[1] * (B * k),
+            )
+            levels.add_level(self._logprobs(batch))
+            if step == steps - 1:
+                break
+            parent = levels.advance()  # [B, k]
+            for b, n in enumerate(lens):  # each new frontier node takes its parent's path
+                path = table[group[b][parent[b]], n + 1 : n + step + 1].clone()
+                table[group[b], n + 1 : n + step + 1] = path
+        return levels.result()
+
+    def _catch_up(
+        self, rows: torch.Tensor, lens: list[int], roots: torch.Tensor, root_slots: torch.Tensor
+    ) -> torch.Tensor:
+        """One forward over each request's positions from its first uncomputed one through
+        its root (into scratch row b * k, the request's prefix copied there); the log-probs
+        after each root [B, V]."""
+        k = self.topk
+        table = self.scratch.table
+        ids: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        starts: list[int] = []
+        for b, (row, n) in enumerate(zip(rows.tolist(), lens)):
+            prefix = self.target_table.table[row, :n]
+            missing = (~self.computed[prefix]).nonzero()
+            start = int(missing[0]) if missing.numel() else n
+            scratch_row = b * k
+            table[scratch_row, :n] = prefix
+            table[scratch_row, n] = root_slots[b]
+            new_slots = torch.cat((prefix[start:], root_slots[b : b + 1]))
+            ids.append(torch.cat((self.slot_token[prefix[start:]], roots[b : b + 1])))
+            positions.append(torch.arange(start, n + 1))
+            slots.append(new_slots)
+            starts.append(start)
+        out_slots = torch.cat(slots)
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=torch.cat(ids),
+            positions=torch.cat(positions),
+            out_cache_loc=out_slots,
+            req_pool_indices=torch.arange(len(lens)) * k,
+            prefix_lens=starts,
+            extend_lens=[n + 1 - s for n, s in zip(lens, starts)],
+        )
+        logprobs = self._logprobs(batch)
+        self.slot_token[root_slots] = roots
+        self.computed[out_slots] = True
+        self._rooted.update(zip(rows.tolist(), root_slots.tolist()))
+        return logprobs
+
+    def _logprobs(self, batch: ForwardBatch) -> torch.Tensor:
+        """The draft's log-probs over the target's vocabulary after each request's last token."""
+        hidden, _ = self.lm.forward_hidden(batch)
+        if batch.num_tokens != batch.batch_size:
+            ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
+            hidden = hidden[ends.to(hidden.device)]
+        logits = self.lm.model.compute_logits(hidden)[:, : self.vocab]
+        return torch.log_softmax(logits.float(), dim=-1)

@@ -1,0 +1,217 @@
+"""STANDALONE speculation (a draft LM with the target's tokenizer) in the scheduler: greedy output
+identical token for token to plain decoding (float32), at batch 1 and 8, under grammars, with
+radix hits, chunked prefill, retraction and aborts, nothing leaked; a chi-squared test of
+sampled output against plain sampling, with a control that bypasses verification and fails it;
+a draft identical to the target accepted nearly always (its KV bookkeeping is right); a draft
+with another tokenizer refused."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+import spectral.worker.spec_worker as spec_worker
+from spectral.args import ServerArgs
+from spectral.core.req import Req
+from spectral.models.resolved import resolve_model
+from spectral.sampling_params import SamplingParams
+from spectral.speculative.verify import verify_greedy
+from spectral.worker.factory import create_worker
+from tests.conftest import make_tiny_model, scheduler_leaks
+from tests.test_spec_tree import chi2_critical
+from tests.test_speculative import make_spec_scheduler, plain_outputs, prompts, run
+from tests.test_structured_spec import two_sample_chi2
+
+__all__ = ["plain_outputs"]  # the fixture, shared with tests/test_speculative.py
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """A one-layer draft LM, narrower than the target, its vocabulary padded past the
+    tokenizer's (as a GGUF's often is)."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("draft-llama"),
+        default_model_dir,
+        seed=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=49216,
+        initializer_range=1.0,
+        max_position_embeddings=2048,
+    )
+
+
+def standalone(model_dir: str, draft: str, **options):
+    return make_spec_scheduler(
+        model_dir,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=draft,
+        **options,
+    )
+
+
+CASES = {
+    "chain-batch1": dict(
+        speculative_eagle_topk=1,
+        speculative_num_steps=4,
+        speculative_num_draft_tokens=5,
+        at_once=1,
+    ),
+    "tree-batch8": dict(
+        speculative_eagle_topk=3,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=8,
+        at_once=8,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_output_equals_plain_decoding(
+    case: str, peaky_model_dir: str, draft_dir: str, plain_outputs: list[list[int]]
+) -> None:
+    opts = dict(CASES[case])
+    at_once = opts.pop("at_once")
+    s = standalone(peaky_model_dir, draft_dir, **opts)
+    count = 8 if at_once == 1 else 20
+    reqs = run(s, prompts(20)[:count], at_once=at_once, temperature=0.0)
+    assert [r.output_ids for r in reqs] == plain_outputs[:count]
+    assert all(r.spec.verify_ct > 0 for r in reqs)
+
+
+def accepted_per_round(s) -> float:
+    stats = s.stats
+    return (stats.spec_emitted_tokens - stats.spec_verify_ct) / stats.spec_verify_ct
+
+
+def test_a_draft_equal_to_the_target_is_accepted_nearly_always(peaky_model_dir: str) -> None:
+    """The target as its own draft: its chains agree with the target unless the draft's KV is
+    wrong somewhere (a position not caught up, a scratch row with the wrong ancestors, a
+    cached prefix's KV missing); prompts share prefixes (radix hits) and prefill in chunks."""
+    base = prompts(1, seed=5)[0] * 3
+    batch = [base + p for p in prompts(6, seed=6)]
+    plain = make_spec_scheduler(peaky_model_dir, chunked_prefill_size=16)
+    expected = [r.output_ids for r in run(plain, batch, 40, temperature=0.0, at_once=2)]
+    s = standalone(
+        peaky_model_dir,
+        peaky_model_dir,
+        chunked_prefill_size=16,
+        speculative_eagle_topk=1,
+        speculative_num_steps=4,
+        speculative_num_draft_tokens=5,
+    )
+    reqs = run(s, batch, 40, temperature=0.0, at_once=2)
+    assert [r.output_ids for r in reqs] == expected
+    assert sum(r.cached_tokens for r in reqs) > 0
+    assert accepted_per_round(s) > 3.4  # of 4 drafted (a request's last round is cut short)
+
+
+def test_retraction_and_aborts_keep_output_equal_and_free_everything(
+    peaky_model_dir: str, draft_dir: str
+) -> None:
+    batch = prompts(8, seed=7)
+    plain = make_spec_scheduler(peaky_model_dir, num_kv_slots=260)
+    expected = [r.output_ids for r in run(plain, batch, temperature=0.0, max_new_tokens=40)]
+    s = standalone(peaky_model_dir, peaky_model_dir, num_kv_slots=260)
+    assert [r.output_ids for r in run(s, batch, temperature=0.0, max_new_tokens=40)] == expected
+    assert s.stats.retractions > 0
+    reqs = [Req(f"a{i}", p, SamplingParams(max_new_tokens=60)) for i, p in enumerate(batch[:4])]
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(4):
+        s.step()
+    s.abort("a1")
+    s.abort("a3")
+    while s.has_work:
+        s.step()
+    assert scheduler_leaks(s) == []
+    assert reqs[1].finished_reason.type == "abort"
+
+
+def test_grammars_keep_greedy_output_equal(peaky_model_dir: str, draft_dir: str) -> None:
+    batch = prompts(6, seed=9)
+    grammars = [{"regex": "(yes|no), [0-9]{2,4}"}, {"regex": "[a-f]{3,12}"}]
+    expected = {}
+    for name, s in (
+        ("plain", make_spec_scheduler(peaky_model_dir)),
+        ("draft", standalone(peaky_model_dir, peaky_model_dir)),
+    ):
+        outputs = []
+        for grammar in grammars:
+            outputs += [r.output_ids for r in run(s, batch, temperature=0.0, **grammar)]
+        expected[name] = outputs
+        if name == "draft":
+            assert s.stats.spec_verify_ct > 0
+    assert expected["draft"] == expected["plain"]
+
+
+def sampled_pairs(s, prompt: list[int], n: int) -> Counter:
+    """The second and third tokens of `n` samples (the first comes from the prefill; the
+    others from one speculative round)."""
+    reqs = run(s, [prompt] * n, max_new_tokens=3, temperature=1.0, top_k=3)
+    return Counter(tuple(r.output_ids[1:]) for r in reqs)
+
+
+def test_sampled_output_follows_plain_sampling_and_a_control_without_verification_fails(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chi-squared over the 9 two-token continuations at temperature 1 (top-k 3): speculation with
+    the target as its own draft against plain sampling; then the same with verification
+    replaced by accepting the drafts the target's most likely tokens agree with, which must
+    fail."""
+    prompt = prompts(1, seed=13)[0]
+    plain = sampled_pairs(make_spec_scheduler(tiny_model_dir, max_running_requests=64), prompt, 240)
+    options = dict(
+        speculative_eagle_topk=3,
+        speculative_num_steps=2,
+        speculative_max_batch_size=64,
+        max_running_requests=64,
+    )
+    s = standalone(tiny_model_dir, tiny_model_dir, **options)
+    spec = sampled_pairs(s, prompt, 240)
+    assert accepted_per_round(s) > 0.5  # drafts were accepted: verification was exercised
+    keys = sorted(set(plain) | set(spec))
+    stat, dof = two_sample_chi2(plain, spec, keys)
+    assert stat < chi2_critical(dof), (plain, spec)
+
+    monkeypatch.setattr(
+        spec_worker,
+        "verify_sampling",
+        lambda trees, probs, generators: verify_greedy(trees, probs.argmax(-1)),
+    )
+    control = sampled_pairs(standalone(tiny_model_dir, tiny_model_dir, **options), prompt, 240)
+    keys = sorted(set(plain) | set(control))
+    stat, dof = two_sample_chi2(plain, control, keys)
+    assert stat > chi2_critical(max(dof, 1)), (plain, control)
+
+
+def test_a_draft_with_another_tokenizer_is_refused_naming_both(
+    tmp_path: Path, peaky_model_dir: str, draft_dir: str
+) -> None:
+    other = Path(make_tiny_model(tmp_path / "other", draft_dir, seed=4, hidden_size=32))
+    tokenizer = AutoTokenizer.from_pretrained(str(other))
+    tokenizer.add_tokens(["<only-in-the-draft>"])
+    tokenizer.save_pretrained(str(other))
+    args = ServerArgs(
+        model_path=peaky_model_dir,
+        dtype="float32",
+        max_total_tokens=512,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=str(other),
+        speculative_fixed_tree=True,
+    )
+    model, _ = resolve_model(args)
+    with pytest.raises(ValueError, match="another tokenizer") as err:
+        create_worker(args, model)
+    assert str(other) in str(err.value) and peaky_model_dir in str(err.value)
+
+
+def test_standalone_needs_a_draft_model() -> None:
+    with pytest.raises(ValueError, match="STANDALONE needs --speculative-draft-model-path"):
+        ServerArgs(model_path="default", speculative_algorithm="STANDALONE")
