@@ -234,3 +234,16 @@ def test_select_keeps_each_requests_own_number_of_best_candidates() -> None:
         by_rank = [int(kept[j]) for j in trees.ranks[b, 1:n].argsort().tolist()]
         assert by_rank == best.tolist()
         assert trees.ranks[b, 0] == -1 and (trees.ranks[b, n:] == -1).all()
+
+
+def test_a_draft_model_is_tried_where_a_heads_prior_would_not_be() -> None:
+    """A draft LM whose levels cost a third of a target step: with a head's prior (0.6 for the
+    first draft, 0.85 decay) no tree pays; a draft model's prior (0.8, 0.9) tries one, and its
+    record then takes over (never accepted: it stops)."""
+    costly = CostModel(verify=STEEP.verify, decode_one=11.0, draft=[(1, 4.0, 4.0)])
+    assert not TreePlanner(costly, 4).plan([PlanInput(HEAD, 5)]).speculate
+    planner = TreePlanner(costly, 4, draft_model=True)
+    assert planner.plan([PlanInput(HEAD, 5)]).speculate
+    for _ in range(40):
+        planner.observe(HEAD, 4, [], [0.9, 0.8, 0.7, 0.6])
+    assert not planner.plan([PlanInput(HEAD, 5)]).speculate

@@ -25,8 +25,12 @@ SCORE_PRIOR = 10.0
 REQUEST_PRIOR = 10.0
 REQUEST_SCALE = (0.5, 2.0)
 # n-gram prior: the first node of a matched continuation, then each next one (optimistic: a
-# rank is learnt only once verified)
+# rank is learnt only once verified); a head's too, until its scores are calibrated
 NGRAM_FIRST, NGRAM_DECAY = 0.6, 0.85
+# A draft model's prior: a small LM of the target's family agrees with it on most tokens (with
+# the head's prior, a draft costing a fair share of a target step would never be tried, and
+# so never measured).
+DRAFT_MODEL_FIRST, DRAFT_MODEL_DECAY = 0.8, 0.9
 # A round must be expected to beat a plain step by this factor: a margin for the model's error,
 # so that a busy server does not speculate for a gain it may not get.
 MIN_GAIN = 1.05
@@ -53,8 +57,11 @@ class RankStats:
     """Acceptance by rank for one kind of tree: the head's or the n-gram drafter's, or one
     bucket of them (`head_bucket`, `ngram_bucket`)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, prior: tuple[float, float] = (NGRAM_FIRST, NGRAM_DECAY)) -> None:
+        """`prior`: the first rank's expected gain and its decay rank after rank, until the
+        record (or, for a head, its calibrated scores) says otherwise."""
         self.kind = family(kind)
+        self.prior = prior
         self.hits: list[float] = []  # rounds whose path's running highest rank was r
         self.seen: list[float] = []  # rounds that verified rank r
         self.score_sum: list[float] = []  # head: sum of the drafted rank-r probability
@@ -101,9 +108,8 @@ class RankStats:
     def _prior(self, r: int, before: list[float], scale: float) -> float:
         if self.kind == HEAD and r < len(self.score_n) and self.score_n[r] > 0:
             return min(1.0, scale * self.score_sum[r] / self.score_n[r])
-        if before:
-            return before[-1] * NGRAM_DECAY
-        return NGRAM_FIRST
+        first, decay = self.prior
+        return before[-1] * decay if before else first
 
     def to_dict(self, ranks: int = 8) -> dict:
         return {
@@ -177,10 +183,16 @@ class Record:
 
 
 class TreePlanner:
-    def __init__(self, cost: CostModel, max_levels: int = 1 << 30) -> None:
-        """`max_levels`: the deepest draft the head makes (its steps per round)."""
+    def __init__(
+        self, cost: CostModel, max_levels: int = 1 << 30, draft_model: bool = False
+    ) -> None:
+        """`max_levels`: the deepest draft the head makes (its steps per round); `draft_model`:
+        the worker's drafter is a draft LM (STANDALONE), with a prior of its own."""
         self.cost = cost
         self.max_levels = max_levels
+        self.head_prior = (
+            (DRAFT_MODEL_FIRST, DRAFT_MODEL_DECAY) if draft_model else (NGRAM_FIRST, NGRAM_DECAY)
+        )
         self.stats: dict[str, RankStats] = {}
         self._verify_ms: dict[int, float] = {}  # the cost model's curves, memoised
         self._draft_ms: dict[tuple[int, int], float] = {}
@@ -274,7 +286,8 @@ class TreePlanner:
 
     def stats_for(self, kind: str) -> RankStats:
         if kind not in self.stats:
-            self.stats[kind] = RankStats(kind)
+            head = family(kind) == HEAD
+            self.stats[kind] = RankStats(kind, self.head_prior) if head else RankStats(kind)
         return self.stats[kind]
 
     def to_dict(self) -> dict:

@@ -45,7 +45,9 @@ class SpecRound:
             )
         self.planner: TreePlanner | None = None
         if cost_model is not None and not spec.fixed_tree:
-            self.planner = TreePlanner(cost_model, spec.num_steps)
+            self.planner = TreePlanner(
+                cost_model, spec.num_steps, draft_model=spec.algorithm == "STANDALONE"
+            )
         self._plan: Plan | None = None
 
     def plan(self, running: list[Req]) -> list[int] | None:
