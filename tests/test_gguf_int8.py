@@ -143,12 +143,19 @@ def test_q4_k_takes_its_compact_layout_and_the_exact_path_refuses_it():
 
 @pytest.mark.parametrize(
     ("fmt", "layout", "size"),
-    [("Q4_1", "Q4_1f16+q8", 0.625), ("Q4_0", "Q4_1f16+q8", 0.625), ("Q8_0", "Q8_0f16+q8", 1.0625)],
+    [
+        ("Q4_1", "Q4_1f16+q8", 0.625),
+        ("Q4_0", "Q4_1f16+q8", 0.625),
+        ("Q8_0", "Q8_0f16+q8", 1.0625),
+        ("Q5_0", "Q5_0+q8", 0.6875),
+        ("Q5_1", "Q5_1+q8", 0.75),
+    ],
 )
 def test_file_scales_stay_float16_and_fall_back_to_float32_where_one_is_not(fmt, layout, size):
-    """Q4_1 keeps the file's float16 d and m (0.625 bytes a weight against 0.75 in float32);
-    a Q4_0 block whose minimum -8 d is beyond float16's range takes float32 scales, and both
-    hold to the reference."""
+    """Q4_1 keeps the file's float16 d and m (0.625 bytes a weight against 0.75 in float32),
+    Q5_0 and Q5_1 the file's size (nibbles and a plane of fifth bits, against 1.06 and 1.13 as
+    8-bit quants); a Q4_0 block whose minimum -8 d is beyond float16's range takes float32
+    scales, and all hold to the reference."""
     raw = random_blocks(fmt, 48, 2, 8)
     nbytes = BLOCKS[fmt][1]
     for b in range(2):  # ordinary d (and m): random_blocks makes some extreme

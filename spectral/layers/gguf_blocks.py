@@ -204,6 +204,10 @@ def pack_int8(
         return kernels.pack_q4_k_q8(p.d, p.dmin, p.scales, p.mins, p.quants), "Q4_K+q8"
     if type_name == "Q6_K":
         return kernels.pack_q6_k_q8(*q6_k_parts(rows)), "Q6_K+q8"
+    if type_name in ("Q5_0", "Q5_1") and half:
+        p = decode(rows, type_name)
+        quants = (p.quants.to(torch.int16) + (16 if p.mins is None else 0)).to(torch.uint8)
+        return kernels.pack_q5_q8(p.scales, p.mins, quants), f"{type_name}+q8"
     data, layout = kernels.pack_q8_layout(
         pack_blocks(rows, type_name, k, kernels),
         LAYOUTS[type_name],

@@ -101,7 +101,7 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
         grammars=GrammarFollower(lambda: grammar_backend(model)),
     )
     if not spec.fixed_tree:
-        from spectral.kernels.cpu_kernels import cpu_signature
+        from spectral.kernels.cpu_kernels import build_dir_of, cpu_signature
         from spectral.worker.cost_measure import load_or_measure
 
         parts = {
@@ -114,7 +114,8 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
             "quantization": args.quantization,
             "dtype": str(dtype),
             "device": device,
-            "cpu_kernels": not args.disable_cpu_kernels,
+            # the kernels' build (their sources, this CPU): a faster kernel is measured anew
+            "cpu_kernels": None if args.disable_cpu_kernels else build_dir_of("native").name,
             "attention": args.attention_backend,
             "algorithm": spec.algorithm,
             "head": _file_stamp(

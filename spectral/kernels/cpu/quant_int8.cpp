@@ -46,16 +46,28 @@ constexpr int kQ4_K = 4, kQ6_K = 5;  // the integer path's own layouts of Q4_K, 
 // Q4_1, Q8_0 and Q8_0m with their scales in float16 (kQ4_1 + kHalf, ...), where every scale is
 // one exactly (those of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 files): a fifth fewer bytes for Q4_1.
 constexpr int kHalf = 6;
+// Q5_0 and Q5_1 as compact as the file's (0.69 and 0.75 bytes a weight against 1.06 and 1.13 as
+// Q8_0 / Q8_0m bytes): per block their float16 d (and m), the low 4 bits of the quants as Q4_1's
+// nibbles, and the fifth bits, a byte for inputs 4g + t and 16 + 4g + t (g = 0..3: bits g and
+// 4 + g) of a column (t = 0..3), laid out as one group's quants. Q5_0's quants less 16 are
+// signed (the arithmetic of its Q8_0 form), Q5_1's unsigned with m (that of Q8_0m).
+constexpr int kQ5_0 = 12, kQ5_1 = 13;
 constexpr bool half_scales(int kind) { return kind >= kHalf; }
-constexpr int quant_kind(int kind) { return half_scales(kind) ? kind - kHalf : kind; }
+constexpr int quant_kind(int kind) {
+  return kind >= kQ5_0 ? kind : half_scales(kind) ? kind - kHalf : kind;
+}
 
 constexpr int64_t q8_quants_offset(int kind) {
-  return kind == kQ4_K || kind == kQ6_K ? 2 * kNR
+  return kind == kQ5_0 ? 2 * kNR
+         : kind == kQ5_1 ? 4 * kNR
+         : kind == kQ4_K || kind == kQ6_K ? 2 * kNR
          : half_scales(kind)             ? quants_offset(quant_kind(kind)) / 2
                                          : quants_offset(kind);
 }
 constexpr int64_t q8_block_bytes(int kind) {
-  return kind == kQ4_K     ? 18 * kNR
+  return kind == kQ5_0   ? 22 * kNR
+         : kind == kQ5_1 ? 24 * kNR
+         : kind == kQ4_K ? 18 * kNR
          : kind == kQ6_K   ? 26 * kNR
          : half_scales(kind) ? q8_quants_offset(kind) + packed_block_bytes(quant_kind(kind)) -
                                  quants_offset(quant_kind(kind))
@@ -70,11 +82,15 @@ inline int64_t q6_high_offset(int64_t j, int64_t c) {
   return ((j % 16) / 4 % 2) * kNR * 4 + c * 4 + j % 4;
 }
 inline int q6_high_shift(int64_t j) { return ((j % 16) / 8) * 4 + (j / 16) * 2; }
+// Where input j (0..31) of column c keeps its fifth bit in a Q5 block's high-bit bytes.
+inline int64_t q5_high_offset(int64_t j, int64_t c) { return c * 4 + j % 4; }
+inline int q5_high_shift(int64_t j) { return (j / 16) * 4 + (j % 16) / 4; }
 constexpr int64_t q8_panel_bytes(int kind, int64_t nb) {
   return q8_header_bytes(kind, nb) + nb * q8_block_bytes(kind);
 }
 // "Q4_K", "Q6_K", a layout of quant_linear.cpp, or one of those with "f16" after it.
 int q8_kind_of(const std::string& layout) {
+  if (layout == "Q5_0" || layout == "Q5_1") return layout == "Q5_0" ? kQ5_0 : kQ5_1;
   const std::string base = strip_suffix(layout, "f16");
   if (!base.empty()) {
     const int kind = kind_of(base);
@@ -163,6 +179,51 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
     }
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kV; ++v) store(r, 0, v, _mm256_madd_epi16(acc[r][v], ones));
+  } else if constexpr (Kind == kQ5_0 || Kind == kQ5_1) {
+    // Quants rebuilt from nibbles and fifth bits, eight columns at a time (the sums of two
+    // accumulators a row fit the registers then): Q5_0's less 16 as |q| against x signed by
+    // q (a group's two products at most 2 * 2 * 16 * 127, four groups fit int16), Q5_1's
+    // unsigned with the first and last 16 inputs apart (each at most 4 * 2 * 31 * 127).
+    const __m256i mask = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+    for (int v = 0; v < kV; ++v) {
+      const __m256i high =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 16 * kNR + v * 32));
+      __m256i first[R], last[R];
+      for (int r = 0; r < R; ++r) first[r] = last[r] = _mm256_setzero_si256();
+      for (int g = 0; g < 4; ++g) {
+        const __m256i w =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
+        __m256i lo = _mm256_or_si256(_mm256_and_si256(w, mask),
+                                     _mm256_and_si256(_mm256_slli_epi16(high, 4 - g), fifth));
+        __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), mask),
+                                     _mm256_and_si256(_mm256_srli_epi16(high, g), fifth));
+        if constexpr (Kind == kQ5_0) {
+          const __m256i bias = _mm256_set1_epi8(16);
+          lo = _mm256_sub_epi8(lo, bias);
+          hi = _mm256_sub_epi8(hi, bias);
+          const __m256i alo = _mm256_abs_epi8(lo), ahi = _mm256_abs_epi8(hi);
+          for (int r = 0; r < R; ++r) {
+            const __m256i xa = bcast(xq[r] + 4 * g), xb = bcast(xq[r] + 16 + 4 * g);
+            first[r] = _mm256_add_epi16(
+                first[r], _mm256_add_epi16(_mm256_maddubs_epi16(alo, _mm256_sign_epi8(xa, lo)),
+                                           _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(xb, hi))));
+            settle(first[r]);
+          }
+        } else {
+          for (int r = 0; r < R; ++r) {
+            first[r] = _mm256_add_epi16(first[r], _mm256_maddubs_epi16(lo, bcast(xq[r] + 4 * g)));
+            settle(first[r]);
+            last[r] = _mm256_add_epi16(last[r], _mm256_maddubs_epi16(hi, bcast(xq[r] + 16 + 4 * g)));
+            settle(last[r]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i sum = _mm256_madd_epi16(first[r], ones);
+        store(r, 0, v,
+              Kind == kQ5_0 ? sum : _mm256_add_epi32(sum, _mm256_madd_epi16(last[r], ones)));
+      }
+    }
   } else if constexpr (Kind == kQ6_K) {
     // Quants q + 32 rebuilt from nibbles and high bits, as |q| against x signed by q; the
     // first 16 inputs (low nibbles) and the last 16 (high nibbles) apart, four groups each.
@@ -289,7 +350,7 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
       } else if constexpr (half_scales(Kind)) {
         const auto* h = reinterpret_cast<const __m128i*>(blk);
         dw[v] = _mm256_cvtph_ps(_mm_loadu_si128(h + v));
-        if constexpr (Q != kQ8_0) mw[v] = _mm256_cvtph_ps(_mm_loadu_si128(h + kV + v));
+        if constexpr (Q != kQ8_0 && Q != kQ5_0) mw[v] = _mm256_cvtph_ps(_mm_loadu_si128(h + kV + v));
       } else {
         const float* d = reinterpret_cast<const float*>(blk);
         dw[v] = _mm256_loadu_ps(d + 8 * v);
@@ -303,7 +364,7 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
       const __m256 sx = _mm256_set1_ps(static_cast<float>(x.s[(row0 + r) * nb + b]));
       for (int v = 0; v < kV; ++v) {
         __m256 u = _mm256_mul_ps(dw[v], _mm256_cvtepi32_ps(isum[r][v]));
-        if constexpr (Q == kQ4_1 || Q == kQ4_K || Q == kQ8_0m) {
+        if constexpr (Q == kQ4_1 || Q == kQ4_K || Q == kQ8_0m || Q == kQ5_1) {
           u = _mm256_add_ps(u, _mm256_mul_ps(mw[v], sx));
         } else if constexpr (Q == kQ8_0h || Q == kQ6_K) {
           u = _mm256_add_ps(u, _mm256_mul_ps(mw[v], _mm256_cvtepi32_ps(isum[r][kV + v])));
@@ -335,6 +396,10 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
           const uint8_t byte = qw[q8_offset(j % 16, c)];
           const int32_t high = (qw[16 * kNR + q6_high_offset(j, c)] >> q6_high_shift(j)) & 3;
           w = ((j < 16 ? byte & 0x0F : byte >> 4) | (high << 4)) - 32;
+        } else if constexpr (Kind == kQ5_0 || Kind == kQ5_1) {
+          const uint8_t byte = qw[q8_offset(j % 16, c)];
+          const int32_t high = (qw[16 * kNR + q5_high_offset(j, c)] >> q5_high_shift(j)) & 1;
+          w = ((j < 16 ? byte & 0x0F : byte >> 4) | (high << 4)) - (Kind == kQ5_0 ? 16 : 0);
         } else if constexpr (Kind == kQ8_0m) {
           w = qw[q8_offset(j, c)];
         } else {
@@ -375,7 +440,9 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
       } else if constexpr (half_scales(Kind)) {
         const uint16_t* h = reinterpret_cast<const uint16_t*>(blk);
         dw[c] = static_cast<float>(c10::Half(h[c], c10::Half::from_bits()));
-        mw[c] = Q == kQ8_0 ? 0.f : static_cast<float>(c10::Half(h[kNR + c], c10::Half::from_bits()));
+        mw[c] = Q == kQ8_0 || Q == kQ5_0
+                    ? 0.f
+                    : static_cast<float>(c10::Half(h[kNR + c], c10::Half::from_bits()));
       } else {
         const float* d = reinterpret_cast<const float*>(blk);
         dw[c] = d[c];
@@ -388,7 +455,7 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
       const float sx = static_cast<float>(x.s[(row0 + r) * nb + b]);
       for (int64_t c = 0; c < kNR; ++c) {
         float u = dw[c] * static_cast<float>(isum[r][c]);
-        if constexpr (Q == kQ4_1 || Q == kQ4_K || Q == kQ8_0m) u = u + mw[c] * sx;
+        if constexpr (Q == kQ4_1 || Q == kQ4_K || Q == kQ8_0m || Q == kQ5_1) u = u + mw[c] * sx;
         if constexpr (Q == kQ8_0h || Q == kQ6_K)
           u = u + mw[c] * static_cast<float>(isum[r][kNR + c]);
         acc[r][c] = acc[r][c] + dx * u;
@@ -512,7 +579,8 @@ template <typename Fill>
 torch::Tensor pack_compact(int64_t n, int64_t nb, int kind, const torch::TensorOptions& options,
                            Fill&& fill) {
   const int64_t panels = (n + kNR - 1) / kNR, panel_bytes = q8_panel_bytes(kind, nb);
-  const int64_t header = q8_header_bytes(kind, nb) / (nb / 8);  // bytes of one superblock's
+  // bytes of one superblock's scales (none in the Q5 layouts, whose rows may be shorter)
+  const int64_t header = nb >= 8 ? q8_header_bytes(kind, nb) / (nb / 8) : 0;
   torch::Tensor packed = torch::zeros({panels * panel_bytes}, options);
   uint8_t* out = packed.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -595,6 +663,45 @@ torch::Tensor pack_q6_k_q8(const torch::Tensor& d, const torch::Tensor& scales,
   });
 }
 
+// Q5_0 or Q5_1 blocks decoded into their parts (gguf_blocks.decode: d, and for Q5_1 m, float32
+// [n, k / 32], each one a float16; quants uint8 [n, k] in 0..31, Q5_0's before it takes 16) in
+// the integer path's compact Q5 layouts.
+torch::Tensor pack_q5_q8(const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
+                         const torch::Tensor& quants) {
+  TORCH_CHECK(quants.dim() == 2 && quants.scalar_type() == torch::kUInt8, "uint8 [n, k] quants");
+  const int64_t n = quants.size(0), k = quants.size(1), nb = k / kBlock;
+  TORCH_CHECK(k % kBlock == 0, "Q5 rows are whole blocks of 32 (got ", k, ")");
+  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.dim() == 2 && d.size(0) == n &&
+                  d.size(1) == nb && (!m.has_value() || m->sizes() == d.sizes()),
+              "float32 [n, k / 32] d (and m)");
+  const int kind = m.has_value() ? kQ5_1 : kQ5_0;
+  const torch::Tensor dc = d.contiguous(), q = quants.contiguous();
+  const torch::Tensor mc = m.has_value() ? m->to(torch::kFloat32).contiguous() : dc;
+  const float *dp = dc.data_ptr<float>(), *mp = mc.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  std::atomic<bool> ok{true};
+  torch::Tensor packed = pack_compact(n, nb, kind, quants.options(), [&](uint8_t*, uint8_t* blk,
+                                                                         int64_t row, int64_t b,
+                                                                         int64_t c) {
+    const float scale = dp[row * nb + b], min = mp[row * nb + b];
+    const c10::Half hd(scale), hm(min);
+    if (static_cast<float>(hd) != scale || (kind == kQ5_1 && static_cast<float>(hm) != min))
+      ok = false;
+    reinterpret_cast<uint16_t*>(blk)[c] = hd.x;
+    if (kind == kQ5_1) reinterpret_cast<uint16_t*>(blk)[kNR + c] = hm.x;
+    uint8_t* qs = blk + q8_quants_offset(kind);
+    const uint8_t* src = qp + row * k + b * kBlock;
+    for (int64_t j = 0; j < 16; ++j)
+      qs[q8_offset(j, c)] = static_cast<uint8_t>((src[j] & 0x0F) | ((src[j + 16] & 0x0F) << 4));
+    for (int64_t j = 0; j < kBlock; ++j) {
+      if (src[j] > 31) ok = false;
+      qs[16 * kNR + q5_high_offset(j, c)] |= static_cast<uint8_t>(((src[j] >> 4) & 1) << q5_high_shift(j));
+    }
+  });
+  TORCH_CHECK(ok.load(), "Q5 blocks need float16 scales and quants in 0..31");
+  return packed;
+}
+
 // x @ w.T (+ bias) with x quantized to 8 bits per block of 32 (quantize_q8's q, d, s) over
 // weights regrouped by pack_q8_layout; float32 out, or bfloat16.
 torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& s,
@@ -631,6 +738,8 @@ torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, con
     else if (kind == kQ8_0h) go(std::integral_constant<int, kQ8_0h>{});
     else if (kind == kQ4_1 + kHalf) go(std::integral_constant<int, kQ4_1 + kHalf>{});
     else if (kind == kQ8_0 + kHalf) go(std::integral_constant<int, kQ8_0 + kHalf>{});
+    else if (kind == kQ5_0) go(std::integral_constant<int, kQ5_0>{});
+    else if (kind == kQ5_1) go(std::integral_constant<int, kQ5_1>{});
     else go(std::integral_constant<int, kQ8_0m + kHalf>{});
   }
   if (bias.has_value()) out.add_(*bias);
@@ -688,6 +797,9 @@ void register_quant_int8(pybind11::module& m) {
   m.def("pack_q6_k_q8", &pack_q6_k_q8,
         "Q6_K blocks' parts (d, int8 scales per 16, quants + 32) in the integer path's compact "
         "Q6_K layout");
+  m.def("pack_q5_q8", &pack_q5_q8,
+        "Q5_0 / Q5_1 blocks' parts (d, m for Q5_1, quants in 0..31) in the integer path's compact "
+        "Q5 layouts", pybind11::arg("d"), pybind11::arg("m"), pybind11::arg("quants"));
   m.def("linear_parts", &linear_parts,
         "x @ w.T (+ bias) for a weight in parts stacked by rows (x quantized once for all "
         "integer-path parts)");
