@@ -1,18 +1,22 @@
 """Speculative decoding speed: the same prompts with and without speculation, in one run.
 
-MT-Bench first turns (all 80, or `--quick` for the first 16), greedy, with the model's chat
-template; for each batch size (requests in flight at once) it prints tokens/s without
-speculation (measured before and after the algorithms; speedups are against the faster of the
-two, and the drift between them is printed), then with each algorithm: tokens/s, the average
-accept length τ (tokens per speculative round and request), and how many outputs equal the
-plain ones (bf16 multi-token forwards round differently from one-token ones, so a few may
-differ; float32 output is identical, which the tests check). HumanEval prompts give a second
-τ for the draft head. Results also go to bench/out/spec.json.
+MT-Bench first turns (all 80, or `--quick` for the first 16; `--dataset humaneval`: HumanEval
+problems), greedy, with the model's chat template; for each batch size (requests in flight at
+once) it prints tokens/s without speculation (measured before and after the algorithms;
+speedups are against the faster of the two, and the drift between them is printed), then with
+each algorithm: tokens/s, the average accept length τ (tokens per speculative round and
+request), and how many outputs equal the plain ones (bf16 multi-token forwards round
+differently from one-token ones, so a few may differ; float32 output is identical, which the
+tests check). HumanEval prompts give a second τ for the drafter. Results also go to
+bench/out/spec.json.
 
     python bench/spec.py --quick
     python bench/spec.py --algorithms EAGLE3 --draft default --batches 1
     python bench/spec.py --dtype bfloat16 --quantization none   # bf16, dequantized at load
     python bench/spec.py --batches 1 --temperature 0.7
+    python bench/spec.py --model-path models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --quantization gguf-int8 --dataset humaneval --algorithms STANDALONE,NGRAM \
+        --draft models/qwen2.5-coder-0.5b-instruct.gguf   # a draft model (bench/models.py)
 
 Trees are sized per round by the tree planner from the measured cost model (`--fixed-tree`:
 every round the full tree); each row also prints the tree nodes verified per request and round
@@ -102,6 +106,12 @@ def main() -> None:
         "--fixed-tree", action="store_true", help="every round the full tree (no planner)"
     )
     ap.add_argument("--quick", action="store_true", help="the first 16 MT-Bench questions")
+    ap.add_argument(
+        "--dataset",
+        default="mtbench",
+        choices=["mtbench", "humaneval"],
+        help="the prompts timed: MT-Bench first turns or HumanEval problems",
+    )
     ap.add_argument("--num-prompts", type=int, default=None, help="overrides --quick")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,4,16")
@@ -122,13 +132,17 @@ def main() -> None:
     ap.add_argument("--out", default="spec.json", help="file name under bench/out")
     args = ap.parse_args()
 
-    questions = mtbench_first_turns(args.num_prompts or (16 if args.quick else None))
+    count = args.num_prompts or (16 if args.quick else None)
+    questions = (
+        mtbench_first_turns(count) if args.dataset == "mtbench" else humaneval_prompts(count)
+    )
     results: dict[str, object] = {
         "dtype": args.dtype,
         "quantization": args.quantization,
         "temperature": args.temperature,
         "fixed_tree": args.fixed_tree,
         "disable_radix_cache": args.disable_radix_cache,
+        "dataset": args.dataset,
         "num_prompts": len(questions),
         "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(),
