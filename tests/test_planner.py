@@ -18,6 +18,7 @@ from spectral.speculative.planner import (
     MIN_GAIN,
     NGRAM,
     SCORE_PRIOR,
+    SCORE_SAMPLES_PRIOR,
     PlanInput,
     RankStats,
     TreePlanner,
@@ -104,8 +105,12 @@ def test_unverified_ranks_follow_the_heads_scores_scaled_by_their_record() -> No
         stats.observe(1, [0] if len(stats.seen) and stats.seen[0] % 2 else [], [0.8, 0.4])
     gains = stats.gains(2)
     scale = (stats.accepted + SCORE_PRIOR) / (stats.predicted + SCORE_PRIOR)
-    assert gains[0] == pytest.approx((25 + 8 * scale * 0.8) / (50 + 8))
-    assert gains[1] == pytest.approx(min(gains[0], scale * 0.4))
+
+    def prior(score: float, fallback: float) -> float:  # 50 scores beside the decay prior's 4
+        return (50 * scale * score + SCORE_SAMPLES_PRIOR * fallback) / (50 + SCORE_SAMPLES_PRIOR)
+
+    assert gains[0] == pytest.approx((25 + 8 * prior(0.8, 0.6)) / (50 + 8))
+    assert gains[1] == pytest.approx(min(gains[0], prior(0.4, gains[0] * 0.85)))
     ngram = RankStats(NGRAM)
     assert ngram.gains(3) == pytest.approx([0.6, 0.51, 0.4335])  # the prior alone
 
@@ -247,3 +252,17 @@ def test_a_draft_model_is_tried_where_a_heads_prior_would_not_be() -> None:
     for _ in range(40):
         planner.observe(HEAD, 4, [], [0.9, 0.8, 0.7, 0.6])
     assert not planner.plan([PlanInput(HEAD, 5)]).speculate
+
+
+def test_a_rank_drafted_once_does_not_set_its_gain_alone() -> None:
+    """A draft model asked for one level most rounds: its second rank's one low score (0.43)
+    weighs against the decay prior's pseudo-rounds instead of holding the rank at ~0.4, and a
+    chain of two drafts is planned where the first is accepted 84% of the time."""
+    costly = CostModel(verify=STEEP.verify, decode_one=11.0, draft=[(1, 2.0, 2.0)])
+    planner = TreePlanner(costly, 4, draft_model=True)
+    for i in range(114):
+        planner.observe(HEAD, 1, [0] if i % 6 else [], [0.84])
+    planner.observe(HEAD, 2, [], [0.84, 0.434])
+    gains = planner.stats_for(HEAD).gains(2)
+    assert gains[1] > 0.55
+    assert planner.plan([PlanInput(HEAD, 5)]).nodes[0] >= 3

@@ -20,6 +20,9 @@ PRIOR_WEIGHT = 8.0
 # Pseudo-tokens behind the head's scores being calibrated (accepted = predicted) before its
 # record says how far they are.
 SCORE_PRIOR = 10.0
+# Pseudo-rounds of the decay prior behind a rank's mean drafted probability: a rank drafted in
+# a round or two (a drafter drafts only the levels a plan needs) must not set its gain alone.
+SCORE_SAMPLES_PRIOR = 4.0
 # A request's own record: pseudo-tokens behind its scale factor, and the factor's bounds (a
 # strong prior: a few lucky rounds must not buy a request large trees).
 REQUEST_PRIOR = 10.0
@@ -106,10 +109,13 @@ class RankStats:
         return out
 
     def _prior(self, r: int, before: list[float], scale: float) -> float:
-        if self.kind == HEAD and r < len(self.score_n) and self.score_n[r] > 0:
-            return min(1.0, scale * self.score_sum[r] / self.score_n[r])
         first, decay = self.prior
-        return before[-1] * decay if before else first
+        fallback = before[-1] * decay if before else first
+        if self.kind == HEAD and r < len(self.score_n) and self.score_n[r] > 0:
+            n = self.score_n[r]
+            scored = min(1.0, scale * self.score_sum[r] / n)
+            return (n * scored + SCORE_SAMPLES_PRIOR * fallback) / (n + SCORE_SAMPLES_PRIOR)
+        return fallback
 
     def to_dict(self, ranks: int = 8) -> dict:
         return {
