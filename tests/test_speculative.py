@@ -418,8 +418,8 @@ def test_merged_hybrid_trees_verify_ngram_and_head_drafts_together_and_match_pla
     merged_sizes: list[int] = []  # real nodes of the trees that joined a given one
     trees_of = worker._trees
 
-    def counted(wb, rows, seq_lens, sizes):
-        trees, probs = trees_of(wb, rows, seq_lens, sizes)
+    def counted(wb, *args):
+        trees, probs = trees_of(wb, *args)
         for b, toks in enumerate(wb.draft_tokens or []):
             if toks:
                 merged_sizes.append(trees.num_nodes[b] - 1 - len(toks))

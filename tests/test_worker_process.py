@@ -3,6 +3,7 @@ no process left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
@@ -34,14 +35,23 @@ def remote_args(model_dir: str, **options) -> ServerArgs:
     )
 
 
+@contextlib.contextmanager
+def started_worker(args: ServerArgs, model: ResolvedModel):
+    """A worker process for `args`, ready, closed on the way out."""
+    with tempfile.TemporaryDirectory() as ipc_dir:
+        worker = RemoteWorker(args, ipc_dir).hand_model(model).wait_ready()
+        try:
+            yield worker
+        finally:
+            worker.close()
+
+
 @pytest.fixture()
 def remote(peaky_model_dir):
     args = remote_args(peaky_model_dir)
     model, _ = resolve_model(args)
-    with tempfile.TemporaryDirectory() as ipc_dir:
-        worker = RemoteWorker(args, ipc_dir).hand_model(model).wait_ready()
+    with started_worker(args, model) as worker:
         yield worker, model
-        worker.close()
 
 
 def remote_scheduler(worker: RemoteWorker, model: ResolvedModel, spec=None) -> Scheduler:
@@ -112,24 +122,20 @@ def test_a_worker_process_hands_its_cost_model_and_draft_confidence_to_the_plann
     model, _ = resolve_model(args)
     expected = run_all(make_scheduler(peaky_model_dir), fresh(mixed_prompts(6)))
     expected_grammar = run_all(make_scheduler(peaky_model_dir), grammar_reqs())
-    with tempfile.TemporaryDirectory() as ipc_dir:
-        worker = RemoteWorker(args, ipc_dir).hand_model(model).wait_ready()
-        try:
-            assert worker.cost_model == CostModel.from_dict(FLAT_COST)
-            scheduler = remote_scheduler(worker, model, args.spec_settings())
-            reqs = fresh(mixed_prompts(6))
-            assert run_all(scheduler, reqs) == expected
-            assert scheduler.spec_round.planner is not None and scheduler.stats.spec_verify_ct > 0
-            buckets = scheduler.info()["speculative"]["acceptance"]
-            assert any(k.startswith("head:") and k != "head:?" for k in buckets), buckets
-            # Grammars: the worker process follows each request's output with its own matcher
-            # to mask its trees; the tokens are plain decoding's under the same grammars.
-            rounds = scheduler.stats.spec_verify_ct
-            assert run_all(scheduler, grammar_reqs()) == expected_grammar
-            assert scheduler.stats.spec_verify_ct > rounds
-            assert scheduler_leaks(scheduler) == []
-        finally:
-            worker.close()
+    with started_worker(args, model) as worker:
+        assert worker.cost_model == CostModel.from_dict(FLAT_COST)
+        scheduler = remote_scheduler(worker, model, args.spec_settings())
+        reqs = fresh(mixed_prompts(6))
+        assert run_all(scheduler, reqs) == expected
+        assert scheduler.spec_round.planner is not None and scheduler.stats.spec_verify_ct > 0
+        buckets = scheduler.info()["speculative"]["acceptance"]
+        assert any(k.startswith("head:") and k != "head:?" for k in buckets), buckets
+        # Grammars: the worker process follows each request's output with its own matcher
+        # to mask its trees; the tokens are plain decoding's under the same grammars.
+        rounds = scheduler.stats.spec_verify_ct
+        assert run_all(scheduler, grammar_reqs()) == expected_grammar
+        assert scheduler.stats.spec_verify_ct > rounds
+        assert scheduler_leaks(scheduler) == []
 
 
 def test_a_draft_model_speculates_through_the_worker_process(peaky_model_dir):
@@ -146,13 +152,9 @@ def test_a_draft_model_speculates_through_the_worker_process(peaky_model_dir):
     )
     model, _ = resolve_model(args)
     expected = run_all(make_scheduler(peaky_model_dir), fresh(mixed_prompts(6)))
-    with tempfile.TemporaryDirectory() as ipc_dir:
-        worker = RemoteWorker(args, ipc_dir).hand_model(model).wait_ready()
-        try:
-            scheduler = remote_scheduler(worker, model, args.spec_settings())
-            assert run_all(scheduler, fresh(mixed_prompts(6))) == expected
-            stats = scheduler.stats
-            assert stats.spec_emitted_tokens > 2 * stats.spec_verify_ct > 0
-            assert scheduler_leaks(scheduler) == []
-        finally:
-            worker.close()
+    with started_worker(args, model) as worker:
+        scheduler = remote_scheduler(worker, model, args.spec_settings())
+        assert run_all(scheduler, fresh(mixed_prompts(6))) == expected
+        stats = scheduler.stats
+        assert stats.spec_emitted_tokens > 2 * stats.spec_verify_ct > 0
+        assert scheduler_leaks(scheduler) == []

@@ -84,7 +84,10 @@ class SpeculativeWorker:
         device = target.req_to_token.table.device
         seq_lens = torch.tensor(wb.prefix_lens, device=device)
         rows = torch.tensor(wb.req_pool_indices, device=device)
-        trees, probs = self._trees(wb, rows, seq_lens, sizes)
+        offsets = [0]  # where each request's tree starts among the batch's nodes
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        trees, probs = self._trees(wb, rows, seq_lens, sizes, offsets)
         masks = self._grammar_masks(trees, sizes, wb.sampling)
         token_ids: list[int] = []
         positions: list[int] = []
@@ -102,9 +105,6 @@ class SpeculativeWorker:
         logits = target.model.compute_logits(hidden)  # stays on the device
         verdict = self._verify(trees, logits, sizes, wb.sampling, masks)
 
-        offsets = [0]
-        for n in sizes:
-            offsets.append(offsets[-1] + n)
         slots = batch.out_cache_loc
         kept_rows = [offsets[b] + j for b, acc in enumerate(verdict.accepted) for j in acc]
         kept_rows_t = torch.tensor(kept_rows)
@@ -132,7 +132,12 @@ class SpeculativeWorker:
         return result
 
     def _trees(
-        self, wb: WorkerBatch, rows: torch.Tensor, seq_lens: torch.Tensor, sizes: list[int]
+        self,
+        wb: WorkerBatch,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sizes: list[int],
+        offsets: list[int],
     ) -> tuple[DraftTrees, list[list[float] | None]]:
         """Each request's tree: the one the batch gives (n-gram), else the head's best
         `sizes[b]` nodes (a request of size 1 verifies its root alone and is not drafted for);
@@ -160,16 +165,13 @@ class SpeculativeWorker:
             # A tree of n nodes is at most n - 1 deep: deeper levels would not be kept. The
             # candidates come to the host (trees are built there), in one copy each.
             on_device = index.to(rows.device)
-            starts = [0]
-            for size in sizes:
-                starts.append(starts[-1] + size)
             drafts = self.drafter.draft(
                 rows[on_device],
                 seq_lens[on_device],
                 num_steps=max(head_n) - 1,
                 roots=torch.tensor(wb.input_ids, device=rows.device)[on_device],
                 root_slots=torch.tensor(
-                    [wb.out_cache_loc[starts[b]] for b in drafted], device=rows.device
+                    [wb.out_cache_loc[offsets[b]] for b in drafted], device=rows.device
                 ),
             )
             scores, tokens, parents = (t.cpu() for t in drafts)
