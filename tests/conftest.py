@@ -3,6 +3,7 @@ random Llama that shares the default tokenizer (fast property tests)."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -12,7 +13,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from spectral.models.resolve import resolve_model_path
 
-torch.set_num_threads(2)
+# Two cores: one suite process uses both; under pytest-xdist (-n 2) each worker, and every
+# server or worker process it starts, uses one.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 def _build_test_kernels_beside() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -56,7 +57,9 @@ def load_or_measure(worker: SpeculativeWorker, parts: dict, path: str | None = N
     )
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(json.dumps({**model.to_dict(), "parts": parts}))
+        staging = file.with_name(f".{file.name}.{os.getpid()}")
+        staging.write_text(json.dumps({**model.to_dict(), "parts": parts}))
+        os.replace(staging, file)  # a process reading it meanwhile sees all of it or none
     except OSError as err:
         logger.warning("could not cache the cost model (%s)", err)
     return model
