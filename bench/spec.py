@@ -17,6 +17,12 @@ bench/out/spec.json.
     python bench/spec.py --model-path models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
         --quantization gguf-int8 --dataset humaneval --algorithms STANDALONE,NGRAM \
         --draft models/qwen2.5-coder-0.5b-instruct.gguf   # a draft model (bench/models.py)
+    # the same draft drafting from a hot-token map (+MAP) of the Python standard library:
+    spectral token-map --model models/qwen2.5-coder-0.5b-instruct.gguf \
+        --output bench/out/stdlib-map.json "$(python -c 'import sysconfig as s;
+print(s.get_paths()["stdlib"])')"
+    python bench/spec.py ... --algorithms STANDALONE,STANDALONE+MAP \
+        --token-map bench/out/stdlib-map.json
 
 Trees are sized per round by the tree planner from the measured cost model (`--fixed-tree`:
 every round the full tree); each row also prints the tree nodes verified per request and round
@@ -122,6 +128,11 @@ def main() -> None:
         "EAGLE3+NGRAM+MERGE: the n-gram tree joins the head's there",
     )
     ap.add_argument("--draft", default="default", help="EAGLE3 head directory")
+    ap.add_argument(
+        "--token-map",
+        default=None,
+        help="STANDALONE+MAP: the draft's hot-token map (`spectral token-map` writes one)",
+    )
     ap.add_argument("--hybrid-ngram", type=int, default=8, help="EAGLE3+NGRAM: n-gram tree size")
     ap.add_argument("--ngram-min-match", type=int, default=None)
     ap.add_argument("--num-steps", type=int, default=None)
@@ -181,6 +192,7 @@ def main() -> None:
                 speculative_draft_model_path=args.draft if name != "NGRAM" else None,
                 speculative_hybrid_ngram=args.hybrid_ngram if "NGRAM" in extras else 0,
                 speculative_hybrid_merge="MERGE" in extras,
+                speculative_token_map=args.token_map if "MAP" in extras else None,
                 **spec_options,
             )
             speed, out, tau = measure(engine, prompts, args.max_new_tokens, temp)

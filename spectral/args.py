@@ -58,6 +58,7 @@ class ServerArgs:
     speculative_disable_grammar_drafts: bool = False
     speculative_draft_quantization: str = "q8_0"
     speculative_cost_model: str | None = None
+    speculative_token_map: str | None = None
     # Server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -218,6 +219,9 @@ class ServerArgs:
             "forces next (JSON keys and punctuation, a regex's literals)",
             "speculative_draft_quantization": "weights of the draft head's matmuls on the CPU: "
             "q8_0 (GGUF 8-bit blocks, a quarter of float32's memory traffic) or none",
+            "speculative_token_map": "STANDALONE: the token ids the draft model drafts from "
+            "(FR-Spec; SGLang's torch.save'd tensor or a JSON list; `spectral token-map` "
+            "writes one): its LM head keeps only those rows",
             "speculative_cost_model": "a cost model JSON to plan trees by instead of measuring "
             "one at start-up (cached per machine under ~/.cache/spectral/cost_models)",
             "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix match that "

@@ -1,4 +1,5 @@
-"""The `spectral` command: `serve` runs the HTTP server, `demo` an offline generation demo."""
+"""The `spectral` command: `serve` runs the HTTP server, `demo` an offline generation demo,
+`token-map` writes a draft's hot-token map, `train-eagle3` trains a draft head."""
 
 from __future__ import annotations
 
@@ -45,6 +46,44 @@ def run_demo(args: ServerArgs, max_new_tokens: int) -> None:
     engine.shutdown()
 
 
+def token_map_main(argv: list[str]) -> None:
+    """`spectral token-map`: a hot-token map for --speculative-token-map from text files."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from spectral.models.resolve import model_files_dir
+    from spectral.models.resolved import load_tokenizer
+    from spectral.speculative.token_map import DEFAULT_SIZE, build_token_map, corpus_texts
+
+    parser = argparse.ArgumentParser(
+        prog="spectral token-map",
+        description="Write a hot-token map for --speculative-token-map: the special tokens, "
+        "the tokens of the given text files by frequency, then the lowest ids.",
+    )
+    parser.add_argument("--model", required=True, help="the model (or draft model) path")
+    parser.add_argument("--output", required=True, help="the map to write (.json, else .pt)")
+    parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help="token ids to keep")
+    parser.add_argument(
+        "--suffixes", default=".py,.txt,.md,.json,.jsonl", help="files read in a directory"
+    )
+    parser.add_argument("corpus", nargs="*", help="text files or directories (none: ids only)")
+    ns = parser.parse_args(argv)
+    tokenizer = load_tokenizer(model_files_dir(ns.model))
+    texts = corpus_texts(ns.corpus, tuple(ns.suffixes.split(",")))
+    try:
+        ids = build_token_map(texts, tokenizer, len(tokenizer), ns.size)
+    except ValueError as err:
+        parser.error(str(err))
+    output = Path(ns.output)
+    if output.suffix == ".json":
+        output.write_text(json.dumps(ids))
+    else:
+        torch.save(torch.tensor(ids, dtype=torch.int64), output)
+    print(f"wrote {len(ids)} of {len(tokenizer)} token ids to {output}")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "train-eagle3":
@@ -52,8 +91,13 @@ def main(argv: list[str] | None = None) -> None:
 
         train_main(argv[1:])
         return
+    if argv and argv[0] == "token-map":
+        token_map_main(argv[1:])
+        return
     parser = argparse.ArgumentParser(
-        prog="spectral", epilog="spectral train-eagle3 --help: train an EAGLE-3 draft head"
+        prog="spectral",
+        epilog="spectral train-eagle3 --help: train an EAGLE-3 draft head; spectral token-map "
+        "--help: a draft's hot-token map",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the HTTP server (native and OpenAI-compatible API)")

@@ -3,14 +3,16 @@ identical token for token to plain decoding (float32), at batch 1 and 8, under g
 radix hits, chunked prefill, retraction and aborts, nothing leaked; a chi-squared test of
 sampled output against plain sampling, with a control that bypasses verification and fails it;
 a draft identical to the target accepted nearly always (its KV bookkeeping is right); a draft
-with another tokenizer refused."""
+with another tokenizer refused; a hot-token map drafting only its tokens."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 import spectral.worker.spec_worker as spec_worker
@@ -18,6 +20,7 @@ from spectral.args import ServerArgs
 from spectral.core.req import Req
 from spectral.models.resolved import resolve_model
 from spectral.sampling_params import SamplingParams
+from spectral.speculative.draft_model import DraftModelDrafter
 from spectral.speculative.verify import verify_greedy
 from spectral.worker.factory import create_worker
 from tests.conftest import make_tiny_model, scheduler_leaks
@@ -215,3 +218,50 @@ def test_a_draft_with_another_tokenizer_is_refused_naming_both(
 def test_standalone_needs_a_draft_model() -> None:
     with pytest.raises(ValueError, match="STANDALONE needs --speculative-draft-model-path"):
         ServerArgs(model_path="default", speculative_algorithm="STANDALONE")
+
+
+def drafted_tokens(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Every candidate token the draft model drafts from now on (recorded as drafted)."""
+    seen: list[torch.Tensor] = []
+    original = DraftModelDrafter.draft
+
+    def draft(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        seen.append(out[1].flatten())
+        return out
+
+    monkeypatch.setattr(DraftModelDrafter, "draft", draft)
+    return seen
+
+
+def test_a_token_map_drafts_only_its_tokens_and_keeps_output_equal(
+    tmp_path: Path, peaky_model_dir: str, plain_outputs: list[list[int]], monkeypatch
+) -> None:
+    """The target as its own draft: with a map holding every token plain decoding emits, its
+    restricted head's top-1 is the full head's wherever it matters, so rounds accept exactly
+    what they accept without the map; a map lacking the most frequent of them still gives
+    plain decoding's output, accepting less. Every drafted token is in the map."""
+    expected = plain_outputs[:8]
+    emitted = Counter(t for out in expected for t in out)
+    full = sorted(set(emitted) | set(range(2000)))
+    lacking = sorted(set(full) - {t for t, _ in emitted.most_common(3)})
+    options = dict(
+        speculative_eagle_topk=1, speculative_num_steps=4, speculative_num_draft_tokens=5
+    )
+    stats = {}
+    for name, ids in (("none", None), ("full", full), ("lacking", lacking)):
+        seen = drafted_tokens(monkeypatch)
+        path = None
+        if ids is not None:
+            path = tmp_path / f"{name}.json"
+            path.write_text(json.dumps(ids))
+        s = standalone(peaky_model_dir, peaky_model_dir, speculative_token_map=path, **options)
+        reqs = run(s, prompts(20)[:8], at_once=4, temperature=0.0)
+        assert [r.output_ids for r in reqs] == expected, name
+        drafted = torch.cat(seen).unique()
+        if ids is not None:
+            assert set(drafted.tolist()) <= set(ids), name
+        stats[name] = (s.stats.spec_verify_ct, s.stats.spec_emitted_tokens)
+    assert stats["full"] == stats["none"]
+    rounds, tokens = stats["lacking"]
+    assert tokens / rounds < stats["full"][1] / stats["full"][0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from spectral.layers.linear import PackedWeight, linear, pack_weight
@@ -22,6 +23,8 @@ class LogitsHead:
         self._weight = weight
         self.kernels: ModuleType | None = None
         self.packed: PackedWeight | None = None
+        # Where the head is kept only as GGUF blocks: rows (token ids) -> those rows packed.
+        self.pack_rows: Callable[[np.ndarray], PackedWeight | None] | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -34,6 +37,19 @@ class LogitsHead:
         self.kernels = kernels
         if kernels is None or self.packed is None:
             self.packed = packed if packed is not None else pack_weight(self.weight, kernels)
+
+    def restricted(self, ids: torch.Tensor) -> LogitsHead:
+        """A head over the rows `ids` of this one (logits [R, len(ids)], each column equal to
+        this head's column of that id), served as this one is: for a draft's hot vocabulary."""
+        weight = self.weight
+        if weight.numel() == 0 and self.pack_rows is None:
+            raise ValueError("this LM head keeps no rows to restrict")
+        head = LogitsHead(weight[ids].clone() if weight.numel() else weight)
+        packed = None
+        if self.pack_rows is not None and self.kernels is not None:
+            packed = self.pack_rows(ids.cpu().numpy())
+        head.set_kernels(self.kernels, packed)
+        return head
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.weight, None, self.kernels, self.packed).float()

@@ -140,9 +140,14 @@ def load_gguf_model(
             param.data[offset : offset + values.shape[0]].copy_(values)
             offset += values.shape[0]
 
-    def blocks(names: list[str], k: int) -> PackedWeight | PackedRows | None:
+    def blocks(
+        names: list[str], k: int, index: np.ndarray | None = None
+    ) -> PackedWeight | PackedRows | None:
         """The tensors `names` packed for gguf_linear as one weight (in parts of one layout
-        each where their formats differ), or None where the kernels cannot serve them."""
+        each where their formats differ), or None where the kernels cannot serve them; with
+        `index`, only those rows of the one tensor named."""
+        if index is not None and len(names) != 1:
+            raise ValueError("rows are picked from one tensor")
         kinds = [tensor(n).tensor_type.name for n in names]
         layouts = [LAYOUTS.get(kind) for kind in kinds]
         if kernels is None or None in layouts:
@@ -154,7 +159,7 @@ def load_gguf_model(
         if len(set(kinds)) == 1:
             # Packed a slice of rows at a time (panels never straddle one): decoding a whole
             # LM head at once held several copies of it at load.
-            arrays = [rows_of(n) for n in names]
+            arrays = [rows_of(n) if index is None else rows_of(n)[index] for n in names]
             if not int8:
                 packed = pack_in_slices(
                     arrays, lambda rows: (pack_blocks(rows, kinds[0], k, kernels), layout)
@@ -203,13 +208,17 @@ def load_gguf_model(
             fill(layer.get_submodule(ours).weight, [f"blk.{i}.{theirs}.weight"])
     fill(model.norm.weight, ["output_norm.weight"])
 
+    head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
     if config.tie_word_embeddings:
-        model.lm_head_packed = blocks(["token_embd.weight"], config.hidden_size)
+        model.lm_head_packed = blocks([head], config.hidden_size)
         native += model.lm_head_packed is not None
-        release(["token_embd.weight"])
+        release([head])
     else:
-        native += linear(model.lm_head, ["output.weight"])
+        native += linear(model.lm_head, [head])
         model.lm_head_packed = model.lm_head.packed
+    if model.lm_head_packed is not None and len(tensor(head).data.shape) == 2:
+        # a draft's hot vocabulary packs its rows of the head again (LogitsHead.restricted)
+        model.logits_head.pack_rows = lambda ids: blocks([head], config.hidden_size, ids)
     # The embedding's dense table is needed only by a tied LM head not served from blocks.
     if kernels is not None and (model.lm_head_packed is not None or not config.tie_word_embeddings):
         model.embed_tokens = BlockEmbedding(tensor("token_embd.weight"), dtype)

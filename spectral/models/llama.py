@@ -209,6 +209,13 @@ class LlamaForCausalLM(nn.Module):
             captured.append(x + residual)
         return self.norm(x, residual)[0], captured
 
+    def restrict_logits(self, ids: torch.Tensor) -> None:
+        """From now on, logits [R, len(ids)] over the vocabulary rows `ids` only (a draft's hot
+        vocabulary); the full head's packed copy is dropped."""
+        self.logits_head = self.logits_head.restricted(ids)
+        if not self.config.tie_word_embeddings:
+            self.lm_head.packed = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [R, vocab] for the given rows of final hidden states."""
         return self.logits_head(hidden)

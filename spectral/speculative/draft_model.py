@@ -63,9 +63,12 @@ class DraftModelDrafter:
         target_vocab_size: int,
         topk: int,
         num_steps: int,
+        hot_ids: torch.Tensor | None = None,
     ) -> None:
         """`draft` is the draft LM's worker, its KV pool holding `num_target_slots` slots plus
-        the scratch slots and its req-to-token table the scratch rows (`scratch_sizes`)."""
+        the scratch slots and its req-to-token table the scratch rows (`scratch_sizes`).
+        `hot_ids` (sorted token ids; speculative.token_map) restricts what it drafts to those
+        tokens: its LM head keeps only their rows."""
         rows, slots = scratch_sizes(topk, num_steps)
         # the target's slot ids run 0..num_target_slots (its pool's dummy slot among them)
         self.scratch_slot0 = num_target_slots + 1
@@ -79,6 +82,16 @@ class DraftModelDrafter:
         self.topk = topk
         self.num_steps = num_steps
         self.vocab = min(target_vocab_size, draft.config.vocab_size)
+        self.hot_ids: torch.Tensor | None = None
+        if hot_ids is not None:
+            if int(hot_ids.max()) >= self.vocab:
+                raise ValueError(
+                    f"the token map holds ids up to {int(hot_ids.max())}; the draft and the "
+                    f"target share {self.vocab} tokens"
+                )
+            draft.model.restrict_logits(hot_ids)
+            self.hot_ids = hot_ids.to(draft.device)
+            self.vocab = hot_ids.numel()
         self.scratch = draft.req_to_token
         device = draft.device
         # Per target slot: the token the target committed there, and whether the draft's KV
@@ -170,8 +183,8 @@ class DraftModelDrafter:
         k = self.topk
         B = rows.shape[0]
         lens = seq_lens.tolist()
-        logprobs = self._catch_up(rows, lens, roots, root_slots)
-        levels = TreeExpansion(*logprobs.topk(k, dim=-1))
+        scores, ids = self._catch_up(rows, lens, roots, root_slots).topk(k, dim=-1)
+        levels = TreeExpansion(scores, self._target_ids(ids))
         if steps == 1:
             return levels.result()
         table = self.scratch.table
@@ -192,7 +205,7 @@ class DraftModelDrafter:
                 prefix_lens=[n + step for n in lens for _ in range(k)],
                 extend_lens=[1] * (B * k),
             )
-            levels.add_level(self._logprobs(batch))
+            levels.add_level(self._logprobs(batch), self._target_ids)
             if step == steps - 1:
                 break
             parent = levels.advance()  # [B, k]
@@ -241,8 +254,13 @@ class DraftModelDrafter:
         self._rooted.update(zip(rows.tolist(), root_slots.tolist()))
         return logprobs
 
+    def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's ids of columns of `_logprobs`."""
+        return ids if self.hot_ids is None else self.hot_ids[ids]
+
     def _logprobs(self, batch: ForwardBatch) -> torch.Tensor:
-        """The draft's log-probs over the target's vocabulary after each request's last token."""
+        """The draft's log-probs after each request's last token, over the vocabulary it
+        shares with the target (or its hot ids: columns map to tokens by `_target_ids`)."""
         hidden, _ = self.lm.forward_hidden(batch)
         if batch.num_tokens != batch.batch_size:
             ends = torch.tensor(batch.extend_lens).cumsum(0) - 1

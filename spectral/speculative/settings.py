@@ -46,6 +46,8 @@ class SpecSettings:
     grammar_drafts: bool = True
     # GGUF block type the draft head's weights are quantized to for the CPU kernels, or None
     draft_quantization: str | None = "Q8_0"
+    # STANDALONE: a file of the token ids the draft model drafts from (speculative.token_map)
+    token_map: str | None = None
 
     @property
     def uses_draft_head(self) -> bool:
@@ -161,6 +163,12 @@ class SpecSettings:
         quant = (args.speculative_draft_quantization or "none").lower()
         if quant not in ("q8_0", "none"):
             raise ValueError(f"speculative_draft_quantization must be q8_0 or none (got {quant!r})")
+        token_map = args.speculative_token_map
+        if token_map is not None and algo != "STANDALONE":
+            raise ValueError(
+                "--speculative-token-map restricts a draft model's vocabulary: it goes with "
+                f"--speculative-algorithm STANDALONE (got {algo})"
+            )
         return cls(
             algo,
             steps,
@@ -176,4 +184,5 @@ class SpecSettings:
             cost_path,
             grammar_drafts=not args.speculative_disable_grammar_drafts,
             draft_quantization=None if quant == "none" else quant.upper(),
+            token_map=token_map,
         )

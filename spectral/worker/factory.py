@@ -11,6 +11,7 @@ from spectral.args import ServerArgs
 from spectral.constrained import GrammarBackend, GrammarFollower
 from spectral.core.model import ResolvedModel
 from spectral.models.resolved import load_tokenizer
+from spectral.speculative.settings import SpecSettings
 from spectral.worker.model_worker import ModelWorker
 from spectral.worker.spec_worker import SpeculativeWorker
 
@@ -65,7 +66,7 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
         return worker
     drafter = None
     if spec.algorithm == "STANDALONE":
-        drafter = draft_model_drafter(args, model, worker, spec.topk, spec.num_steps)
+        drafter = draft_model_drafter(args, model, worker, spec)
     elif spec.uses_draft_head:
         from spectral.speculative.eagle_drafter import EagleDrafter
         from spectral.speculative.eagle_head import load_draft_head
@@ -127,20 +128,25 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
             else None,
             "tree": [spec.num_steps, spec.topk],
             "draft_quantization": spec.draft_quantization,
+            "token_map": _file_stamp(spec.token_map),
         }
         spec_worker.cost_model = load_or_measure(spec_worker, parts, spec.cost_model_path)
     return spec_worker
 
 
 def draft_model_drafter(
-    args: ServerArgs, model: ResolvedModel, target: ModelWorker, topk: int, num_steps: int
+    args: ServerArgs, model: ResolvedModel, target: ModelWorker, spec: SpecSettings
 ):
     """STANDALONE: the draft LM at --speculative-draft-model-path loaded as the target is (same
     dtype, device and --quantization), its KV pool indexed by the target's slots plus scratch
-    for the tree levels. A draft whose tokenizer differs from the target's is refused, naming
-    both (their model vocabularies may be padded to different sizes)."""
+    for the tree levels, drafting from --speculative-token-map's ids where given. A draft whose
+    tokenizer differs from the target's is refused, naming both (their model vocabularies may
+    be padded to different sizes)."""
     from spectral.models.resolved import resolve_model
     from spectral.speculative.draft_model import DraftModelDrafter, scratch_sizes
+    from spectral.speculative.token_map import load_token_map
+
+    topk, num_steps = spec.topk, spec.num_steps
 
     path = args.speculative_draft_model_path
     draft, draft_tokenizer = resolve_model(
@@ -169,8 +175,17 @@ def draft_model_drafter(
         attention_backend=args.attention_backend,
         use_cpu_kernels=not args.disable_cpu_kernels,
     )
+    hot_ids = None
+    if spec.token_map is not None:
+        hot_ids = load_token_map(spec.token_map, len(target_vocab))
     return DraftModelDrafter(
-        worker, target.req_to_token, target.num_kv_slots, model.vocab_size, topk, num_steps
+        worker,
+        target.req_to_token,
+        target.num_kv_slots,
+        model.vocab_size,
+        topk,
+        num_steps,
+        hot_ids,
     )
 
 
