@@ -142,6 +142,14 @@ def main() -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=None)
     ap.add_argument("--max-batch-size", type=int, default=None, help="speculate up to this")
     ap.add_argument("--humaneval", type=int, default=16, help="HumanEval prompts for τ (0: none)")
+    ap.add_argument(
+        "--llama-modes",
+        default="",
+        help="at batch 1, llama.cpp on the same prompts (make bench-peers): 'plain' "
+        "(llama-cpp-python) and llama-speculative-simple's --spec-type modes, e.g. "
+        "plain,ngram-simple,ngram-mod,draft-simple (drafting from --draft); each algorithm is "
+        "also given against the fastest",
+    )
     ap.add_argument("--out", default="spec.json", help="file name under bench/out")
     args = ap.parse_args()
 
@@ -236,6 +244,14 @@ def main() -> None:
                 f"batch {size:3d}  {algo:<18s} {speed:7.2f} tok/s  {speed / plain:5.2f}x  "
                 f"τ {tau:4.2f}  identical {same}/{len(prompts)}{extra}"
             )
+        if size == 1 and args.llama_modes:
+            llama = llama_runs(args, prompts)
+            if llama:
+                best_mode, best = max(llama.items(), key=lambda item: item[1])
+                results["llama_cpp_tok_s"] = llama
+                for row in rows:
+                    row["over_llama_best"] = round(row["spec_tok_s"] / best, 3)
+                print(f"batch   1  llama.cpp          {llama}; the fastest {best_mode} {best:.2f}")
         if rows:
             # Speeds drift over a run here, and the first engine of a process runs slower
             # (bf16 matmuls build their kernels per shape on first use: +30% between the two
@@ -259,12 +275,54 @@ def main() -> None:
                     ],
                 )
                 row["speedup"] = round(row["spec_tok_s"] / baseline, 3)
-                print(f"batch {size:3d}  {row['algorithm']:<18s} {row['speedup']:5.2f}x")
+                against = (
+                    f"  ({row['over_llama_best']:.2f}x llama.cpp's fastest)"
+                    if "over_llama_best" in row
+                    else ""
+                )
+                print(f"batch {size:3d}  {row['algorithm']:<18s} {row['speedup']:5.2f}x{against}")
             results["runs"].extend(rows)
     out_dir = Path(__file__).resolve().parent / "out"
     out_dir.mkdir(exist_ok=True)
     (out_dir / args.out).write_text(json.dumps(results, indent=2) + "\n")
     plot(results["runs"], out_dir / Path(args.out).with_suffix(".png").name, args.dataset)
+
+
+def llama_runs(args, prompts: list[str]) -> dict[str, float]:
+    """tok/s of each of --llama-modes over `prompts` at batch 1, given as the same token ids
+    (peers.py's runs; a mode that is not installed or fails is left out, saying so)."""
+    from peers import llama_speculative, peer_run
+
+    from spectral.models.resolve import gguf_source, model_files_dir
+    from spectral.models.resolved import load_tokenizer
+
+    tokenizer = load_tokenizer(model_files_dir(args.model_path))
+    ids = [tokenizer.encode(text, add_special_tokens=False) for text in prompts]
+    job = {
+        "prompts": ids,
+        "texts": prompts,
+        "batches": [],
+        "batch_prompts": [],
+        "max_new_tokens": args.max_new_tokens,
+        "context": max(len(p) for p in ids) + args.max_new_tokens + 16,
+        "threads": torch.get_num_threads(),
+        "dtype": "float32",
+        "hf_dir": None,
+        "gguf": str(gguf_source(args.model_path) or ""),
+        "draft_max": 3,
+    }
+    if not job["gguf"]:
+        print("llama.cpp runs GGUF files only; --llama-modes skipped")
+        return {}
+    speeds = {}
+    for mode in [m for m in args.llama_modes.split(",") if m]:
+        if mode == "plain":
+            result = peer_run("llama.cpp", job, timeout=3600)
+        else:
+            result = llama_speculative(mode, job, args.draft, timeout=3600)
+        if result is not None:
+            speeds[mode] = round(result["batch1_tok_s"], 2)
+    return speeds
 
 
 def plot(rows: list[dict], path: Path, dataset: str) -> None:
