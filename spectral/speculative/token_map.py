@@ -12,6 +12,7 @@ frequency in the tokenizer's own corpus), then the special tokens.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -63,8 +64,11 @@ def build_token_map(
     if not 0 < size <= vocab_size:
         raise ValueError(f"a token map's size must lie in [1, {vocab_size}] (got {size})")
     counts: collections.Counter[int] = collections.Counter()
-    for text in texts:
-        counts.update(tokenizer.encode(text, add_special_tokens=False))
+    texts = iter(texts)
+    # A batch at a time: a fast tokenizer encodes a batch's texts in parallel.
+    while batch := list(itertools.islice(texts, 64)):
+        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+            counts.update(ids)
     special = [i for i in tokenizer.all_special_ids if i < vocab_size]
     ranked = sorted((i for i in counts if i < vocab_size), key=lambda i: (-counts[i], i))
     chosen = dict.fromkeys(special)
