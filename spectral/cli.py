@@ -48,14 +48,14 @@ def run_demo(args: ServerArgs, max_new_tokens: int) -> None:
 
 def token_map_main(argv: list[str]) -> None:
     """`spectral token-map`: a hot-token map for --speculative-token-map from text files."""
-    import json
-    from pathlib import Path
-
-    import torch
-
     from spectral.models.resolve import model_files_dir
     from spectral.models.resolved import load_tokenizer
-    from spectral.speculative.token_map import DEFAULT_SIZE, build_token_map, corpus_texts
+    from spectral.speculative.token_map import (
+        DEFAULT_SIZE,
+        build_token_map,
+        corpus_texts,
+        save_token_map,
+    )
 
     parser = argparse.ArgumentParser(
         prog="spectral token-map",
@@ -76,12 +76,8 @@ def token_map_main(argv: list[str]) -> None:
         ids = build_token_map(texts, tokenizer, len(tokenizer), ns.size)
     except ValueError as err:
         parser.error(str(err))
-    output = Path(ns.output)
-    if output.suffix == ".json":
-        output.write_text(json.dumps(ids))
-    else:
-        torch.save(torch.tensor(ids, dtype=torch.int64), output)
-    print(f"wrote {len(ids)} of {len(tokenizer)} token ids to {output}")
+    save_token_map(ids, ns.output)
+    print(f"wrote {len(ids)} of {len(tokenizer)} token ids to {ns.output}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,9 +15,10 @@ from spectral.models.resolve import resolve_model_path
 
 # Two cores: one suite process uses both; under pytest-xdist (-n 2) each worker, and every
 # server or worker process it starts, uses one.
-if os.environ.get("PYTEST_XDIST_WORKER"):
+THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+if THREADS == 1:
     os.environ["OMP_NUM_THREADS"] = "1"
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+torch.set_num_threads(THREADS)
 
 
 def _build_test_kernels_beside() -> None:

@@ -246,7 +246,7 @@ def load_gguf_model(
     else:
         native += linear(model.lm_head, [head])
         model.lm_head_packed = model.lm_head.packed
-    if model.lm_head_packed is not None and len(tensor(head).data.shape) == 2:
+    if model.lm_head_packed is not None:
         # a draft's hot vocabulary packs its rows of the head again (LogitsHead.restricted)
         model.logits_head.pack_rows = lambda ids: blocks([head], config.hidden_size, ids)
     # The embedding's dense table is needed only by a tied LM head not served from blocks.

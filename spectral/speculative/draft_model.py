@@ -27,6 +27,7 @@ import torch
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.speculative.expansion import TreeExpansion
+from spectral.speculative.token_map import load_token_map
 
 # Requests drafted in one pass (the scratch rows are this times top-k).
 DRAFT_CHUNK = 16
@@ -63,12 +64,12 @@ class DraftModelDrafter:
         target_vocab_size: int,
         topk: int,
         num_steps: int,
-        hot_ids: torch.Tensor | None = None,
+        token_map: str | None = None,
     ) -> None:
         """`draft` is the draft LM's worker, its KV pool holding `num_target_slots` slots plus
         the scratch slots and its req-to-token table the scratch rows (`scratch_sizes`).
-        `hot_ids` (sorted token ids; speculative.token_map) restricts what it drafts to those
-        tokens: its LM head keeps only their rows."""
+        `token_map` (a file of token ids: speculative.token_map) restricts what it drafts to
+        those tokens: its LM head keeps only their rows."""
         rows, slots = scratch_sizes(topk, num_steps)
         # the target's slot ids run 0..num_target_slots (its pool's dummy slot among them)
         self.scratch_slot0 = num_target_slots + 1
@@ -83,12 +84,8 @@ class DraftModelDrafter:
         self.num_steps = num_steps
         self.vocab = min(target_vocab_size, draft.config.vocab_size)
         self.hot_ids: torch.Tensor | None = None
-        if hot_ids is not None:
-            if int(hot_ids.max()) >= self.vocab:
-                raise ValueError(
-                    f"the token map holds ids up to {int(hot_ids.max())}; the draft and the "
-                    f"target share {self.vocab} tokens"
-                )
+        if token_map is not None:
+            hot_ids = load_token_map(token_map, self.vocab)  # ids both models have
             draft.model.restrict_logits(hot_ids)
             self.hot_ids = hot_ids.to(draft.device)
             self.vocab = hot_ids.numel()

@@ -56,6 +56,16 @@ def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
     return ids
 
 
+def save_token_map(ids: list[int], path: str | Path) -> None:
+    """Write `ids` as a JSON list (a .json path) or, as SGLang's maps are, a tensor saved with
+    torch.save."""
+    path = Path(path)
+    if path.suffix == ".json":
+        path.write_text(json.dumps(ids))
+    else:
+        torch.save(torch.tensor(ids, dtype=torch.int64), path)
+
+
 def build_token_map(
     texts: Iterable[str], tokenizer, vocab_size: int, size: int = DEFAULT_SIZE
 ) -> list[int]:

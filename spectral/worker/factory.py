@@ -144,7 +144,6 @@ def draft_model_drafter(
     be padded to different sizes)."""
     from spectral.models.resolved import resolve_model
     from spectral.speculative.draft_model import DraftModelDrafter, scratch_sizes
-    from spectral.speculative.token_map import load_token_map
 
     topk, num_steps = spec.topk, spec.num_steps
 
@@ -175,9 +174,6 @@ def draft_model_drafter(
         attention_backend=args.attention_backend,
         use_cpu_kernels=not args.disable_cpu_kernels,
     )
-    hot_ids = None
-    if spec.token_map is not None:
-        hot_ids = load_token_map(spec.token_map, len(target_vocab))
     return DraftModelDrafter(
         worker,
         target.req_to_token,
@@ -185,7 +181,7 @@ def draft_model_drafter(
         model.vocab_size,
         topk,
         num_steps,
-        hot_ids,
+        spec.token_map,
     )
 
 
