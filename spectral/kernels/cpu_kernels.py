@@ -31,13 +31,15 @@ SOURCE = KERNEL_DIR / "module.cpp"
 # narrower ones of the kernels without the fused layer (SPECTRAL_TEST_BUILD) that tests hold
 # to the same references (AVX2 on an AVX-512 CPU, the scalar loops), at -O1 to cost the suite
 # less time.
-# A build lock older than this was left by a killed build.
-STALE_LOCK_S = 900
 ISA_FLAGS = {
     "native": ["-O3"],
     "avx2": ["-O1", "-mno-avx512f", "-DSPECTRAL_TEST_BUILD"],
     "scalar": ["-O1", "-DSPECTRAL_SCALAR", "-DSPECTRAL_TEST_BUILD"],
+    # the runtime's build without its software prefetches: bench/stream.py's baseline
+    "noprefetch": ["-O3", "-DSPECTRAL_PREFETCH_AHEAD=0"],
 }
+# A build lock older than this was left by a killed build.
+STALE_LOCK_S = 900
 
 
 @functools.cache
@@ -72,7 +74,7 @@ def module_name(isa: str) -> str:
 
 def build_dir_of(isa: str) -> Path:
     """Where the build of `isa` from these sources, for this CPU, torch and Python, lives."""
-    digest = hashlib.sha256(isa.encode())
+    digest = hashlib.sha256(" ".join([isa, *ISA_FLAGS[isa]]).encode())  # flags change the build
     for src in sorted(p for p in KERNEL_DIR.iterdir() if p.is_file()):
         digest.update(src.name.encode() + src.read_bytes())
     digest.update(torch.__version__.encode() + sys.version.encode())

@@ -70,6 +70,7 @@ void tile(const float* x, int64_t k, const W* panel, float* out) {
   for (int s = 0; s < kSets; ++s)
     for (int r = 0; r < R; ++r) lo[s][r] = hi[s][r] = Vec::zero();
   auto step = [&](int64_t i, int s) {
+    prefetch_ahead(panel + i * kNR, kNR * sizeof(W));
     accumulate<R>(lo[s], hi[s], x, k, i, Vec::load(panel + i * kNR),
                   Vec::load(panel + i * kNR + kLanes));
   };

@@ -114,6 +114,7 @@ inline void expand(const uint8_t* panel, int64_t k, bool bf16, Use&& use) {
   const int64_t blocks = k / kBlock;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = panel + b * packed_block_bytes(Kind);
+    prefetch_ahead(blk, packed_block_bytes(Kind));
     const float* d = reinterpret_cast<const float*>(blk);
     const int64_t i0 = b * kBlock;
 #if defined(SPECTRAL_VEC)
@@ -228,6 +229,7 @@ void row_tile(const float* x, int64_t k, const uint8_t* panel, const float* xsum
   Vec::R t0 = Vec::zero(), t1 = Vec::zero();
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const uint8_t* blk = panel + b * packed_block_bytes(Kind);
+    prefetch_ahead(blk, packed_block_bytes(Kind));
     const float* d = reinterpret_cast<const float*>(blk);
     const float* xb = x + b * kBlock;
     // Two sets of sums (alternate inputs), so that their multiply-adds overlap.
