@@ -500,7 +500,8 @@ class CountingLayer:
 def test_the_fused_decoder_layer_equals_the_layer_op_by_op(tiny_model_dir, dtype, shape):
     """Each layer as one kernel call (decode steps, tree verification, prefill chunks after a
     prefix) against the same layer run op by op through the same kernels and PyTorch glue;
-    and it really ran."""
+    and it really ran. All layers in one call (DecoderStack) give exactly the per-layer
+    calls' logits."""
     from spectral.worker.model_worker import ModelWorker
 
     worker = ModelWorker(
@@ -554,12 +555,16 @@ def test_the_fused_decoder_layer_equals_the_layer_op_by_op(tiny_model_dir, dtype
         )
         return worker.forward_logits(batch)
 
+    assert worker.model.fused_stack is not None
+    stacked = run()
+    worker.model.fused_stack = None
     layers = worker.model.layers
     counting = [CountingLayer(layer.fused) for layer in layers]
     for layer, c in zip(layers, counting):
         layer.fused = c
     fused = run()
     assert [c.calls for c in counting] == [1] * len(layers)
+    assert torch.equal(stacked, fused)
     for layer in layers:
         layer.fused = None
     op_by_op = run()

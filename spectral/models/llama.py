@@ -36,6 +36,23 @@ class LayerContext:
     kernels: ModuleType | None
     decode: DecodeKernelInputs | None = None
 
+    def fused_args(self, k, v) -> tuple:
+        """The arguments after x (and residual) of a fused layer's or stack's forward, with
+        its KV buffers k and v (a layer's, or every layer's as lists)."""
+        decode, batch = self.decode, self.batch
+        return (
+            batch.positions,
+            self.rotary.cos,
+            self.rotary.sin,
+            k,
+            v,
+            batch.out_cache_loc,
+            decode.kv_indices,
+            decode.seq_lens,
+            decode.scaling,
+            decode.extend_lens,
+        )
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
@@ -116,20 +133,10 @@ class LlamaDecoderLayer(nn.Module):
         is the hidden state (with residual None, x alone is)."""
         decode = ctx.decode
         if decode is not None and self.fused is not None:
-            layer, batch = self.self_attn.layer_id, ctx.batch
+            layer = self.self_attn.layer_id
+            pool = decode.kv_pool
             delta, residual = self.fused.forward(
-                x,
-                residual,
-                batch.positions,
-                ctx.rotary.cos,
-                ctx.rotary.sin,
-                decode.kv_pool.k[layer],
-                decode.kv_pool.v[layer],
-                batch.out_cache_loc,
-                decode.kv_indices,
-                decode.seq_lens,
-                decode.scaling,
-                decode.extend_lens,
+                x, residual, *ctx.fused_args(pool.k[layer], pool.v[layer])
             )
             return delta, residual
         h, residual = self.input_layernorm(x, residual)
@@ -143,6 +150,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.kernels: ModuleType | None = None
+        self.fused_stack = None  # kernels.DecoderStack of the fused layers (set_cpu_kernels)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, config.max_context_len)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
@@ -180,6 +188,10 @@ class LlamaForCausalLM(nn.Module):
         route_to_cpu_kernels(self, kernels)
         for layer in self.layers:
             layer.fuse(kernels)
+        fused = [layer.fused for layer in self.layers]
+        self.fused_stack = None  # every layer in one kernel call, where every layer has one
+        if kernels is not None and fused and all(f is not None for f in fused):
+            self.fused_stack = kernels.DecoderStack(fused)
         # Tied to the embedding, the LM head packs a copy of its own (lookups read rows).
         tied = self.config.tie_word_embeddings
         self.logits_head.set_kernels(kernels, None if tied else self.lm_head.packed)
@@ -201,6 +213,10 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         captured: list[torch.Tensor] = []
         capture = batch.capture_layers
+        if ctx.decode is not None and self.fused_stack is not None and not capture:
+            pool = ctx.decode.kv_pool
+            x, residual = self.fused_stack.forward(x, *ctx.fused_args(pool.k, pool.v))
+            return self.norm(x, residual)[0], captured
         for i, layer in enumerate(self.layers):
             if i in capture:
                 captured.append(x.clone() if residual is None else x + residual)
