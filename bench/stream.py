@@ -3,7 +3,8 @@
 kernel build against the same sources built without software prefetches (the `noprefetch`
 build), at a few rows of x, on random blocks of a 1.5B model's shapes, each matrix copied
 enough times to span ~600 MB and the copies read in turn. The roof, measured in the same run:
-torch's sum over 1 GiB of float32. Builds alternate, five rounds; medians.
+torch's sum over 512 MB of float32 (bench/cost_curve.py's probe). Builds alternate, five
+rounds; medians.
 
     python bench/stream.py [--rows 1,4] [--threads 2]
 """
@@ -21,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cost_curve import bandwidth_probe  # noqa: E402
 from spectral.kernels.cpu_kernels import load_cpu_kernels  # noqa: E402
 from spectral.layers.gguf_blocks import LAYOUTS, pack_blocks, pack_int8  # noqa: E402
 from tests.test_gguf_blocks import random_blocks  # noqa: E402
@@ -28,20 +30,6 @@ from tests.test_gguf_blocks import random_blocks  # noqa: E402
 # (format, output rows, inputs): a Q4_K gate|up, the Q6_K down projection and LM head.
 SHAPES = [("Q4_K", 17920, 1536), ("Q6_K", 1536, 8960), ("Q6_K", 151936, 1536)]
 SPAN = 600e6  # bytes of copies a measurement reads
-
-
-def roof_gb_s() -> float:
-    """A plain streaming read: torch's sum over 1 GiB, best of five."""
-    a = torch.ones(256 * 1024 * 1024)
-    a.sum()
-    best = min(_seconds(a.sum) for _ in range(5))
-    return a.numel() * 4 / best / 1e9
-
-
-def _seconds(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def read_all(kernels, x: torch.Tensor, copies: list[torch.Tensor], layout: str, n: int) -> float:
@@ -64,8 +52,10 @@ def main() -> None:
     if any(k is None for k in builds.values()):
         sys.exit("the CPU kernels do not build here")
     kernels = builds["prefetch"]
-    roof = roof_gb_s()
-    print(f"roof: torch sum over 1 GiB, {args.threads} threads: {roof:.1f} GB/s")
+    roof = bandwidth_probe(5)
+    print(
+        f"roof: a streaming read (bench/cost_curve.py's), {args.threads} threads: {roof:.1f} GB/s"
+    )
     rows = []
     for fmt, n, k in SHAPES:
         raw = torch.from_numpy(random_blocks(fmt, n, k // 256, 0))

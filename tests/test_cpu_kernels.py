@@ -501,7 +501,7 @@ def test_the_fused_decoder_layer_equals_the_layer_op_by_op(tiny_model_dir, dtype
     """Each layer as one kernel call (decode steps, tree verification, prefill chunks after a
     prefix) against the same layer run op by op through the same kernels and PyTorch glue;
     and it really ran. All layers in one call (DecoderStack) give exactly the per-layer
-    calls' logits."""
+    calls' logits, final hidden states and captured layer inputs."""
     from spectral.worker.model_worker import ModelWorker
 
     worker = ModelWorker(
@@ -541,7 +541,7 @@ def test_the_fused_decoder_layer_equals_the_layer_op_by_op(tiny_model_dir, dtype
         mode = ForwardMode.TARGET_VERIFY
     loc = torch.cat([table.table[r, n : n + e] for r, n, e in zip(rows, lens, new)])
 
-    def run() -> torch.Tensor:
+    def run(capture: tuple[int, ...] = ()) -> torch.Tensor:
         batch = ForwardBatch(
             mode=mode,
             input_ids=torch.tensor([5, 9, 11, 13, 17, 19, 23][: sum(new)]),
@@ -553,10 +553,17 @@ def test_the_fused_decoder_layer_equals_the_layer_op_by_op(tiny_model_dir, dtype
             custom_mask=custom,
             logits_rows="all" if shape != "decode" else "last",
         )
+        if capture:  # the final hidden states and the captured layer inputs, stacked
+            batch.capture_layers = capture
+            hidden, captured = worker.forward_hidden(batch)
+            return torch.stack([hidden, *captured])
         return worker.forward_logits(batch)
 
+    # what an EAGLE-3 head reads: the first layer's input, a middle one's, the last's output
+    capture = (0, len(worker.model.layers) // 2, len(worker.model.layers))
+
     assert worker.model.fused_stack is not None
-    stacked = run()
+    stacked, stacked_captured = run(), run(capture)
     worker.model.fused_stack = None
     layers = worker.model.layers
     counting = [CountingLayer(layer.fused) for layer in layers]
@@ -565,6 +572,7 @@ def test_the_fused_decoder_layer_equals_the_layer_op_by_op(tiny_model_dir, dtype
     fused = run()
     assert [c.calls for c in counting] == [1] * len(layers)
     assert torch.equal(stacked, fused)
+    assert torch.equal(stacked_captured, run(capture))
     for layer in layers:
         layer.fused = None
     op_by_op = run()

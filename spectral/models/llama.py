@@ -213,9 +213,10 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         captured: list[torch.Tensor] = []
         capture = batch.capture_layers
-        if ctx.decode is not None and self.fused_stack is not None and not capture:
+        if ctx.decode is not None and self.fused_stack is not None:
             pool = ctx.decode.kv_pool
-            x, residual = self.fused_stack.forward(x, *ctx.fused_args(pool.k, pool.v))
+            args = ctx.fused_args(pool.k, pool.v)
+            x, residual, *captured = self.fused_stack.forward(x, *args, sorted(capture))
             return self.norm(x, residual)[0], captured
         for i, layer in enumerate(self.layers):
             if i in capture:

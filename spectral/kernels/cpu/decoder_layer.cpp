@@ -125,7 +125,9 @@ struct DecoderLayer {
 
 // Every layer of a step in turn, in one call: what a Python loop over DecoderLayer.forward
 // gives, without its interpreter and argument conversions between the layers (6% of the
-// default model's decode step here). The KV pool is per layer (k_bufs[i], v_bufs[i]).
+// default model's decode step here). The KV pool is per layer (k_bufs[i], v_bufs[i]). Also
+// the hidden state entering each layer of `capture` (ascending; n: the last layer's output),
+// what an EAGLE-3 head reads.
 struct DecoderStack {
   std::vector<DecoderLayer> layers;
 
@@ -136,17 +138,30 @@ struct DecoderStack {
                                      const torch::Tensor& out_loc,
                                      const torch::Tensor& kv_indices,
                                      const torch::Tensor& seq_lens, double scale,
-                                     const c10::optional<torch::Tensor>& extend_lens) const {
-    const size_t n = layers.size();
-    TORCH_CHECK(k_bufs.size() == n && v_bufs.size() == n, "one K and one V buffer per layer (",
-                n, " layers, got ", k_bufs.size(), " and ", v_bufs.size(), ")");
-    std::vector<torch::Tensor> state{x, torch::Tensor()};
-    for (size_t i = 0; i < n; ++i) {
+                                     const c10::optional<torch::Tensor>& extend_lens,
+                                     const std::vector<int64_t>& capture) const {
+    const int64_t n = static_cast<int64_t>(layers.size());
+    TORCH_CHECK(static_cast<int64_t>(k_bufs.size()) == n &&
+                    static_cast<int64_t>(v_bufs.size()) == n,
+                "one K and one V buffer per layer (", n, " layers, got ", k_bufs.size(),
+                " and ", v_bufs.size(), ")");
+    for (size_t c = 0; c < capture.size(); ++c)
+      TORCH_CHECK(capture[c] >= 0 && capture[c] <= n && (c == 0 || capture[c] > capture[c - 1]),
+                  "capture: ascending layer indices in [0, ", n, "]");
+    std::vector<torch::Tensor> state{x, torch::Tensor()}, captured;
+    auto next = capture.begin();
+    for (int64_t i = 0; i <= n; ++i) {
+      if (next != capture.end() && *next == i) {
+        captured.push_back(i == 0 ? state[0].clone() : state[0] + state[1]);
+        ++next;
+      }
+      if (i == n) break;
       c10::optional<torch::Tensor> residual;
       if (i > 0) residual = state[1];
       state = layers[i].forward(state[0], residual, positions, cos, sin, k_bufs[i], v_bufs[i],
                                 out_loc, kv_indices, seq_lens, scale, extend_lens);
     }
+    state.insert(state.end(), captured.begin(), captured.end());
     return state;
   }
 };
@@ -181,10 +196,11 @@ void register_decoder_layer(pybind11::module& m) {
            "(layers): DecoderLayer objects, run in this order")
       .def("forward", &DecoderStack::forward,
            "(x, positions, cos, sin, k_bufs, v_bufs, out_loc, kv_indices, seq_lens, scale, "
-           "extend_lens) -> [delta, residual]: every layer in turn, as DecoderLayer.forward "
-           "from no residual",
+           "extend_lens, capture) -> [delta, residual, *captured]: every layer in turn, as "
+           "DecoderLayer.forward from no residual, and the inputs of the `capture` layers",
            pybind11::arg("x"), pybind11::arg("positions"), pybind11::arg("cos"),
            pybind11::arg("sin"), pybind11::arg("k_bufs"), pybind11::arg("v_bufs"),
            pybind11::arg("out_loc"), pybind11::arg("kv_indices"), pybind11::arg("seq_lens"),
-           pybind11::arg("scale"), pybind11::arg("extend_lens") = pybind11::none());
+           pybind11::arg("scale"), pybind11::arg("extend_lens") = pybind11::none(),
+           pybind11::arg("capture") = std::vector<int64_t>{});
 }
