@@ -6,19 +6,29 @@ rows; a row's result the same alone or among 64 at any position."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spectral.kernels.cpu_kernels import load_cpu_kernels
+from spectral.kernels.cpu_kernels import KERNEL_DIR, load_cpu_kernels
 from spectral.layers.gguf_blocks import BLOCKS, BlockParts, decode, pack_blocks, pack_int8
-from tests.test_cpu_kernels import NARROWER
+from tests.test_cpu_kernels import NARROWER, cpu_flags
 from tests.test_gguf_blocks import random_blocks
 
 kernels = load_cpu_kernels()
-BUILDS = {"native": kernels, **{isa: load_cpu_kernels(isa) for isa in NARROWER}}
+# Where the CPU has AVX2, also the VNNI tiles with vpdpbusd emulated (int8_dot.h): what a CPU
+# with VNNI runs natively, tested here on one without it.
+VNNI_EMULATED = {"vnni_emulated": 256} if "avx2" in cpu_flags() else {}
+BUILDS = {
+    "native": kernels,
+    **{isa: load_cpu_kernels(isa) for isa in {**NARROWER, **VNNI_EMULATED}},
+}
+HAS_VNNI = {"avx512_vnni", "avx512vl"} <= cpu_flags() or "avx_vnni" in cpu_flags()
 FORMATS = sorted(BLOCKS)
 F32 = np.float32
 
@@ -66,6 +76,51 @@ def int8_linear(build, x: torch.Tensor, raw: np.ndarray, fmt: str) -> torch.Tens
     """x through the integer path over `raw` blocks of `fmt`, packed as a model's are."""
     data, layout = pack_int8(torch.from_numpy(raw), fmt, x.shape[1], build)
     return build.gguf_linear(x, data, layout, raw.shape[0], None)
+
+
+def test_the_tiles_add_products_with_vnni_where_the_cpu_has_it():
+    assert kernels.int8_vnni() == (1 if HAS_VNNI else 0)
+    if VNNI_EMULATED:
+        assert BUILDS["vnni_emulated"].int8_vnni() == 2
+        assert BUILDS["vnni_emulated"].vector_bits() == 256
+
+
+@pytest.mark.parametrize(
+    "flags, vnni",
+    [
+        (["-mavx2"], 0),
+        (["-mavx2", "-mavx512f", "-mavx512vl", "-mavx512vnni"], 1),
+        (["-mavx2", "-mavxvnni"], 1),
+        (["-mavx2", "-DSPECTRAL_VNNI_EMULATED"], 2),
+    ],
+    ids=["avx2", "avx512-vnni", "avx-vnni", "emulated"],
+)
+def test_the_dot_product_compiles_for_every_instruction_set(flags, vnni, tmp_path):
+    """The VNNI forms this CPU may not run at least compile, with their instructions, under the
+    flags of the CPUs that have them (the emulated build above runs the same tile code)."""
+    compiler = shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler (the CPU kernels do not build either)")
+    source = tmp_path / "dot.cpp"
+    source.write_text(
+        f"""#include "int8_dot.h"
+using namespace spectral_cpu;
+static_assert(kVnni == {vnni}, "kVnni");
+__m256i run(__m256i u, __m256i s) {{
+  DotSum sum;
+  sum.add(u, s);
+  return dot4_add(sum.widen(), u, s);
+}}
+"""
+    )
+    cmd = [compiler, "-std=c++20", "-O1", "-S", *flags, "-I", str(KERNEL_DIR), str(source)]
+    done = subprocess.run(
+        [*cmd, "-o", str(tmp_path / "dot.s")], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    asm = (tmp_path / "dot.s").read_text()
+    assert ("vpdpbusd" in asm) == (vnni == 1)
+    assert ("vpmaddubsw" in asm) == (vnni == 0)
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))

@@ -35,6 +35,9 @@ ISA_FLAGS = {
     "native": ["-O3"],
     "avx2": ["-O1", "-mno-avx512f", "-DSPECTRAL_TEST_BUILD"],
     "scalar": ["-O1", "-DSPECTRAL_SCALAR", "-DSPECTRAL_TEST_BUILD"],
+    # the integer path's VNNI tiles with vpdpbusd emulated in AVX2 (int8_dot.h): their code
+    # tested on CPUs without the instruction
+    "vnni_emulated": ["-O1", "-mno-avx512f", "-DSPECTRAL_VNNI_EMULATED", "-DSPECTRAL_TEST_BUILD"],
     # the runtime's build without its software prefetches: bench/stream.py's baseline
     "noprefetch": ["-O3", "-DSPECTRAL_PREFETCH_AHEAD=0"],
 }

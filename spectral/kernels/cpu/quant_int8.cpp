@@ -29,12 +29,15 @@
 // go in as |w| against x carrying w's sign. int16 sums stay exact: a pair is at most
 // 2 * 15 * 127 (Q4_1; eight added), 2 * 31 * 127 (Q8_0m; four), 2 * 32 * 127 (Q8_0h; four) or
 // 2 * 128 * 127 (Q8_0; widened at once); `pack_q8_layout` refuses quants outside those ranges.
+// With VNNI the products go straight into int32 sums instead (int8_dot.h: the same integers).
 #include <atomic>
 #include <tuple>
 #include <cmath>
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#include "int8_dot.h"
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
@@ -144,7 +147,6 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
                        __m256i (&isum)[R][2 * kV]) {
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) xq[r] = x.q + (row0 + r) * x.k + b * kBlock;
-  const __m256i ones = _mm256_set1_epi16(1);
   auto bcast = [](const int8_t* p) {
     int32_t v;
     std::memcpy(&v, p, 4);
@@ -153,12 +155,10 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
   auto store = [&](int r, int half, int v, __m256i sum32) { isum[r][half * kV + v] = sum32; };
   // Each sum kept in a register as it is added to: left to itself the compiler computes a
   // group's products for every row first and spills them (a third of the instructions).
-  auto settle = [](__m256i& sum) { asm("" : "+v"(sum)); };
+  auto settle = [](DotSum& sum) { asm("" : "+v"(sum.v)); };
   if constexpr (Kind == kQ4_1 || Kind == kQ4_K) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
-    __m256i acc[R][kV];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kV; ++v) acc[r][v] = _mm256_setzero_si256();
+    DotSum acc[R][kV];
     for (int g = 0; g < 4; ++g) {
       __m256i lo[kV], hi[kV];
       for (int v = 0; v < kV; ++v) {
@@ -170,15 +170,14 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
       for (int r = 0; r < R; ++r) {
         const __m256i xa = bcast(xq[r] + 4 * g), xb = bcast(xq[r] + 16 + 4 * g);
         for (int v = 0; v < kV; ++v) {
-          acc[r][v] = _mm256_add_epi16(
-              acc[r][v], _mm256_add_epi16(_mm256_maddubs_epi16(lo[v], xa),
-                                          _mm256_maddubs_epi16(hi[v], xb)));
+          acc[r][v].add(lo[v], xa);
+          acc[r][v].add(hi[v], xb);
           settle(acc[r][v]);
         }
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kV; ++v) store(r, 0, v, _mm256_madd_epi16(acc[r][v], ones));
+      for (int v = 0; v < kV; ++v) store(r, 0, v, acc[r][v].widen());
   } else if constexpr (Kind == kQ5_0 || Kind == kQ5_1) {
     // Quants rebuilt from nibbles and fifth bits, eight columns at a time (the sums of two
     // accumulators a row fit the registers then): Q5_0's less 16 as |q| against x signed by
@@ -188,8 +187,7 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
     for (int v = 0; v < kV; ++v) {
       const __m256i high =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 16 * kNR + v * 32));
-      __m256i first[R], last[R];
-      for (int r = 0; r < R; ++r) first[r] = last[r] = _mm256_setzero_si256();
+      DotSum first[R], last[R];
       for (int g = 0; g < 4; ++g) {
         const __m256i w =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
@@ -204,24 +202,22 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
           const __m256i alo = _mm256_abs_epi8(lo), ahi = _mm256_abs_epi8(hi);
           for (int r = 0; r < R; ++r) {
             const __m256i xa = bcast(xq[r] + 4 * g), xb = bcast(xq[r] + 16 + 4 * g);
-            first[r] = _mm256_add_epi16(
-                first[r], _mm256_add_epi16(_mm256_maddubs_epi16(alo, _mm256_sign_epi8(xa, lo)),
-                                           _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(xb, hi))));
+            first[r].add(alo, _mm256_sign_epi8(xa, lo));
+            first[r].add(ahi, _mm256_sign_epi8(xb, hi));
             settle(first[r]);
           }
         } else {
           for (int r = 0; r < R; ++r) {
-            first[r] = _mm256_add_epi16(first[r], _mm256_maddubs_epi16(lo, bcast(xq[r] + 4 * g)));
+            first[r].add(lo, bcast(xq[r] + 4 * g));
             settle(first[r]);
-            last[r] = _mm256_add_epi16(last[r], _mm256_maddubs_epi16(hi, bcast(xq[r] + 16 + 4 * g)));
+            last[r].add(hi, bcast(xq[r] + 16 + 4 * g));
             settle(last[r]);
           }
         }
       }
       for (int r = 0; r < R; ++r) {
-        const __m256i sum = _mm256_madd_epi16(first[r], ones);
-        store(r, 0, v,
-              Kind == kQ5_0 ? sum : _mm256_add_epi32(sum, _mm256_madd_epi16(last[r], ones)));
+        const __m256i sum = first[r].widen();
+        store(r, 0, v, Kind == kQ5_0 ? sum : _mm256_add_epi32(sum, last[r].widen()));
       }
     }
   } else if constexpr (Kind == kQ6_K) {
@@ -229,9 +225,7 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
     // first 16 inputs (low nibbles) and the last 16 (high nibbles) apart, four groups each.
     const __m256i mask = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
     const __m256i bias = _mm256_set1_epi8(32);
-    __m256i first[R][kV], last[R][kV];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kV; ++v) first[r][v] = last[r][v] = _mm256_setzero_si256();
+    DotSum first[R][kV], last[R][kV];
     for (int g = 0; g < 4; ++g) {
       __m256i lo[kV], hi[kV];
       for (int v = 0; v < kV; ++v) {
@@ -253,24 +247,21 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
       for (int r = 0; r < R; ++r) {
         const __m256i xa = bcast(xq[r] + 4 * g), xb = bcast(xq[r] + 16 + 4 * g);
         for (int v = 0; v < kV; ++v) {
-          first[r][v] = _mm256_add_epi16(
-              first[r][v], _mm256_maddubs_epi16(alo[v], _mm256_sign_epi8(xa, lo[v])));
+          first[r][v].add(alo[v], _mm256_sign_epi8(xa, lo[v]));
           settle(first[r][v]);
-          last[r][v] = _mm256_add_epi16(
-              last[r][v], _mm256_maddubs_epi16(ahi[v], _mm256_sign_epi8(xb, hi[v])));
+          last[r][v].add(ahi[v], _mm256_sign_epi8(xb, hi[v]));
           settle(last[r][v]);
         }
       }
     }
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kV; ++v) {
-        store(r, 0, v, _mm256_madd_epi16(first[r][v], ones));
-        store(r, 1, v, _mm256_madd_epi16(last[r][v], ones));
+        store(r, 0, v, first[r][v].widen());
+        store(r, 1, v, last[r][v].widen());
       }
   } else if constexpr (Kind == kQ8_0) {
-    __m256i acc[R][kV];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kV; ++v) acc[r][v] = _mm256_setzero_si256();
+    // A group's pair sums reach 2 * 128 * 127: widened at once (dot4_add) instead of summed.
+    DotSum acc[R][kV];  // int32 sums here, whatever the build
     for (int g = 0; g < 8; ++g) {
       __m256i w[kV], aw[kV];
       for (int v = 0; v < kV; ++v) {
@@ -280,21 +271,18 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
       for (int r = 0; r < R; ++r) {
         const __m256i xg = bcast(xq[r] + 4 * g);
         for (int v = 0; v < kV; ++v) {
-          const __m256i p = _mm256_maddubs_epi16(aw[v], _mm256_sign_epi8(xg, w[v]));
-          acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(p, ones));
+          acc[r][v].v = dot4_add(acc[r][v].v, aw[v], _mm256_sign_epi8(xg, w[v]));
           settle(acc[r][v]);
         }
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kV; ++v) store(r, 0, v, acc[r][v]);
+      for (int v = 0; v < kV; ++v) store(r, 0, v, acc[r][v].v);
   } else {
     // Q8_0m (unsigned quants) and Q8_0h (signed): groups 0..3 and 4..7 in int16 apart, the two
     // halves of the block (Q8_0h keeps them apart: each has its own d).
     for (int half = 0; half < 2; ++half) {
-      __m256i acc[R][kV];
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < kV; ++v) acc[r][v] = _mm256_setzero_si256();
+      DotSum acc[R][kV];
       for (int g = 4 * half; g < 4 * half + 4; ++g) {
         __m256i w[kV], aw[kV];
         for (int v = 0; v < kV; ++v) {
@@ -304,14 +292,13 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
         for (int r = 0; r < R; ++r) {
           const __m256i xg = bcast(xq[r] + 4 * g);
           for (int v = 0; v < kV; ++v) {
-            const __m256i xs = Kind == kQ8_0h ? _mm256_sign_epi8(xg, w[v]) : xg;
-            acc[r][v] = _mm256_add_epi16(acc[r][v], _mm256_maddubs_epi16(aw[v], xs));
+            acc[r][v].add(aw[v], Kind == kQ8_0h ? _mm256_sign_epi8(xg, w[v]) : xg);
             settle(acc[r][v]);
           }
         }
       }
       for (int r = 0; r < R; ++r)
-        for (int v = 0; v < kV; ++v) store(r, half, v, _mm256_madd_epi16(acc[r][v], ones));
+        for (int v = 0; v < kV; ++v) store(r, half, v, acc[r][v].widen());
     }
     if constexpr (Kind == kQ8_0m) {
       for (int r = 0; r < R; ++r)
@@ -804,6 +791,9 @@ void register_quant_int8(pybind11::module& m) {
   m.def("linear_parts", &linear_parts,
         "x @ w.T (+ bias) for a weight in parts stacked by rows (x quantized once for all "
         "integer-path parts)");
+  m.def("int8_vnni", [] { return spectral_cpu::kVnni; },
+        "how the integer path's tiles add products: 1 VNNI (vpdpbusd), 2 its AVX2 emulation "
+        "(a test build), 0 maddubs into int16");
   m.def("gguf_linear_q8", &gguf_linear_q8,
         "x @ w.T (+ bias) from x quantized by quantize_q8, in integer dot products per block");
 }
