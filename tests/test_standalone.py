@@ -7,6 +7,7 @@ with another tokenizer refused; a hot-token map drafting only its tokens."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from pathlib import Path
@@ -75,17 +76,26 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_greedy_output_equals_plain_decoding(
-    case: str, peaky_model_dir: str, draft_dir: str, plain_outputs: list[list[int]]
-) -> None:
+def check_greedy_case(make, case: str, plain_outputs: list[list[int]]):
+    """The scheduler `make(**options)` builds for `case` gives plain decoding's greedy output on
+    the test prompts, every request through rounds; returns the scheduler."""
     opts = dict(CASES[case])
     at_once = opts.pop("at_once")
-    s = standalone(peaky_model_dir, draft_dir, **opts)
+    s = make(**opts)
     count = 8 if at_once == 1 else 20
     reqs = run(s, prompts(20)[:count], at_once=at_once, temperature=0.0)
     assert [r.output_ids for r in reqs] == plain_outputs[:count]
     assert all(r.spec.verify_ct > 0 for r in reqs)
+    return s
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_output_equals_plain_decoding(
+    case: str, peaky_model_dir: str, draft_dir: str, plain_outputs: list[list[int]]
+) -> None:
+    check_greedy_case(
+        functools.partial(standalone, peaky_model_dir, draft_dir), case, plain_outputs
+    )
 
 
 def accepted_per_round(s) -> float:
@@ -137,21 +147,24 @@ def test_retraction_and_aborts_keep_output_equal_and_free_everything(
     assert reqs[1].finished_reason.type == "abort"
 
 
-def test_grammars_keep_greedy_output_equal(peaky_model_dir: str, draft_dir: str) -> None:
+def check_grammars_keep_greedy_output(model_dir: str, spec) -> None:
+    """Greedy output under two regexes: the speculative scheduler `spec` (which runs rounds)
+    gives plain decoding's."""
     batch = prompts(6, seed=9)
     grammars = [{"regex": "(yes|no), [0-9]{2,4}"}, {"regex": "[a-f]{3,12}"}]
     expected = {}
-    for name, s in (
-        ("plain", make_spec_scheduler(peaky_model_dir)),
-        ("draft", standalone(peaky_model_dir, peaky_model_dir)),
-    ):
+    for name, s in (("plain", make_spec_scheduler(model_dir)), ("spec", spec)):
         outputs = []
         for grammar in grammars:
             outputs += [r.output_ids for r in run(s, batch, temperature=0.0, **grammar)]
         expected[name] = outputs
-        if name == "draft":
-            assert s.stats.spec_verify_ct > 0
-    assert expected["draft"] == expected["plain"]
+    assert spec.stats.spec_verify_ct > 0
+    assert not scheduler_leaks(spec)
+    assert expected["spec"] == expected["plain"]
+
+
+def test_grammars_keep_greedy_output_equal(peaky_model_dir: str) -> None:
+    check_grammars_keep_greedy_output(peaky_model_dir, standalone(peaky_model_dir, peaky_model_dir))
 
 
 def sampled_pairs(s, prompt: list[int], n: int) -> Counter:
@@ -176,9 +189,17 @@ def test_sampled_output_follows_plain_sampling_and_a_control_without_verificatio
         speculative_max_batch_size=64,
         max_running_requests=64,
     )
-    s = standalone(tiny_model_dir, tiny_model_dir, **options)
-    spec = sampled_pairs(s, prompt, 240)
-    assert accepted_per_round(s) > 0.5  # drafts were accepted: verification was exercised
+    make = functools.partial(standalone, tiny_model_dir, tiny_model_dir, **options)
+    check_sampling_and_control(monkeypatch, plain, make, lambda s: sampled_pairs(s, prompt, 240))
+
+
+def check_sampling_and_control(monkeypatch, plain: Counter, make, sample, accepted: float = 0.5):
+    """`sample(make())` follows the `plain` samples (chi-squared), its rounds accepting more than
+    `accepted` drafts a round; with verification replaced by accepting the drafts the target's
+    most likely tokens agree with, it must not."""
+    s = make()
+    spec = sample(s)
+    assert accepted_per_round(s) > accepted  # drafts were accepted: verification was exercised
     keys = sorted(set(plain) | set(spec))
     stat, dof = two_sample_chi2(plain, spec, keys)
     assert stat < chi2_critical(dof), (plain, spec)
@@ -188,7 +209,7 @@ def test_sampled_output_follows_plain_sampling_and_a_control_without_verificatio
         "verify_sampling",
         lambda trees, probs, generators: verify_greedy(trees, probs.argmax(-1)),
     )
-    control = sampled_pairs(standalone(tiny_model_dir, tiny_model_dir, **options), prompt, 240)
+    control = sample(make())
     keys = sorted(set(plain) | set(control))
     stat, dof = two_sample_chi2(plain, control, keys)
     assert stat > chi2_critical(max(dof, 1)), (plain, control)

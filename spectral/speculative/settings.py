@@ -5,11 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
+ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "MEDUSA", "NGRAM")
 
 # Defaults for the embedded model on a CPU: (num_steps, topk, num_draft_tokens), tuned with
 # bench/spec_tune.py (docs/speculative.md, "Batch sizes and tree shapes").
-DEFAULTS = {"EAGLE": (3, 2, 4), "EAGLE3": (3, 2, 4), "STANDALONE": (4, 2, 6), "NGRAM": (3, 1, 4)}
+DEFAULTS = {
+    "EAGLE": (3, 2, 4),
+    "EAGLE3": (3, 2, 4),
+    "STANDALONE": (4, 2, 6),
+    "MEDUSA": (3, 2, 4),
+    "NGRAM": (3, 1, 4),
+}
 # NGRAM drafts only from a suffix match of at least this many tokens (one-token matches are
 # right too rarely to pay for their verification).
 DEFAULT_NGRAM_MIN_MATCH = 2
@@ -51,8 +57,9 @@ class SpecSettings:
 
     @property
     def uses_draft_head(self) -> bool:
-        """A drafter runs in the worker: an EAGLE head or a draft model (STANDALONE)."""
-        return self.algorithm in ("EAGLE", "EAGLE3", "STANDALONE")
+        """A drafter runs in the worker: an EAGLE head, a draft model (STANDALONE) or Medusa
+        heads."""
+        return self.algorithm in ("EAGLE", "EAGLE3", "STANDALONE", "MEDUSA")
 
     @property
     def is_eagle(self) -> bool:
@@ -99,6 +106,12 @@ class SpecSettings:
                 "--speculative-algorithm STANDALONE needs --speculative-draft-model-path: a "
                 "small LM with the target's tokenizer (a GGUF file or a HF model directory)"
             )
+        if algo == "MEDUSA" and not path:
+            raise ValueError(
+                "--speculative-algorithm MEDUSA needs --speculative-draft-model-path: a Medusa "
+                "head directory (config.json with medusa_num_heads, medusa_lm_head.safetensors; "
+                "`spectral train-medusa` writes one)"
+            )
         if algo == "NGRAM" and path:
             raise ValueError("NGRAM drafts without a model; drop --speculative-draft-model-path")
         for name, value in (
@@ -141,7 +154,7 @@ class SpecSettings:
         if hybrid and algo == "NGRAM":
             raise ValueError(
                 "--speculative-hybrid-ngram pairs n-gram drafts with a drafter's "
-                "(EAGLE, EAGLE3 or STANDALONE); NGRAM alone already drafts by n-gram"
+                "(EAGLE, EAGLE3, STANDALONE or MEDUSA); NGRAM alone already drafts by n-gram"
             )
         if hybrid == 1 or hybrid < 0:
             raise ValueError(

@@ -67,6 +67,20 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
     drafter = None
     if spec.algorithm == "STANDALONE":
         drafter = draft_model_drafter(args, model, worker, spec)
+    elif spec.algorithm == "MEDUSA":
+        from spectral.speculative.medusa import MedusaDrafter, load_medusa_heads
+
+        heads = load_medusa_heads(
+            spec.draft_model_path,
+            worker.config.hidden_size,
+            worker.config.vocab_size,
+            dtype,
+            device,
+        )
+        heads.set_cpu_kernels(worker.model.kernels, spec.draft_quantization)
+        drafter = MedusaDrafter(
+            heads, worker.req_to_token.max_requests, spec.topk, spec.num_steps, dtype, device
+        )
     elif spec.uses_draft_head:
         from spectral.speculative.eagle_drafter import EagleDrafter
         from spectral.speculative.eagle_head import load_draft_head
@@ -121,7 +135,7 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
             "algorithm": spec.algorithm,
             "head": _file_stamp(
                 spec.draft_model_path
-                if spec.algorithm == "STANDALONE"
+                if spec.algorithm in ("STANDALONE", "MEDUSA")
                 else resolve_draft_path(spec.draft_model_path)
             )
             if spec.uses_draft_head
