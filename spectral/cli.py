@@ -1,5 +1,6 @@
 """The `spectral` command: `serve` runs the HTTP server, `demo` an offline generation demo,
-`token-map` writes a draft's hot-token map, `train-eagle3` trains a draft head."""
+`token-map` writes a draft's hot-token map, `train-eagle3` trains a draft head,
+`train-medusa` trains Medusa heads."""
 
 from __future__ import annotations
 
@@ -87,12 +88,18 @@ def main(argv: list[str] | None = None) -> None:
 
         train_main(argv[1:])
         return
+    if argv and argv[0] == "train-medusa":
+        from spectral.training.medusa_train import main as medusa_main
+
+        medusa_main(argv[1:])
+        return
     if argv and argv[0] == "token-map":
         token_map_main(argv[1:])
         return
     parser = argparse.ArgumentParser(
         prog="spectral",
-        epilog="spectral train-eagle3 --help: train an EAGLE-3 draft head; spectral token-map "
+        epilog="spectral train-eagle3 --help: train an EAGLE-3 draft head; spectral "
+        "train-medusa --help: train Medusa heads; spectral token-map "
         "--help: a draft's hot-token map",
     )
     sub = parser.add_subparsers(dest="command", required=True)

@@ -13,7 +13,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -52,6 +52,43 @@ def load_run_samples(
     return samples, held_out
 
 
+@dataclass
+class RunSetup:
+    """What every training run starts from: its device and work directory (made), the target's
+    directory and config, and its training and held-out samples (`training_files`: the target's
+    own answers are generated here where the run has no data)."""
+
+    device: torch.device
+    work: Path
+    model_dir: str
+    target_config: ModelConfig
+    samples: list[Sample]
+    held_out: list[Sample]
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> RunSetup:
+        from transformers import AutoTokenizer
+
+        from spectral.models.resolve import resolve_model_path
+
+        device = resolve_device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        work = Path(cfg.work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        model_dir = resolve_model_path(cfg.model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+        def start_engine():
+            from spectral import Engine
+
+            return Engine(model_path=cfg.model_path, dtype="auto", max_running_requests=64)
+
+        samples, held_out = load_run_samples(cfg, training_files(cfg, start_engine), tokenizer)
+        return cls(
+            device, work, model_dir, ModelConfig.from_pretrained(model_dir), samples, held_out
+        )
+
+
 def init_head(
     head: DraftHead,
     cfg: TrainConfig,
@@ -85,26 +122,11 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 def train(cfg: TrainConfig) -> DraftHead:
     """Train the head `cfg` describes, resuming work_dir's checkpoint when there is one; at
     every save, score the held-out samples, checkpoint, and export to `cfg.out`."""
-    from transformers import AutoTokenizer
-
-    from spectral.models.resolve import resolve_model_path
-
     if cfg.rebuild_vocab and not cfg.init_from:
         raise SystemExit("--rebuild-vocab moves an --init-from head to a new vocabulary")
-    device = resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    work = Path(cfg.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir = resolve_model_path(cfg.model_path)
-    target_config = ModelConfig.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-
-    def start_engine():
-        from spectral import Engine
-
-        return Engine(model_path=cfg.model_path, dtype="auto", max_running_requests=64)
-
-    samples, held_out = load_run_samples(cfg, training_files(cfg, start_engine), tokenizer)
+    run = RunSetup.of(cfg)
+    device, work, model_dir, target_config = run.device, run.work, run.model_dir, run.target_config
+    samples, held_out = run.samples, run.held_out
 
     head = new_head(target_config, cfg)
     teacher = Teacher(model_dir, head.cfg.aux_layers, torch.bfloat16, device)
