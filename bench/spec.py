@@ -24,6 +24,8 @@ bench/out/spec.json.
 print(s.get_paths()["stdlib"])')"
     python bench/spec.py ... --algorithms STANDALONE,STANDALONE+MAP \
         --token-map bench/out/stdlib-map.json
+    # Medusa heads (spectral train-medusa writes them), beside NGRAM:
+    python bench/spec.py --batches 1 --algorithms MEDUSA,NGRAM --medusa models/medusa-smollm2-135m
 
 Trees are sized per round by the tree planner from the measured cost model (`--fixed-tree`:
 every round the full tree); each row also prints the tree nodes verified per request and round
@@ -131,6 +133,9 @@ def main() -> None:
     )
     ap.add_argument("--draft", default="default", help="EAGLE3 head directory")
     ap.add_argument(
+        "--medusa", default=None, help="MEDUSA: a Medusa head directory (spectral train-medusa)"
+    )
+    ap.add_argument(
         "--token-map",
         default=None,
         help="STANDALONE+MAP: the draft's hot-token map (`spectral token-map` writes one)",
@@ -197,7 +202,9 @@ def main() -> None:
                 **common,
                 max_running_requests=size,
                 speculative_algorithm=name,
-                speculative_draft_model_path=args.draft if name != "NGRAM" else None,
+                speculative_draft_model_path=(
+                    None if name == "NGRAM" else args.medusa if name == "MEDUSA" else args.draft
+                ),
                 speculative_hybrid_ngram=args.hybrid_ngram if "NGRAM" in extras else 0,
                 speculative_hybrid_merge="MERGE" in extras,
                 speculative_token_map=args.token_map if "MAP" in extras else None,
