@@ -528,7 +528,9 @@ def test_settings_refuse_what_cannot_work(tmp_path: Path, peaky_model_dir: str) 
             speculative_hybrid_ngram=0,
             speculative_hybrid_merge=True,
         )
-    with pytest.raises(ValueError, match="must be one of EAGLE, EAGLE3, STANDALONE, NGRAM"):
+    with pytest.raises(ValueError, match="must be one of EAGLE, EAGLE3, STANDALONE, MEDUSA, NGRAM"):
+        ServerArgs(speculative_algorithm="LOOKAHEAD")
+    with pytest.raises(ValueError, match="MEDUSA needs --speculative-draft-model-path"):
         ServerArgs(speculative_algorithm="MEDUSA")
     with pytest.raises(ValueError, match="exceeds what 2 steps of top-2 can draft"):
         ServerArgs(
