@@ -203,7 +203,11 @@ def main() -> None:
                 max_running_requests=size,
                 speculative_algorithm=name,
                 speculative_draft_model_path=(
-                    None if name == "NGRAM" else args.medusa if name == "MEDUSA" else args.draft
+                    None
+                    if name in ("NGRAM", "LOOKAHEAD")
+                    else args.medusa
+                    if name == "MEDUSA"
+                    else args.draft
                 ),
                 speculative_hybrid_ngram=args.hybrid_ngram if "NGRAM" in extras else 0,
                 speculative_hybrid_merge="MERGE" in extras,
@@ -225,7 +229,7 @@ def main() -> None:
                 "predicted_gain": planned.get("predicted_gain"),
                 "measured_gain": planned.get("measured_gain"),
             }
-            if name != "NGRAM" and size == 1 and args.humaneval:
+            if name not in ("NGRAM", "LOOKAHEAD") and size == 1 and args.humaneval:
                 code = [chat(engine.tokenizer, p) for p in humaneval_prompts(args.humaneval)]
                 _, _, row["humaneval_accept_length"] = measure(
                     engine, code, args.max_new_tokens, temp

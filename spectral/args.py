@@ -59,6 +59,9 @@ class ServerArgs:
     speculative_draft_quantization: str = "q8_0"
     speculative_cost_model: str | None = None
     speculative_token_map: str | None = None
+    speculative_lookahead_window: int | None = None
+    speculative_lookahead_ngram: int | None = None
+    speculative_lookahead_guesses: int | None = None
     # Server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -202,8 +205,8 @@ class ServerArgs:
             "disable_cpu_kernels": "use plain PyTorch matmuls instead of spectral's C++ kernels",
             "random_seed": "seed for unseeded sampling",
             "num_threads": "CPU threads of the model worker (default: torch's, one per core)",
-            "speculative_algorithm": "EAGLE, EAGLE3 (draft head), STANDALONE (draft model) or "
-            "NGRAM (no model)",
+            "speculative_algorithm": "EAGLE, EAGLE3 (draft head), STANDALONE (draft model), "
+            "MEDUSA (Medusa heads), NGRAM or LOOKAHEAD (no model)",
             "speculative_draft_model_path": "draft head directory (EAGLE/EAGLE3; 'default' for "
             "the head shipped for the default model), or the draft LM (STANDALONE: a GGUF file "
             "or HF directory with the target's tokenizer)",
@@ -230,6 +233,11 @@ class ServerArgs:
             "speculative_hybrid_ngram": "EAGLE/EAGLE3: n-gram trees of up to N tokens (root "
             "included), verified instead of the head's tree in rounds whose last tokens repeat "
             "earlier ones (default 8; 0: the head drafts every round)",
+            "speculative_lookahead_window": "LOOKAHEAD: guessed tokens verified as a Jacobi "
+            "chain each round (W, default 3)",
+            "speculative_lookahead_ngram": "LOOKAHEAD: n-gram size of its pool (N, default 3)",
+            "speculative_lookahead_guesses": "LOOKAHEAD: pool continuations of the root verified "
+            "each round (G, default 2)",
             "speculative_hybrid_merge": "with n-gram trees: verify each one together with the "
             "head's tree (their union) instead of in its place",
             "host": "address to bind (default loopback only)",

@@ -72,7 +72,7 @@ def test_greedy_output_equals_plain_decoding(
 ) -> None:
     """On a model of the tokenizer's vocabulary, where these heads' drafts are mostly wrong."""
     s = check_greedy_case(
-        functools.partial(medusa, peaky_model_dir, heads_dir), case, plain_outputs
+        functools.partial(medusa, peaky_model_dir, heads_dir), CASES[case], plain_outputs
     )
     assert not scheduler_leaks(s)
 
@@ -83,11 +83,18 @@ def test_greedy_output_equals_plain_decoding_where_drafts_are_accepted(
 ) -> None:
     """On a model of 16 tokens, where many of the same kind of heads' drafts are right."""
     heads = random_heads(small_vocab_model_dir, tmp_path / "heads", seed=1)
-    opts = dict(CASES[case])
+    make = functools.partial(medusa, small_vocab_model_dir, heads)
+    check_small_vocab_greedy(small_vocab_model_dir, make, CASES[case])
+
+
+def check_small_vocab_greedy(model_dir: str, make, case: dict) -> None:
+    """On the 16-token model: `make(**options)`'s greedy output (`case`: options and
+    `at_once`) is plain decoding's, its rounds accepting drafts, nothing leaked."""
+    opts = dict(case)
     at_once = opts.pop("at_once")
     batch = [[t % 16 for t in p] for p in prompts(12, seed=4)]
-    plain = run(make_spec_scheduler(small_vocab_model_dir), batch, temperature=0.0, ignore_eos=True)
-    s = medusa(small_vocab_model_dir, heads, **opts)
+    plain = run(make_spec_scheduler(model_dir), batch, temperature=0.0, ignore_eos=True)
+    s = make(**opts)
     reqs = run(s, batch, at_once=at_once, temperature=0.0, ignore_eos=True)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     assert s.stats.spec_emitted_tokens > 1.3 * s.stats.spec_verify_ct  # drafts were accepted

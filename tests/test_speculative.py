@@ -528,8 +528,14 @@ def test_settings_refuse_what_cannot_work(tmp_path: Path, peaky_model_dir: str) 
             speculative_hybrid_ngram=0,
             speculative_hybrid_merge=True,
         )
-    with pytest.raises(ValueError, match="must be one of EAGLE, EAGLE3, STANDALONE, MEDUSA, NGRAM"):
-        ServerArgs(speculative_algorithm="LOOKAHEAD")
+    with pytest.raises(
+        ValueError, match="must be one of EAGLE, EAGLE3, STANDALONE, MEDUSA, NGRAM, LOOKAHEAD"
+    ):
+        ServerArgs(speculative_algorithm="JACOBI")
+    with pytest.raises(ValueError, match="LOOKAHEAD drafts without a model"):
+        ServerArgs(speculative_algorithm="LOOKAHEAD", speculative_draft_model_path="x")
+    with pytest.raises(ValueError, match="lookahead-window >= 1.*got 0, 3, 2"):
+        ServerArgs(speculative_algorithm="LOOKAHEAD", speculative_lookahead_window=0)
     with pytest.raises(ValueError, match="MEDUSA needs --speculative-draft-model-path"):
         ServerArgs(speculative_algorithm="MEDUSA")
     with pytest.raises(ValueError, match="exceeds what 2 steps of top-2 can draft"):

@@ -76,10 +76,11 @@ CASES = {
 }
 
 
-def check_greedy_case(make, case: str, plain_outputs: list[list[int]]):
-    """The scheduler `make(**options)` builds for `case` gives plain decoding's greedy output on
-    the test prompts, every request through rounds; returns the scheduler."""
-    opts = dict(CASES[case])
+def check_greedy_case(make, case: dict, plain_outputs: list[list[int]]):
+    """The scheduler `make(**options)` builds for `case` (its options and `at_once`, the
+    requests in flight) gives plain decoding's greedy output on the test prompts, every request
+    through rounds; returns the scheduler."""
+    opts = dict(case)
     at_once = opts.pop("at_once")
     s = make(**opts)
     count = 8 if at_once == 1 else 20
@@ -94,7 +95,7 @@ def test_greedy_output_equals_plain_decoding(
     case: str, peaky_model_dir: str, draft_dir: str, plain_outputs: list[list[int]]
 ) -> None:
     check_greedy_case(
-        functools.partial(standalone, peaky_model_dir, draft_dir), case, plain_outputs
+        functools.partial(standalone, peaky_model_dir, draft_dir), CASES[case], plain_outputs
     )
 
 

@@ -39,6 +39,7 @@ class SpecState:
     draft_tokens: list[int] | None = None
     draft_parents: list[int] | None = None
     ngram: Any = None  # the n-gram drafter's state for this request
+    lookahead: Any = None  # LOOKAHEAD's window and pool for this request
     # The tree planner's view: which statistics this round's tree counts in, the accepted
     # drafts against what they expected, the head's confidence in its next draft (if known).
     kind: str = ""

@@ -88,3 +88,6 @@ class WorkerResult:
     # With a draft head: per request, the head's top-1 probability after its last verified
     # token (None where not known), the confidence the planner sizes its next tree by.
     draft_top1: list[float | None] = field(default_factory=list)
+    # TARGET_VERIFY: per request, the target's greedy choice after each tree node (root first),
+    # on the logits verification used (LOOKAHEAD's Jacobi iterations read them).
+    node_next_ids: list[list[int]] = field(default_factory=list)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from spectral.core.forward import ForwardMode
 from spectral.core.req import FinishReason, Req
 from spectral.speculative.cost_model import CostModel
+from spectral.speculative.lookahead import LookaheadDrafter, LookaheadState
 from spectral.speculative.ngram import NgramDrafter, NgramState
 from spectral.speculative.planner import Plan, PlanInput, TreePlanner, head_bucket, ngram_bucket
 from spectral.speculative.settings import SpecSettings
@@ -43,6 +44,9 @@ class SpecRound:
                 min_ngram=spec.ngram_min_match,
                 max_ngram=spec.ngram_max_match,
             )
+        self.lookahead: LookaheadDrafter | None = None
+        if spec.algorithm == "LOOKAHEAD":
+            self.lookahead = LookaheadDrafter(*spec.lookahead)
         self.planner: TreePlanner | None = None
         if cost_model is not None and not spec.fixed_tree:
             self.planner = TreePlanner(
@@ -71,6 +75,18 @@ class SpecRound:
                         tokens[: room - 1],
                         parents[: room - 1],
                     )
+            if self.lookahead is not None:
+                if req.spec.lookahead is None:
+                    req.spec.lookahead = LookaheadState()
+                state = req.spec.lookahead
+                tokens, parents = self.lookahead.propose(req.all_ids, state)
+                # acceptance counted apart for trees with and without pool continuations
+                size = 1 + len(tokens)
+                kind = ngram_bucket(int(len(tokens) > len(state.chain_nodes)))
+                req.spec.draft_tokens, req.spec.draft_parents = (
+                    tokens[: room - 1],
+                    parents[: room - 1],
+                )
             req.spec.kind = kind
             inputs.append(
                 PlanInput(kind, min(size, room), req.spec.accepted_tokens, req.spec.expected_drafts)
@@ -126,6 +142,10 @@ class SpecRound:
         """Learn acceptance by rank from request `req`'s (row `i`) verified round of
         `verified` non-root nodes."""
         req.spec.draft_tokens = req.spec.draft_parents = None
+        if self.lookahead is not None and result.node_next_ids:
+            self.lookahead.observe(
+                req.spec.lookahead, result.node_next_ids[i], verified, len(result.emitted_ids[i])
+            )
         if self.planner is None or not result.node_ranks:
             return
         ranks = result.node_ranks[i]

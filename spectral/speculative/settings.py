@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "MEDUSA", "NGRAM")
+ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "MEDUSA", "NGRAM", "LOOKAHEAD")
 
 # Defaults for the embedded model on a CPU: (num_steps, topk, num_draft_tokens), tuned with
 # bench/spec_tune.py (docs/speculative.md, "Batch sizes and tree shapes").
@@ -15,7 +15,11 @@ DEFAULTS = {
     "STANDALONE": (4, 2, 6),
     "MEDUSA": (3, 2, 4),
     "NGRAM": (3, 1, 4),
+    "LOOKAHEAD": (3, 1, 6),
 }
+# LOOKAHEAD: window W, n-gram size N, guesses G (LADE's names), sized for a CPU where a verify
+# forward's extra tokens are not free.
+DEFAULT_LOOKAHEAD = (3, 3, 2)
 # NGRAM drafts only from a suffix match of at least this many tokens (one-token matches are
 # right too rarely to pay for their verification).
 DEFAULT_NGRAM_MIN_MATCH = 2
@@ -54,6 +58,8 @@ class SpecSettings:
     draft_quantization: str | None = "Q8_0"
     # STANDALONE: a file of the token ids the draft model drafts from (speculative.token_map)
     token_map: str | None = None
+    # LOOKAHEAD: (window W, n-gram size N, guesses G)
+    lookahead: tuple[int, int, int] = DEFAULT_LOOKAHEAD
 
     @property
     def uses_draft_head(self) -> bool:
@@ -112,8 +118,8 @@ class SpecSettings:
                 "head directory (config.json with medusa_num_heads, medusa_lm_head.safetensors; "
                 "`spectral train-medusa` writes one)"
             )
-        if algo == "NGRAM" and path:
-            raise ValueError("NGRAM drafts without a model; drop --speculative-draft-model-path")
+        if algo in ("NGRAM", "LOOKAHEAD") and path:
+            raise ValueError(f"{algo} drafts without a model; drop --speculative-draft-model-path")
         for name, value in (
             ("num_steps", steps),
             ("eagle_topk", topk),
@@ -125,7 +131,7 @@ class SpecSettings:
             raise ValueError(
                 f"speculative_num_draft_tokens counts the root too and must be >= 2 (got {tokens})"
             )
-        if algo != "NGRAM":
+        if algo not in ("NGRAM", "LOOKAHEAD"):
             most = 1 + topk + (steps - 1) * topk * topk
             if tokens > most:
                 raise ValueError(
@@ -150,11 +156,11 @@ class SpecSettings:
             )
         hybrid = args.speculative_hybrid_ngram
         if hybrid is None:
-            hybrid = DEFAULT_HYBRID_NGRAM if algo != "NGRAM" else 0
-        if hybrid and algo == "NGRAM":
+            hybrid = DEFAULT_HYBRID_NGRAM if algo not in ("NGRAM", "LOOKAHEAD") else 0
+        if hybrid and algo in ("NGRAM", "LOOKAHEAD"):
             raise ValueError(
                 "--speculative-hybrid-ngram pairs n-gram drafts with a drafter's "
-                "(EAGLE, EAGLE3, STANDALONE or MEDUSA); NGRAM alone already drafts by n-gram"
+                f"(EAGLE, EAGLE3, STANDALONE or MEDUSA); {algo} drafts without one"
             )
         if hybrid == 1 or hybrid < 0:
             raise ValueError(
@@ -198,4 +204,21 @@ class SpecSettings:
             grammar_drafts=not args.speculative_disable_grammar_drafts,
             draft_quantization=None if quant == "none" else quant.upper(),
             token_map=token_map,
+            lookahead=lookahead_settings(args),
         )
+
+
+def lookahead_settings(args: Any) -> tuple[int, int, int]:
+    """(W, N, G) from --speculative-lookahead-{window,ngram,guesses}, checked."""
+    given = (
+        args.speculative_lookahead_window,
+        args.speculative_lookahead_ngram,
+        args.speculative_lookahead_guesses,
+    )
+    window, ngram, guesses = (d if v is None else v for v, d in zip(given, DEFAULT_LOOKAHEAD))
+    if window < 1 or ngram < 2 or guesses < 0:
+        raise ValueError(
+            "LOOKAHEAD needs --speculative-lookahead-window >= 1, --speculative-lookahead-ngram "
+            f">= 2 and --speculative-lookahead-guesses >= 0 (got {window}, {ngram}, {guesses})"
+        )
+    return window, ngram, guesses

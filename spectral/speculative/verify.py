@@ -8,7 +8,7 @@ bonus at a leaf), so a request always emits len(accepted) tokens, at least one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,8 @@ class VerifyResult:
 
     accepted: list[list[int]]
     emitted: list[list[int]]
+    # per request, the target's greedy choice after each node (where the verifier reports it)
+    node_next: list[list[int]] = field(default_factory=list)
 
 
 def verify_greedy(trees: DraftTrees, target_ids: torch.Tensor) -> VerifyResult:

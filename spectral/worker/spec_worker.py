@@ -274,7 +274,9 @@ class SpeculativeWorker:
             part = verify_sampling(_select(trees, sampled_rows), probs, generators=generators)
             for i, b in enumerate(sampled_rows):
                 accepted[b], emitted[b] = part.accepted[i], part.emitted[i]
-        return VerifyResult(accepted, emitted)
+        # the target's choice after every node (LOOKAHEAD's next guesses), on the same logits
+        node_next = [block.argmax(dim=-1).tolist() for block in adjusted]
+        return VerifyResult(accepted, emitted, node_next)
 
     def _result(
         self,
@@ -307,6 +309,7 @@ class SpeculativeWorker:
             emitted_ids=verdict.emitted,
             emitted_logprobs=emitted_logprobs,
             emitted_top_logprobs=emitted_top,
+            node_next_ids=verdict.node_next,
         )
 
 
