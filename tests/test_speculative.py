@@ -623,6 +623,7 @@ def test_queued_head_kv_writes_land_before_the_head_reads_and_the_newest_wins(
 
     torch.manual_seed(0)
     first, second = torch.randn(2, feature_size), torch.randn(1, feature_size)
+    drafter.kv_pool.k[0][[11, 12]] = -7.0  # the pool is not initialised: NaN != NaN
     before = drafter.kv_pool.k[0][[11, 12]].clone()
     drafter.write_kv(batch([11, 12], [7, 8]), first)
     drafter.write_kv(batch([11], [9]), second)

@@ -47,17 +47,23 @@ class LookaheadDrafter:
         self.ngram = ngram
         self.guesses = guesses
 
-    def propose(self, context: list[int], state: LookaheadState) -> tuple[list[int], list[int]]:
+    def propose(
+        self,
+        context: list[int],
+        state: LookaheadState,
+        tokens: list[int] | None = None,
+        parents: list[int] | None = None,
+    ) -> tuple[list[int], list[int]]:
         """The tree below the root (`context[-1]`), in `trees_from_parents`' node form: the
-        pool's continuations of the root, then the window as a chain; notes where the chain's
-        nodes are (`state.chain_nodes`)."""
+        given one (`tokens`, `parents`: the n-gram drafter's), then the pool's continuations of
+        the root, then the window as a chain; notes where the chain's nodes are
+        (`state.chain_nodes`)."""
         root = context[-1]
         if len(state.window) < self.window:  # a new request: guess the context's own tokens
             tail = context[-self.window :]
             state.window = (state.window + tail * self.window)[: self.window]
         state.root = root
-        tokens: list[int] = []
-        parents: list[int] = []
+        tokens, parents = list(tokens or []), list(parents or [])
         for continuation in list(reversed(state.pool.get(root, {})))[: self.guesses]:
             chain = list(range(len(continuation)))  # the newest first
             tokens, parents = merge_tree_nodes(tokens, parents, list(continuation), chain)
@@ -84,19 +90,22 @@ class LookaheadDrafter:
 
     def observe(
         self, state: LookaheadState, node_next: list[int], verified: int, accepted: int
-    ) -> None:
+    ) -> list[list[int]]:
         """A verified round of `verified` non-root nodes: `node_next[j]` is the target's greedy
         choice after node j (0 the root, j + 1 non-root node j) and `accepted` the tokens the
-        round emitted. The pool learns the chain's n-grams; the window moves past them."""
+        round emitted. The pool learns the chain's n-grams (returned, for the n-gram drafter's
+        corpus too); the window moves past them."""
         nodes = [n for n in state.chain_nodes if n < verified]
         if not nodes:
-            return
+            return []
         path = [state.root] + [
             state.window[i] for i in range(len(nodes))
         ]  # chain tokens, root first
         after = [node_next[0]] + [node_next[n + 1] for n in nodes]  # the choice after each
-        for j in range(self.ngram - 2, len(path)):
-            gram = path[j - self.ngram + 2 : j + 1] + [after[j]]
+        grams = [
+            path[j - self.ngram + 2 : j + 1] + [after[j]] for j in range(self.ngram - 2, len(path))
+        ]
+        for gram in grams:
             self._remember(state, gram)
         # Jacobi: the guess for position root + k is what the target chose after chain node
         # k - 1; the new root sits `accepted` positions on.
@@ -106,6 +115,7 @@ class LookaheadDrafter:
             state.window += [state.window[-1] if state.window else after[-1]] * (
                 self.window - len(state.window)
             )
+        return grams
 
     def _remember(self, state: LookaheadState, gram: list[int]) -> None:
         grams = state.pool.setdefault(gram[0], OrderedDict())

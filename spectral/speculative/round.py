@@ -79,10 +79,11 @@ class SpecRound:
                 if req.spec.lookahead is None:
                     req.spec.lookahead = LookaheadState()
                 state = req.spec.lookahead
-                tokens, parents = self.lookahead.propose(req.all_ids, state)
-                # acceptance counted apart for trees with and without pool continuations
+                given = req.spec.draft_tokens or [], req.spec.draft_parents or []
+                tokens, parents = self.lookahead.propose(req.all_ids, state, *given)
                 size = 1 + len(tokens)
-                kind = ngram_bucket(int(len(tokens) > len(state.chain_nodes)))
+                if not given[0]:  # no n-gram match: counted apart with and without the pool's
+                    kind = ngram_bucket(int(len(tokens) > len(state.chain_nodes)))
                 req.spec.draft_tokens, req.spec.draft_parents = (
                     tokens[: room - 1],
                     parents[: room - 1],
@@ -143,9 +144,11 @@ class SpecRound:
         `verified` non-root nodes."""
         req.spec.draft_tokens = req.spec.draft_parents = None
         if self.lookahead is not None and result.node_next_ids:
-            self.lookahead.observe(
+            grams = self.lookahead.observe(
                 req.spec.lookahead, result.node_next_ids[i], verified, len(result.emitted_ids[i])
             )
+            for gram in grams:  # the pool's n-grams join the n-gram drafter's corpus
+                self.ngram.add_sequence(gram)
         if self.planner is None or not result.node_ranks:
             return
         ranks = result.node_ranks[i]

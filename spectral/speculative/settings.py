@@ -75,7 +75,7 @@ class SpecSettings:
 
     @property
     def uses_ngram(self) -> bool:
-        return self.algorithm == "NGRAM" or self.hybrid_ngram > 0
+        return self.algorithm in ("NGRAM", "LOOKAHEAD") or self.hybrid_ngram > 0
 
     @property
     def ngram_tree_shape(self) -> tuple[int, int]:
