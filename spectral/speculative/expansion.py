@@ -41,10 +41,19 @@ class TreeExpansion:
     ) -> None:
         """Append the frontier's children: `logprobs` [B * k, V] after each frontier node (in
         frontier order); `to_target_ids` maps the drafter's ids to the target's."""
-        B, k = self.batch_size, self.k
-        child_lp, child_ids = logprobs.topk(k, dim=-1)
+        child_lp, child_ids = logprobs.topk(self.k, dim=-1)
         if to_target_ids is not None:
             child_ids = to_target_ids(child_ids)
+        self.add_children(child_lp, child_ids)
+
+    def add_children(self, child_lp: torch.Tensor, child_ids: torch.Tensor) -> None:
+        """Append the frontier's children given as each frontier node's top-k: log-probs and
+        target ids, [B * k, k] in frontier order (or [B, k]: the same children under every
+        frontier node of a request)."""
+        B, k = self.batch_size, self.k
+        if child_lp.shape[0] == B and k > 1:
+            child_lp = child_lp.repeat_interleave(k, dim=0)
+            child_ids = child_ids.repeat_interleave(k, dim=0)
         child_ids = child_ids.reshape(B, k * k)
         cumulative = (child_lp.view(B, k, k) + self.frontier_scores[:, :, None]).view(B, k * k)
         self.scores.append(cumulative)

@@ -38,11 +38,7 @@ class LookaheadState:
 
 class LookaheadDrafter:
     def __init__(self, window: int, ngram: int, guesses: int) -> None:
-        if window < 1 or ngram < 2 or guesses < 0:
-            raise ValueError(
-                "LOOKAHEAD needs a window of >= 1 tokens, n-grams of >= 2 and >= 0 guesses "
-                f"(got {window}, {ngram} and {guesses})"
-            )
+        """W >= 1, N >= 2, G >= 0 (SpecSettings checks the flags)."""
         self.window = window
         self.ngram = ngram
         self.guesses = guesses
@@ -109,12 +105,8 @@ class LookaheadDrafter:
             self._remember(state, gram)
         # Jacobi: the guess for position root + k is what the target chose after chain node
         # k - 1; the new root sits `accepted` positions on.
-        moved = after[accepted:]
+        moved = after[accepted:]  # the old guesses top it up to W (`propose` made the window W)
         state.window = (moved + state.window[len(moved) :])[: self.window]
-        if len(state.window) < self.window:
-            state.window += [state.window[-1] if state.window else after[-1]] * (
-                self.window - len(state.window)
-            )
         return grams
 
     def _remember(self, state: LookaheadState, gram: list[int]) -> None:

@@ -208,12 +208,13 @@ class MedusaDrafter:
         level expanded further; the layout of EagleDrafter.draft."""
         steps = self.num_steps if num_steps is None else max(1, min(num_steps, self.num_steps))
         k = self.topk
-        logprobs = [
-            torch.log_softmax(lg, dim=-1) for lg in self.heads(self.last_hidden[rows], steps)
+        top = [
+            torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+            for logits in self.heads(self.last_hidden[rows], steps)
         ]
-        levels = TreeExpansion(*logprobs[0].topk(k, dim=-1))
+        levels = TreeExpansion(*top[0])
         for step in range(1, steps):
-            levels.add_level(logprobs[step].repeat_interleave(k, dim=0))
+            levels.add_children(*top[step])  # every frontier node: the same head's top-k
             if step < steps - 1:
                 levels.advance()
         return levels.result()

@@ -64,6 +64,7 @@ class SpecRound:
         for req in running:
             room = self.max_context_len - req.seq_len
             size, kind = spec.num_draft_tokens, head_bucket(req.spec.draft_top1)
+            given: tuple[list[int], list[int]] | None = None  # the scheduler's tree, if any
             if self.ngram is not None:
                 if req.spec.ngram is None:
                     req.spec.ngram = NgramState()
@@ -71,22 +72,20 @@ class SpecRound:
                 if tokens or not spec.uses_draft_head:
                     size = (size if spec.hybrid_merge else 1) + len(tokens)
                     kind = ngram_bucket(req.spec.ngram.match_len)
-                    req.spec.draft_tokens, req.spec.draft_parents = (
-                        tokens[: room - 1],
-                        parents[: room - 1],
-                    )
+                    given = tokens, parents
             if self.lookahead is not None:
                 if req.spec.lookahead is None:
                     req.spec.lookahead = LookaheadState()
                 state = req.spec.lookahead
-                given = req.spec.draft_tokens or [], req.spec.draft_parents or []
-                tokens, parents = self.lookahead.propose(req.all_ids, state, *given)
-                size = 1 + len(tokens)
-                if not given[0]:  # no n-gram match: counted apart with and without the pool's
-                    kind = ngram_bucket(int(len(tokens) > len(state.chain_nodes)))
+                matched = bool(given and given[0])
+                given = self.lookahead.propose(req.all_ids, state, *(given or ([], [])))
+                size = 1 + len(given[0])
+                if not matched:  # no n-gram match: counted apart with and without the pool's
+                    kind = ngram_bucket(int(len(given[0]) > len(state.chain_nodes)))
+            if given is not None:
                 req.spec.draft_tokens, req.spec.draft_parents = (
-                    tokens[: room - 1],
-                    parents[: room - 1],
+                    given[0][: room - 1],
+                    given[1][: room - 1],
                 )
             req.spec.kind = kind
             inputs.append(

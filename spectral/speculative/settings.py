@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "MEDUSA", "NGRAM", "LOOKAHEAD")
+# The algorithms that draft without a model (in the scheduler, from the text itself).
+MODEL_FREE = ("NGRAM", "LOOKAHEAD")
 
 # Defaults for the embedded model on a CPU: (num_steps, topk, num_draft_tokens), tuned with
 # bench/spec_tune.py (docs/speculative.md, "Batch sizes and tree shapes").
@@ -65,7 +67,7 @@ class SpecSettings:
     def uses_draft_head(self) -> bool:
         """A drafter runs in the worker: an EAGLE head, a draft model (STANDALONE) or Medusa
         heads."""
-        return self.algorithm in ("EAGLE", "EAGLE3", "STANDALONE", "MEDUSA")
+        return self.algorithm not in MODEL_FREE
 
     @property
     def is_eagle(self) -> bool:
@@ -75,7 +77,7 @@ class SpecSettings:
 
     @property
     def uses_ngram(self) -> bool:
-        return self.algorithm in ("NGRAM", "LOOKAHEAD") or self.hybrid_ngram > 0
+        return self.algorithm in MODEL_FREE or self.hybrid_ngram > 0
 
     @property
     def ngram_tree_shape(self) -> tuple[int, int]:
@@ -118,7 +120,7 @@ class SpecSettings:
                 "head directory (config.json with medusa_num_heads, medusa_lm_head.safetensors; "
                 "`spectral train-medusa` writes one)"
             )
-        if algo in ("NGRAM", "LOOKAHEAD") and path:
+        if algo in MODEL_FREE and path:
             raise ValueError(f"{algo} drafts without a model; drop --speculative-draft-model-path")
         for name, value in (
             ("num_steps", steps),
@@ -131,7 +133,7 @@ class SpecSettings:
             raise ValueError(
                 f"speculative_num_draft_tokens counts the root too and must be >= 2 (got {tokens})"
             )
-        if algo not in ("NGRAM", "LOOKAHEAD"):
+        if algo not in MODEL_FREE:
             most = 1 + topk + (steps - 1) * topk * topk
             if tokens > most:
                 raise ValueError(
@@ -156,8 +158,8 @@ class SpecSettings:
             )
         hybrid = args.speculative_hybrid_ngram
         if hybrid is None:
-            hybrid = DEFAULT_HYBRID_NGRAM if algo not in ("NGRAM", "LOOKAHEAD") else 0
-        if hybrid and algo in ("NGRAM", "LOOKAHEAD"):
+            hybrid = DEFAULT_HYBRID_NGRAM if algo not in MODEL_FREE else 0
+        if hybrid and algo in MODEL_FREE:
             raise ValueError(
                 "--speculative-hybrid-ngram pairs n-gram drafts with a drafter's "
                 f"(EAGLE, EAGLE3, STANDALONE or MEDUSA); {algo} drafts without one"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -64,3 +65,27 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {name}: this torch sees no GPU (use cpu or auto)")
     return device
+
+
+def config_parser(
+    config: type[TrainConfig], prog: str, description: str | None, skip: tuple[str, ...] = ()
+) -> argparse.ArgumentParser:
+    """A command line with one flag per field of `config` (a TrainConfig), but those in
+    `skip`, defaulting to the field's default; `config(**vars(parser.parse_args()))` builds it."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    defaults = config()
+    for f in fields(config):
+        if f.name in skip:
+            continue
+        name, value = f.name, getattr(defaults, f.name)
+        flag = "--" + name.replace("_", "-")
+        if name in ("data", "eval_data"):
+            parser.add_argument(flag, nargs="*", default=[], help="text/JSONL files")
+        elif isinstance(value, bool):
+            parser.add_argument(flag, action="store_true")
+        else:
+            kind = type(value) if value is not None else (float if name == "time_budget" else str)
+            if name == "intermediate_size":
+                kind = int
+            parser.add_argument(flag, type=kind, default=value, choices=CHOICES.get(name))
+    return parser

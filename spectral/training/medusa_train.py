@@ -11,18 +11,17 @@ run.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import random
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from spectral.speculative.medusa import MedusaHeads, save_medusa_heads
 from spectral.training.batching import batches, collate
-from spectral.training.config import TrainConfig
+from spectral.training.config import TrainConfig, config_parser
 from spectral.training.train import RunSetup, learning_rate
 
 logger = logging.getLogger(__name__)
@@ -141,8 +140,8 @@ def train_medusa(cfg: MedusaTrainConfig) -> MedusaHeads:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="spectral train-medusa", description=__doc__)
-    unused = {
+    # train-eagle3's flags but those of its head and its teacher store
+    eagle_only = (
         "init_from",
         "rebuild_vocab",
         "draft_vocab_size",
@@ -150,19 +149,8 @@ def main(argv: list[str] | None = None) -> None:
         "ttt_steps",
         "cache_teacher",
         "export_dtype",
-    }
-    for f in fields(MedusaTrainConfig):
-        if f.name in unused:
-            continue
-        value = getattr(MedusaTrainConfig(), f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if f.name in ("data", "eval_data"):
-            parser.add_argument(flag, nargs="*", default=[], help="text/JSONL files")
-        elif isinstance(value, bool):
-            parser.add_argument(flag, action="store_true")
-        else:
-            kind = type(value) if value is not None else (float if f.name == "time_budget" else str)
-            parser.add_argument(flag, type=kind, default=value)
+    )
+    parser = config_parser(MedusaTrainConfig, "spectral train-medusa", __doc__, eagle_only)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     train_medusa(MedusaTrainConfig(**vars(ns)))

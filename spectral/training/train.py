@@ -8,7 +8,6 @@ shipped head's runs: docs/training.md.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import random
@@ -21,7 +20,7 @@ import torch
 from spectral.models.config import ModelConfig
 from spectral.speculative.eagle_head import DraftHead
 from spectral.training.batching import batches, collate
-from spectral.training.config import CHOICES, TrainConfig, resolve_device
+from spectral.training.config import TrainConfig, config_parser, resolve_device
 from spectral.training.draft_vocab import draft_vocabulary, vocabulary_coverage
 from spectral.training.evaluate import chain_accept_length, evaluate
 from spectral.training.head import export, init_from_export, new_head
@@ -225,20 +224,7 @@ def train(cfg: TrainConfig) -> DraftHead:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="spectral train-eagle3", description=__doc__)
-    defaults = TrainConfig()
-    for name, value in asdict(defaults).items():
-        flag = "--" + name.replace("_", "-")
-        if name in ("data", "eval_data"):
-            parser.add_argument(flag, nargs="*", default=[], help="text/JSONL files")
-        elif isinstance(value, bool):
-            parser.add_argument(flag, action="store_true")
-        else:
-            kind = type(value) if value is not None else (float if name == "time_budget" else str)
-            if name == "intermediate_size":
-                kind = int
-            parser.add_argument(flag, type=kind, default=value, choices=CHOICES.get(name))
-    ns = parser.parse_args(argv)
+    ns = config_parser(TrainConfig, "spectral train-eagle3", __doc__).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     train(TrainConfig(**vars(ns)))
 

@@ -113,6 +113,7 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
         drafter,
         head_tree_size=spec.num_draft_tokens if drafter is not None else None,
         merge_given_trees=spec.hybrid_merge,
+        report_node_choices=spec.algorithm == "LOOKAHEAD",
         grammars=GrammarFollower(lambda: grammar_backend(model)),
     )
     if not spec.fixed_tree:
@@ -134,9 +135,9 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
             "attention": args.attention_backend,
             "algorithm": spec.algorithm,
             "head": _file_stamp(
-                spec.draft_model_path
-                if spec.algorithm in ("STANDALONE", "MEDUSA")
-                else resolve_draft_path(spec.draft_model_path)
+                resolve_draft_path(spec.draft_model_path)
+                if spec.is_eagle
+                else spec.draft_model_path
             )
             if spec.uses_draft_head
             else None,

@@ -37,6 +37,7 @@ class SpeculativeWorker:
         head_tree_size: int | None = None,
         merge_given_trees: bool = False,
         grammars: GrammarFollower | None = None,
+        report_node_choices: bool = False,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -46,6 +47,9 @@ class SpeculativeWorker:
         self.merge_given_trees = merge_given_trees
         # Follows the requests under a grammar, to mask their trees node by node.
         self.grammars = grammars
+        # Each verified round reports the target's choice after every node (LOOKAHEAD's
+        # Jacobi iterations read them; no other drafter pays for them).
+        self.report_node_choices = report_node_choices
         self.config = target.config
         self.num_kv_slots = target.num_kv_slots
         # What rounds cost here (the factory measures it, or reads it from the cache); the
@@ -250,10 +254,14 @@ class SpeculativeWorker:
                 block = apply_bitmask(block, masks[b], self.target.model.kernels)
             adjusted.append(block)
             offset += size
+        # the target's choice after each node: greedy verification's, and what a round that
+        # reports node choices reports for every request
+        chosen_rows = range(B) if self.report_node_choices else greedy_rows
+        choices = {b: adjusted[b].argmax(dim=-1) for b in chosen_rows}
         if greedy_rows:
             ids = torch.full((len(greedy_rows), n), -1, dtype=torch.int64, device=logits.device)
             for i, b in enumerate(greedy_rows):
-                ids[i, : sizes[b]] = adjusted[b].argmax(dim=-1)
+                ids[i, : sizes[b]] = choices[b]
             part = verify_greedy(_select(trees, greedy_rows), ids)
             for i, b in enumerate(greedy_rows):
                 accepted[b], emitted[b] = part.accepted[i], part.emitted[i]
@@ -274,8 +282,7 @@ class SpeculativeWorker:
             part = verify_sampling(_select(trees, sampled_rows), probs, generators=generators)
             for i, b in enumerate(sampled_rows):
                 accepted[b], emitted[b] = part.accepted[i], part.emitted[i]
-        # the target's choice after every node (LOOKAHEAD's next guesses), on the same logits
-        node_next = [block.argmax(dim=-1).tolist() for block in adjusted]
+        node_next = [choices[b].tolist() for b in range(B)] if self.report_node_choices else []
         return VerifyResult(accepted, emitted, node_next)
 
     def _result(
