@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -14,23 +13,6 @@ from pathlib import Path
 import httpx
 
 from spectral.server.data_parallel import free_port  # noqa: F401 (tests import it here)
-
-
-def free_ports(count: int) -> int:
-    """A port p with p .. p + count - 1 all free now (--dp-size N serves on the N ports after
-    --port: one free port alone left them to chance, and a client socket once held one)."""
-    import socket
-
-    while True:
-        port = free_port()
-        try:
-            with contextlib.ExitStack() as stack:
-                for p in range(port, port + count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
 
 
 def start_server(*flags: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:

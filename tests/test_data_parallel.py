@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import alive, cmdline, descendants, free_ports, run_bench_serving
+from tests.server_utils import alive, cmdline, descendants, free_port, run_bench_serving
 
 pytest.importorskip("sglang_router", reason="make test installs sglang-router (spectral[router])")
 
@@ -35,7 +35,7 @@ def engine(peaky_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(peaky_model_dir):
-    port = free_ports(3)  # the router's and its two servers'
+    port = free_port(3)  # the router's and its two servers'
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -4,15 +4,18 @@ join with `--worker-urls`. Details in docs/internals.md."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import random
 import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -68,10 +71,37 @@ def cli_flags(args: ServerArgs) -> list[str]:
     return flags
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def ephemeral_ports() -> range:
+    """The ports the kernel hands to outgoing connections and to binds on port 0."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
+def free_port(count: int = 1) -> int:
+    """A port p with p .. p + count - 1 all free now, outside the ephemeral range: a server
+    binds its port seconds after it is chosen, and a port from that range may meanwhile become
+    some client connection's local end."""
+    ephemeral = ephemeral_ports()
+    low, high = (
+        (10000, ephemeral.start - count)
+        if ephemeral.start > 12000
+        else (ephemeral.stop, 65535 - count)
+    )
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        port = rng.randint(low, high)
+        try:
+            with contextlib.ExitStack() as stack:
+                for p in range(port, port + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports between {low} and {high}")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, path: str, deadline: float) -> None:
