@@ -54,6 +54,7 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: int | None = None
     speculative_hybrid_ngram: int | None = None
     speculative_hybrid_merge: bool = False
+    speculative_hybrid_lookahead: bool = False
     speculative_fixed_tree: bool = False
     speculative_disable_grammar_drafts: bool = False
     speculative_draft_quantization: str = "q8_0"
@@ -230,9 +231,13 @@ class ServerArgs:
             "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix match that "
             "drafts (default 2)",
             "speculative_ngram_max_match_window_size": "NGRAM: longest suffix matched (default 4)",
-            "speculative_hybrid_ngram": "EAGLE/EAGLE3: n-gram trees of up to N tokens (root "
-            "included), verified instead of the head's tree in rounds whose last tokens repeat "
-            "earlier ones (default 8; 0: the head drafts every round)",
+            "speculative_hybrid_ngram": "EAGLE, EAGLE3, STANDALONE, MEDUSA: n-gram trees of up "
+            "to N tokens (root included), verified instead of the drafter's tree for a request "
+            "and round where the planner expects more of them (default 8; 0: the drafter "
+            "drafts every round)",
+            "speculative_hybrid_lookahead": "with n-gram trees beside a drafter: LOOKAHEAD's "
+            "window and pool join them as a third source (the --speculative-lookahead-* flags "
+            "size them)",
             "speculative_lookahead_window": "LOOKAHEAD: guessed tokens verified as a Jacobi "
             "chain each round (W, default 3)",
             "speculative_lookahead_ngram": "LOOKAHEAD: n-gram size of its pool (N, default 3)",

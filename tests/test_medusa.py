@@ -122,7 +122,14 @@ def sampled_pairs(s, prompt: list[int], n: int) -> Counter:
 def test_sampled_output_follows_plain_sampling_and_a_control_without_verification_fails(
     small_vocab_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = small_vocab_model_dir
+    check_heads_sampling(
+        small_vocab_model_dir, tmp_path, monkeypatch, medusa, speculative_fixed_tree=True
+    )
+
+
+def check_heads_sampling(model: str, tmp_path: Path, monkeypatch, make, **options) -> None:
+    """`make(model, heads, **options)` with two random heads samples as plain decoding does
+    (`check_sampling_and_control`), its trees up to 10 nodes of top-3 drafts."""
     heads = random_heads(model, tmp_path / "heads", num_heads=2, seed=3)
     prompt = [5, 9, 3, 12, 7, 4]
     plain = sampled_pairs(make_spec_scheduler(model, max_running_requests=64), prompt, 300)
@@ -130,13 +137,16 @@ def test_sampled_output_follows_plain_sampling_and_a_control_without_verificatio
         speculative_eagle_topk=3,
         speculative_num_steps=2,
         speculative_num_draft_tokens=10,
-        speculative_fixed_tree=True,
         speculative_max_batch_size=64,
         max_running_requests=64,
+        **options,
     )
-    make = functools.partial(medusa, model, heads, **options)
     check_sampling_and_control(
-        monkeypatch, plain, make, lambda s: sampled_pairs(s, prompt, 300), accepted=0.3
+        monkeypatch,
+        plain,
+        functools.partial(make, model, heads, **options),
+        lambda s: sampled_pairs(s, prompt, 300),
+        accepted=0.3,
     )
 
 

@@ -1,139 +1,55 @@
-"""TreePlanner: how many tree nodes each running request verifies this round, or no round at
-all, so that the batch's expected tokens per second is highest under the measured cost model.
-Acceptance is learnt per rank of the drafter's confidence: docs/speculative.md, "Trees sized
-by what a round costs"."""
+"""TreePlanner: how many tree nodes each running request verifies this round, and from which
+source, or no round at all, so that the batch's expected tokens per second is highest under the
+measured cost model. Acceptance is learnt per rank of the drafter's confidence
+(`acceptance.RankStats`): docs/speculative.md, "Trees sized by what a round costs"."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass
 
 from spectral.core.forward import ForwardMode
+from spectral.speculative.acceptance import (
+    DRAFT_MODEL_DECAY,
+    DRAFT_MODEL_FIRST,
+    HEAD,
+    NGRAM_DECAY,
+    NGRAM_FIRST,
+    RankStats,
+    family,
+)
 from spectral.speculative.cost_model import CostModel
 
-HEAD, NGRAM = "head", "ngram"
-# The head's confidence before it drafts (its top-1 probability after the last verified token)
-# splits its statistics: rounds starting from a confident head are accepted far more often.
-HEAD_CONFIDENCE = (0.3, 0.6, 0.85)
-# Pseudo-rounds of the prior behind each rank's measured acceptance.
-PRIOR_WEIGHT = 8.0
-# Pseudo-tokens behind the head's scores being calibrated (accepted = predicted) before its
-# record says how far they are.
-SCORE_PRIOR = 10.0
-# Pseudo-rounds of the decay prior behind a rank's mean drafted probability: a rank drafted in
-# a round or two (a drafter drafts only the levels a plan needs) must not set its gain alone.
-SCORE_SAMPLES_PRIOR = 4.0
 # A request's own record: pseudo-tokens behind its scale factor, and the factor's bounds (a
 # strong prior: a few lucky rounds must not buy a request large trees).
 REQUEST_PRIOR = 10.0
 REQUEST_SCALE = (0.5, 2.0)
-# n-gram prior: the first node of a matched continuation, then each next one (optimistic: a
-# rank is learnt only once verified); a head's too, until its scores are calibrated
-NGRAM_FIRST, NGRAM_DECAY = 0.6, 0.85
-# A draft model's prior: a small LM of the target's family agrees with it on most tokens (with
-# the head's prior, a draft costing a fair share of a target step would never be tried, and
-# so never measured).
-DRAFT_MODEL_FIRST, DRAFT_MODEL_DECAY = 0.8, 0.9
 # A round must be expected to beat a plain step by this factor: a margin for the model's error,
 # so that a busy server does not speculate for a gain it may not get.
 MIN_GAIN = 1.05
-
-
-def head_bucket(top1: float | None) -> str:
-    """The statistics a head tree counts in, by the head's top-1 probability (None: unknown)."""
-    if top1 is None:
-        return f"{HEAD}:?"
-    return f"{HEAD}:{sum(top1 >= t for t in HEAD_CONFIDENCE)}"
-
-
-def ngram_bucket(match_len: int) -> str:
-    """The statistics an n-gram tree counts in, by the length of the suffix it matched."""
-    return f"{NGRAM}:{match_len}"
-
-
-def family(kind: str) -> str:
-    """HEAD or NGRAM, for a bucket name (or a family name)."""
-    return kind.split(":", 1)[0]
-
-
-class RankStats:
-    """Acceptance by rank for one kind of tree: the head's or the n-gram drafter's, or one
-    bucket of them (`head_bucket`, `ngram_bucket`)."""
-
-    def __init__(self, kind: str, prior: tuple[float, float] = (NGRAM_FIRST, NGRAM_DECAY)) -> None:
-        """`prior`: the first rank's expected gain and its decay rank after rank, until the
-        record (or, for a head, its calibrated scores) says otherwise."""
-        self.kind = family(kind)
-        self.prior = prior
-        self.hits: list[float] = []  # rounds whose path's running highest rank was r
-        self.seen: list[float] = []  # rounds that verified rank r
-        self.score_sum: list[float] = []  # head: sum of the drafted rank-r probability
-        self.score_n: list[float] = []
-        self.predicted = 0.0  # head: sum of those probabilities over verified ranks
-        self.accepted = 0.0  # and the accepted drafts there
-
-    @staticmethod
-    def _grow(values: list[float], size: int) -> None:
-        values.extend([0.0] * (size - len(values)))
-
-    def observe(self, verified: int, path_ranks: list[int], scores: list[float] | None) -> None:
-        """One round: `verified` non-root nodes, the ranks of the accepted drafts in path order,
-        and (head) the probabilities of the drafted candidates, best first."""
-        for values in (self.hits, self.seen):
-            self._grow(values, verified)
-        for r in range(verified):
-            self.seen[r] += 1
-        highest = -1
-        for rank in path_ranks:
-            highest = max(highest, rank)
-            self.hits[highest] += 1
-        if scores:
-            for values in (self.score_sum, self.score_n):
-                self._grow(values, len(scores))
-            for r, p in enumerate(scores):
-                self.score_sum[r] += p
-                self.score_n[r] += 1
-            self.predicted += sum(scores[:verified])
-            self.accepted += len(path_ranks)
-
-    def gains(self, ranks: int) -> list[float]:
-        """Expected accepted drafts each of the first `ranks` ranks adds, non-increasing."""
-        out: list[float] = []
-        scale = (self.accepted + SCORE_PRIOR) / (self.predicted + SCORE_PRIOR)
-        for r in range(ranks):
-            prior = self._prior(r, out, scale)
-            seen = self.seen[r] if r < len(self.seen) else 0.0
-            hits = self.hits[r] if r < len(self.hits) else 0.0
-            gain = (hits + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
-            out.append(min(gain, out[-1]) if out else min(gain, 1.0))
-        return out
-
-    def _prior(self, r: int, before: list[float], scale: float) -> float:
-        first, decay = self.prior
-        fallback = before[-1] * decay if before else first
-        if self.kind == HEAD and r < len(self.score_n) and self.score_n[r] > 0:
-            n = self.score_n[r]
-            scored = min(1.0, scale * self.score_sum[r] / n)
-            return (n * scored + SCORE_SAMPLES_PRIOR * fallback) / (n + SCORE_SAMPLES_PRIOR)
-        return fallback
-
-    def to_dict(self, ranks: int = 8) -> dict:
-        return {
-            "rounds": int(self.seen[0]) if self.seen else 0,
-            "gain_by_rank": [round(g, 3) for g in self.gains(ranks)],
-        }
+# A batch whose requests have at most this many combinations of sources has every combination
+# planned (a few requests with two sources each); a larger one the best few.
+EXHAUSTIVE_CHOICES = 8
 
 
 @dataclass
 class PlanInput:
     """One running request: which drafter would give its tree, the most nodes it can have
     (root included: what the settings, its context and an n-gram proposal allow), and its own
-    acceptance record (accepted drafts and what its rounds' plans expected)."""
+    acceptance record (accepted drafts and what its rounds' plans expected). `others`: the
+    (kind, max_nodes) of other sources that could give its tree instead; the plan picks one."""
 
     kind: str  # HEAD or NGRAM, or a bucket of one
     max_nodes: int
     accepted: float = 0.0
     expected: float = 0.0
+    others: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def options(self) -> list[tuple[str, int]]:
+        return [(self.kind, self.max_nodes), *self.others]
 
     @property
     def scale(self) -> float:
@@ -148,6 +64,12 @@ class Plan:
     expected_tokens: float  # per round (or step), the whole batch
     predicted_ms: float
     plain_ms: float
+    sources: list[int] | None = None  # per request, its option giving the tree (0: `kind`)
+
+    @property
+    def rate(self) -> float:
+        """Expected tokens per ms."""
+        return self.expected_tokens / self.predicted_ms
 
     @property
     def predicted_gain(self) -> float:
@@ -202,56 +124,149 @@ class TreePlanner:
         self.stats: dict[str, RankStats] = {}
         self._verify_ms: dict[int, float] = {}  # the cost model's curves, memoised
         self._draft_ms: dict[tuple[int, int], float] = {}
+        self._slopes: list[tuple[int, float]] | None = None
         self.record = Record()
         self.last: dict = {}
         self._pending: Plan | None = None
 
     def plan(self, reqs: list[PlanInput]) -> Plan:
+        """The plan of the highest expected tokens per second. A request with several sources
+        gets its tree from one: every choice is tried where there are at most
+        `EXHAUSTIVE_CHOICES` of them, else each request's best by its own expected net gain,
+        everyone's first source, and everyone's last."""
+        B = len(reqs)
+        most = max((n for req in reqs for _, n in req.options), default=1) - 1
+        kinds = {kind for req in reqs for kind, _ in req.options}
+        table = {kind: self.stats_for(kind).gains(most) for kind in kinds}
+        counts = [1 + len(req.others) for req in reqs]
+        if all(c == 1 for c in counts):
+            return self._plan_for(reqs, [0] * B, table)
+        if math.prod(counts) <= EXHAUSTIVE_CHOICES:
+            choices = list(itertools.product(*(range(c) for c in counts)))
+        else:
+            choices = [self._by_net_gain(reqs, table), (0,) * B, tuple(c - 1 for c in counts)]
+        best: Plan | None = None
+        for choice in dict.fromkeys(tuple(c) for c in choices):
+            plan = self._plan_for(reqs, list(choice), table)
+            if best is None or _better(plan, best):
+                best = plan
+        return best
+
+    def _by_net_gain(self, reqs: list[PlanInput], table: dict[str, list[float]]) -> tuple:
+        """Each request's source whose tree is expected to gain the most tokens net of what its
+        nodes (and, for a drafter in the worker, its share of the drafting) cost, valued at a
+        plain step's rate."""
+        B = len(reqs)
+        rate = B / self.cost.decode_ms(B)
+        most = max(n for req in reqs for _, n in req.options) - 1
+        if most < 1:
+            return (0,) * B
+        node_ms = (self._verify(B * (1 + most)) - self._verify(B)) / (B * most)
+        # a request's share of drafting n nodes deep for everyone
+        draft_share = [self._draft(B, min(self.max_levels, n)) / B for n in range(most + 1)]
+        choice = []
+        for req in reqs:
+            values = []
+            for kind, max_nodes in req.options:
+                head = family(kind) == HEAD
+                net, best = 0.0, 0.0
+                for n, g in enumerate(table[kind][: max(max_nodes - 1, 0)], start=1):
+                    net += min(1.0, g * req.scale) - rate * node_ms
+                    best = max(best, net - rate * draft_share[n] if head else net)
+                values.append(best)
+            choice.append(values.index(max(values)))
+        return tuple(choice)
+
+    def _plan_for(
+        self, reqs: list[PlanInput], choice: list[int], table: dict[str, list[float]]
+    ) -> Plan:
+        """The best plan where request b's tree comes from its option `choice[b]`: nodes taken
+        best gain first, for every cap on the head's trees (each level the head drafts costs
+        the whole batch a step of it, so a deeper tree may pay only without the last few)."""
         B = len(reqs)
         plain_ms = self.cost.decode_ms(B)
-        plain = Plan([1] * B, False, float(B), plain_ms, plain_ms)
-        most = max((req.max_nodes for req in reqs), default=1) - 1
-        by_kind = {kind: self.stats_for(kind).gains(most) for kind in {r.kind for r in reqs}}
-        gains = []
-        for b, req in enumerate(reqs):
-            scale = req.scale
-            for r, g in enumerate(by_kind[req.kind][: max(req.max_nodes - 1, 0)]):
-                gains.append((min(1.0, g * scale), b, r))
+        plain = Plan([1] * B, False, float(B), plain_ms, plain_ms, choice)
+        gains = []  # (gain, request, rank, drafted by the head)
+        for b, (req, c) in enumerate(zip(reqs, choice)):
+            kind, max_nodes = req.options[c]
+            scale, head = req.scale, family(kind) == HEAD
+            for r, g in enumerate(table[kind][: max(max_nodes - 1, 0)]):
+                if g > 0:
+                    gains.append((min(1.0, g * scale), b, r, head))
         gains.sort(key=lambda t: (-t[0], t[2], t[1]))
-        best, best_len = plain, 0
-        drafted: set[int] = set()
-        deepest = 0  # the most nodes any tree the head drafts has so far (root included)
-        nodes = [1] * B
-        expected = float(B)
-        for length, (gain, b, _) in enumerate(gains, start=1):
-            if gain <= 0:
-                break
-            expected += gain
-            nodes[b] += 1
-            if family(reqs[b].kind) == HEAD:
-                drafted.add(b)
-                deepest = max(deepest, nodes[b])
-            # A tree of n nodes needs at most n - 1 levels of draft.
-            levels = min(self.max_levels, deepest - 1)
-            ms = self._round_ms(B + length, len(drafted), levels)
-            margin = 1.0 if best.speculate else MIN_GAIN
-            if expected / ms > margin * best.expected_tokens / best.predicted_ms:
-                best = Plan([], True, expected, ms, plain_ms)
-                best_len = length
+        deepest = max((r + 1 for _, _, r, head in gains if head), default=0)
+        caps = range(1, min(deepest, self.max_levels) + 1) if deepest else [0]
+        best, taken = plain, []
+        for cap in caps:
+            entries = [e for e in gains if not e[3] or e[2] < cap] if deepest else gains
+            plan, length = self._greedy(entries, B, plain_ms, choice, best)
+            if length:
+                best, taken = plan, entries[:length]
         if not best.speculate:
             self.last = {"batch": B, "speculate": False}
             return plain
         best.nodes = [1] * B
-        for _, b, _ in gains[:best_len]:
+        for _, b, _, _ in taken:
             best.nodes[b] += 1
         return best
 
+    def _greedy(
+        self, entries: list, B: int, plain_ms: float, choice: list[int], best: Plan
+    ) -> tuple[Plan, int]:
+        """The best prefix of `entries` (best gain first), if it beats `best`: (its plan, its
+        length); else (`best`, 0)."""
+        drafted: set[int] = set()
+        deepest = 0  # the most nodes any tree the head drafts has so far (root included)
+        nodes = [1] * B
+        expected = float(B)
+        found = None  # (expected, ms, length) of the best prefix
+        threshold = (1.0 if best.speculate else MIN_GAIN) * best.rate
+        for length, (gain, b, _, head) in enumerate(entries, start=1):
+            expected += gain
+            nodes[b] += 1
+            if head:
+                drafted.add(b)
+                deepest = max(deepest, nodes[b])
+            if gain <= threshold * self._least_slope(B + length - 1):
+                break  # no later node (gaining no more) pays for what it adds to the verify
+            # A tree of n nodes needs at most n - 1 levels of draft.
+            ms = self._round_ms(B + length, len(drafted), min(self.max_levels, deepest - 1))
+            if expected > threshold * ms:
+                found = expected, ms, length
+                threshold = expected / ms
+        if found is None:
+            return best, 0
+        return Plan([], True, found[0], found[1], plain_ms, choice), found[2]
+
     def _round_ms(self, nodes: int, drafted: int, levels: int) -> float:
+        return self._verify(nodes) + self._draft(drafted, levels)
+
+    def _draft(self, requests: int, levels: int) -> float:
+        if (requests, levels) not in self._draft_ms:
+            self._draft_ms[requests, levels] = self.cost.draft_ms(requests, levels)
+        return self._draft_ms[requests, levels]
+
+    def _least_slope(self, nodes: int) -> float:
+        """The least ms any node past the first `nodes` adds to a verify round (0 where the
+        measured curve is not increasing throughout)."""
+        if self._slopes is None:
+            points = self.cost.verify
+            segments = [
+                (x0, max(0.0, (y1 - y0) / (x1 - x0)))
+                for (x0, y0), (x1, y1) in zip(points, points[1:])
+            ] or [(points[0][0], 0.0)]
+            least, suffix = math.inf, []
+            for x0, slope in reversed(segments):
+                least = min(least, slope)
+                suffix.append((x0, least))
+            self._slopes = suffix[::-1]  # (segment start, least slope from it on)
+        i = max(bisect.bisect_right([x for x, _ in self._slopes], nodes) - 1, 0)
+        return self._slopes[i][1]
+
+    def _verify(self, nodes: int) -> float:
         if nodes not in self._verify_ms:
             self._verify_ms[nodes] = self.cost.verify_ms(nodes)
-        if (drafted, levels) not in self._draft_ms:
-            self._draft_ms[drafted, levels] = self.cost.draft_ms(drafted, levels)
-        return self._verify_ms[nodes] + self._draft_ms[drafted, levels]
+        return self._verify_ms[nodes]
 
     def record_plan(self, plan: Plan, nodes: list[int]) -> None:
         """The round about to run: `plan`, with the tree sizes it got (the pool may cut them)."""
@@ -305,6 +320,8 @@ class TreePlanner:
         }
 
 
-def probabilities(logprobs: list[float]) -> list[float]:
-    """Cumulative draft log-probabilities as probabilities, best first."""
-    return sorted((math.exp(lp) for lp in logprobs if lp > -math.inf), reverse=True)
+def _better(plan: Plan, best: Plan) -> bool:
+    """`plan` beats `best`: it speculates and `best` does not, or both do and it is faster."""
+    if plan.speculate != best.speculate:
+        return plan.speculate
+    return plan.speculate and plan.rate > best.rate

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from spectral.core.forward import ForwardMode
 from spectral.core.req import FinishReason, Req
+from spectral.speculative.acceptance import head_bucket, ngram_bucket
 from spectral.speculative.cost_model import CostModel
 from spectral.speculative.lookahead import LookaheadDrafter, LookaheadState
 from spectral.speculative.ngram import NgramDrafter, NgramState
-from spectral.speculative.planner import Plan, PlanInput, TreePlanner, head_bucket, ngram_bucket
+from spectral.speculative.planner import Plan, PlanInput, TreePlanner
 from spectral.speculative.settings import SpecSettings
 from spectral.speculative.tree import merge_tree_nodes
 
@@ -45,7 +46,7 @@ class SpecRound:
                 max_ngram=spec.ngram_max_match,
             )
         self.lookahead: LookaheadDrafter | None = None
-        if spec.algorithm == "LOOKAHEAD":
+        if spec.uses_lookahead:
             self.lookahead = LookaheadDrafter(*spec.lookahead)
         self.planner: TreePlanner | None = None
         if cost_model is not None and not spec.fixed_tree:
@@ -58,55 +59,76 @@ class SpecRound:
         """Each request's tree size (its root included), its n-gram and forced nodes set on
         `req.spec.draft_tokens`/`draft_parents`; None where a plain decode step is expected to do
         better (NGRAM alone: where it has nothing for anyone). A tree ends before its
-        request's context does."""
+        request's context does. Where the scheduler has a tree for a request beside the
+        worker's drafter, the planner chooses which of the two it verifies."""
         spec = self.spec
         inputs: list[PlanInput] = []
+        given: list[tuple[list[int], list[int]] | None] = []  # the scheduler's trees
         for req in running:
             room = self.max_context_len - req.seq_len
-            size, kind = spec.num_draft_tokens, head_bucket(req.spec.draft_top1)
-            given: tuple[list[int], list[int]] | None = None  # the scheduler's tree, if any
-            if self.ngram is not None:
-                if req.spec.ngram is None:
-                    req.spec.ngram = NgramState()
-                tokens, parents = self.ngram.propose(req.all_ids, req.spec.ngram)
-                if tokens or not spec.uses_draft_head:
-                    size = (size if spec.hybrid_merge else 1) + len(tokens)
-                    kind = ngram_bucket(req.spec.ngram.match_len)
-                    given = tokens, parents
-            if self.lookahead is not None:
-                if req.spec.lookahead is None:
-                    req.spec.lookahead = LookaheadState()
-                state = req.spec.lookahead
-                matched = bool(given and given[0])
-                given = self.lookahead.propose(req.all_ids, state, *(given or ([], [])))
-                size = 1 + len(given[0])
-                if not matched:  # no n-gram match: counted apart with and without the pool's
-                    kind = ngram_bucket(int(len(given[0]) > len(state.chain_nodes)))
-            if given is not None:
-                req.spec.draft_tokens, req.spec.draft_parents = (
-                    given[0][: room - 1],
-                    given[1][: room - 1],
+            head = (head_bucket(req.spec.draft_top1), min(spec.num_draft_tokens, room))
+            tree, kind = self._scheduler_tree(req)
+            if tree is None:
+                inputs.append(PlanInput(*head, req.spec.accepted_tokens, req.spec.expected_drafts))
+            else:
+                size = (spec.num_draft_tokens if spec.hybrid_merge else 1) + len(tree[0])
+                tree = tree[0][: room - 1], tree[1][: room - 1]
+                others = (head,) if spec.uses_draft_head and not spec.hybrid_merge else ()
+                inputs.append(
+                    PlanInput(
+                        kind,
+                        min(size, room),
+                        req.spec.accepted_tokens,
+                        req.spec.expected_drafts,
+                        others,
+                    )
                 )
-            req.spec.kind = kind
-            inputs.append(
-                PlanInput(kind, min(size, room), req.spec.accepted_tokens, req.spec.expected_drafts)
-            )
+            given.append(tree)
         if self.planner is not None:
             self._plan = self.planner.plan(inputs)
-            sizes = self._plan.nodes
+            sizes, sources = self._plan.nodes, self._plan.sources
         else:
-            self._plan, sizes = None, [p.max_nodes for p in inputs]
+            self._plan, sizes, sources = None, [p.max_nodes for p in inputs], None
         if (self._plan is not None and not self._plan.speculate) or (
             not spec.uses_draft_head and all(size == 1 for size in sizes)
         ):
             for req in running:
                 req.spec.draft_tokens = req.spec.draft_parents = None
             return None
-        for req, size in zip(running, sizes):
-            if req.spec.draft_tokens is not None:
-                req.spec.draft_tokens = req.spec.draft_tokens[: size - 1]
-                req.spec.draft_parents = req.spec.draft_parents[: size - 1]
+        for b, (req, size, tree, inp) in enumerate(zip(running, sizes, given, inputs)):
+            source = sources[b] if sources else 0
+            req.spec.kind = inp.options[source][0]
+            if tree is not None and source == 0:
+                req.spec.draft_tokens, req.spec.draft_parents = (
+                    tree[0][: size - 1],
+                    tree[1][: size - 1],
+                )
+            else:  # the worker's drafter gives this tree
+                req.spec.draft_tokens = req.spec.draft_parents = None
+                if req.spec.lookahead is not None:
+                    req.spec.lookahead.chain_nodes = []
         return [size + self._add_forced_chain(req, size) for req, size in zip(running, sizes)]
+
+    def _scheduler_tree(self, req: Req) -> tuple[tuple[list[int], list[int]] | None, str]:
+        """The tree the scheduler drafts for `req` (n-gram matches, then LOOKAHEAD's pool and
+        window) and the statistics it counts in; None where it has none."""
+        tree: tuple[list[int], list[int]] | None = None
+        kind = ""
+        if self.ngram is not None:
+            if req.spec.ngram is None:
+                req.spec.ngram = NgramState()
+            tokens, parents = self.ngram.propose(req.all_ids, req.spec.ngram)
+            if tokens or not self.spec.uses_draft_head:
+                tree, kind = (tokens, parents), ngram_bucket(req.spec.ngram.match_len)
+        if self.lookahead is not None:
+            if req.spec.lookahead is None:
+                req.spec.lookahead = LookaheadState()
+            state = req.spec.lookahead
+            matched = bool(tree and tree[0])
+            tree = self.lookahead.propose(req.all_ids, state, *(tree or ([], [])))
+            if not matched:  # no n-gram match: counted apart with and without the pool's
+                kind = ngram_bucket(int(len(tree[0]) > len(state.chain_nodes)))
+        return tree, kind
 
     def _add_forced_chain(self, req: Req, size: int) -> int:
         """Give a request under a grammar the tokens of the text its grammar forces next (at

@@ -62,6 +62,8 @@ class SpecSettings:
     token_map: str | None = None
     # LOOKAHEAD: (window W, n-gram size N, guesses G)
     lookahead: tuple[int, int, int] = DEFAULT_LOOKAHEAD
+    # a drafter's n-gram trees also carry LOOKAHEAD's window and pool
+    hybrid_lookahead: bool = False
 
     @property
     def uses_draft_head(self) -> bool:
@@ -74,6 +76,11 @@ class SpecSettings:
         """The drafter is an EAGLE head: its KV at position p pairs the target's feature there
         with token p + 1."""
         return self.algorithm in ("EAGLE", "EAGLE3")
+
+    @property
+    def uses_lookahead(self) -> bool:
+        """LOOKAHEAD's window and pool draft (alone, or beside a drafter's trees)."""
+        return self.algorithm == "LOOKAHEAD" or self.hybrid_lookahead
 
     @property
     def uses_ngram(self) -> bool:
@@ -175,6 +182,14 @@ class SpecSettings:
                 "--speculative-hybrid-merge joins n-gram trees to the head's: it needs "
                 "EAGLE or EAGLE3 with --speculative-hybrid-ngram >= 2"
             )
+        hybrid_lookahead = args.speculative_hybrid_lookahead
+        if hybrid_lookahead and not hybrid:
+            raise ValueError(
+                "--speculative-hybrid-lookahead adds LOOKAHEAD's window and pool to a drafter's "
+                "n-gram trees: it needs EAGLE, EAGLE3, STANDALONE or MEDUSA with "
+                "--speculative-hybrid-ngram >= 2 (LOOKAHEAD alone: --speculative-algorithm "
+                "LOOKAHEAD)"
+            )
         cost_path = args.speculative_cost_model
         if cost_path is not None and fixed:
             raise ValueError(
@@ -207,6 +222,7 @@ class SpecSettings:
             draft_quantization=None if quant == "none" else quant.upper(),
             token_map=token_map,
             lookahead=lookahead_settings(args),
+            hybrid_lookahead=hybrid_lookahead,
         )
 
 

@@ -113,7 +113,7 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
         drafter,
         head_tree_size=spec.num_draft_tokens if drafter is not None else None,
         merge_given_trees=spec.hybrid_merge,
-        report_node_choices=spec.algorithm == "LOOKAHEAD",
+        report_node_choices=spec.uses_lookahead,
         grammars=GrammarFollower(lambda: grammar_backend(model)),
     )
     if not spec.fixed_tree:

@@ -14,10 +14,10 @@ import torch
 from spectral.constrained import GrammarFollower, apply_bitmask
 from spectral.core.forward import ForwardMode
 from spectral.core.worker_io import RequestSampling, WorkerBatch, WorkerResult
+from spectral.speculative.acceptance import probabilities
 from spectral.speculative.cost_model import CostModel
 from spectral.speculative.draft_model import DraftModelDrafter
 from spectral.speculative.eagle_drafter import EagleDrafter
-from spectral.speculative.planner import probabilities
 from spectral.speculative.tree import (
     DraftTrees,
     merge_tree_nodes,
