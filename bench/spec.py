@@ -129,7 +129,8 @@ def main() -> None:
         "--algorithms",
         default="EAGLE3+NGRAM,EAGLE3,NGRAM",
         help="EAGLE3+NGRAM: the head, with n-gram trees where they match (hybrid); "
-        "EAGLE3+NGRAM+MERGE: the n-gram tree joins the head's there",
+        "EAGLE3+NGRAM+MERGE: the n-gram tree joins the head's there; EAGLE3+NGRAM+LOOKAHEAD: "
+        "every source, LOOKAHEAD's window and pool with the n-gram trees",
     )
     ap.add_argument("--draft", default="default", help="EAGLE3 head directory")
     ap.add_argument(
@@ -211,6 +212,7 @@ def main() -> None:
                 ),
                 speculative_hybrid_ngram=args.hybrid_ngram if "NGRAM" in extras else 0,
                 speculative_hybrid_merge="MERGE" in extras,
+                speculative_hybrid_lookahead="LOOKAHEAD" in extras,
                 speculative_token_map=args.token_map if "MAP" in extras else None,
                 **spec_options,
             )

@@ -22,7 +22,7 @@ from spectral.speculative.acceptance import (
     head_bucket,
     ngram_bucket,
 )
-from spectral.speculative.cost_model import CostModel, interpolate
+from spectral.speculative.cost_model import CALIBRATION_BOUNDS, Calibration, CostModel, interpolate
 from spectral.speculative.planner import MIN_GAIN, PlanInput, TreePlanner
 from spectral.speculative.tree import select_eagle_trees
 
@@ -326,3 +326,42 @@ def test_a_rank_drafted_once_does_not_set_its_gain_alone() -> None:
     gains = planner.stats_for(HEAD).gains(2)
     assert gains[1] > 0.55
     assert planner.plan([PlanInput(HEAD, 5)]).nodes[0] >= 3
+
+
+def test_calibration_follows_measured_over_predicted_within_bounds() -> None:
+    cal = Calibration()
+    assert cal.factor == 1.0
+    for _ in range(200):
+        cal.observe(6.0, 10.0)
+    assert cal.factor == pytest.approx(0.6, rel=1e-3)
+    for _ in range(400):
+        cal.observe(100.0, 10.0)  # 10x, bounded
+    assert cal.factor == pytest.approx(CALIBRATION_BOUNDS[1], rel=1e-3)
+
+
+def test_rounds_slower_than_the_cost_model_turn_speculation_off() -> None:
+    """A planner whose cost model says head rounds pay, while rounds take three times what
+    it predicts and plain steps what it predicts: it stops planning rounds. Rounds without
+    drafting (n-gram trees) are calibrated apart."""
+    planner = trained_planner()
+    plan = planner.plan([PlanInput(HEAD, 8)])
+    assert plan.speculate and plan.draft_ms > 0
+    for _ in range(60):
+        plan = planner.plan([PlanInput(HEAD, 8)])
+        if not plan.speculate:
+            break
+        planner.record_plan(plan, plan.nodes)
+        planner.record_step(ForwardMode.TARGET_VERIFY, 1, 3 * plan.predicted_ms / 1000)
+        planner.record_step(ForwardMode.DECODE, 1, STEEP.decode_ms(1) / 1000)
+    assert not plan.speculate
+    info = planner.to_dict()["calibration"]
+    assert info["plain"]["factor"] == pytest.approx(1.0)
+    assert info["drafted_rounds"]["factor"] > 1.3 and info["rounds"]["steps"] == 0
+
+    ngram = TreePlanner(STEEP)
+    plan = ngram.plan([PlanInput(NGRAM, 6)])
+    assert plan.speculate and plan.draft_ms == 0
+    ngram.record_plan(plan, plan.nodes)
+    ngram.record_step(ForwardMode.TARGET_VERIFY, 1, 0.5 * plan.predicted_ms / 1000)
+    assert ngram.calibration["rounds"].factor < 1.0
+    assert ngram.calibration["drafted_rounds"].count == 0

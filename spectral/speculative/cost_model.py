@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from dataclasses import dataclass
+
+# Online calibration: a moving average of log(measured / predicted) over about
+# 1 / CALIBRATION_RATE steps (its first steps weighed against CALIBRATION_PRIOR pseudo-steps
+# at 1), each ratio bounded.
+CALIBRATION_RATE = 0.05
+CALIBRATION_PRIOR = 4
+CALIBRATION_BOUNDS = (0.25, 4.0)
 
 
 def interpolate(points: list[tuple[int, float]], x: float) -> float:
@@ -75,3 +83,26 @@ class CostModel:
                 for b in (1, 4, 16)
             },
         }
+
+
+class Calibration:
+    """How far one kind of step's measured times are from what the cost model predicts, as a
+    factor: a cost model measured on a busier (or quieter) machine, or cached from another
+    day, is corrected by what the steps take now."""
+
+    def __init__(self) -> None:
+        self.log_factor = 0.0
+        self.count = 0
+
+    @property
+    def factor(self) -> float:
+        return math.exp(self.log_factor)
+
+    def observe(self, measured_ms: float, predicted_ms: float) -> None:
+        if predicted_ms <= 0:
+            return
+        lo, hi = CALIBRATION_BOUNDS
+        ratio = min(hi, max(lo, measured_ms / predicted_ms))
+        self.count += 1
+        rate = max(CALIBRATION_RATE, 1.0 / (self.count + CALIBRATION_PRIOR))
+        self.log_factor += rate * (math.log(ratio) - self.log_factor)

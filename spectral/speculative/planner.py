@@ -20,7 +20,7 @@ from spectral.speculative.acceptance import (
     RankStats,
     family,
 )
-from spectral.speculative.cost_model import CostModel
+from spectral.speculative.cost_model import Calibration, CostModel
 
 # A request's own record: pseudo-tokens behind its scale factor, and the factor's bounds (a
 # strong prior: a few lucky rounds must not buy a request large trees).
@@ -65,6 +65,9 @@ class Plan:
     predicted_ms: float
     plain_ms: float
     sources: list[int] | None = None  # per request, its option giving the tree (0: `kind`)
+    # the cost model's verify and draft parts of `predicted_ms`, before calibration
+    verify_ms: float = 0.0
+    draft_ms: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -89,7 +92,7 @@ class Record:
     emitted_tokens: int = 0
     predicted_ms: float = 0.0
     measured_ms: float = 0.0
-    plain_ms: float = 0.0  # the cost model's plain steps for the same batches
+    plain_ms: float = 0.0  # plain steps of the same batches, as predicted
     plain_steps: int = 0  # plain decode steps while speculation was on
     plain_predicted_ms: float = 0.0
     plain_measured_ms: float = 0.0
@@ -125,6 +128,13 @@ class TreePlanner:
         self._verify_ms: dict[int, float] = {}  # the cost model's curves, memoised
         self._draft_ms: dict[tuple[int, int], float] = {}
         self._slopes: list[tuple[int, float]] | None = None
+        # measured against predicted: plain steps, rounds without drafting, rounds with it
+        self.calibration = {
+            "plain": Calibration(),
+            "rounds": Calibration(),
+            "drafted_rounds": Calibration(),
+        }
+        self._scale = (1.0, 1.0, 1.0)  # this plan's factors, in that order
         self.record = Record()
         self.last: dict = {}
         self._pending: Plan | None = None
@@ -135,6 +145,13 @@ class TreePlanner:
         `EXHAUSTIVE_CHOICES` of them, else each request's best by its own expected net gain,
         everyone's first source, and everyone's last."""
         B = len(reqs)
+        # Each factor is the one before it until a step of its own kind has been timed.
+        factor = 1.0
+        scale = []
+        for cal in self.calibration.values():
+            factor = cal.factor if cal.count else factor
+            scale.append(factor)
+        self._scale = tuple(scale)
         most = max((n for req in reqs for _, n in req.options), default=1) - 1
         kinds = {kind for req in reqs for kind, _ in req.options}
         table = {kind: self.stats_for(kind).gains(most) for kind in kinds}
@@ -157,21 +174,25 @@ class TreePlanner:
         nodes (and, for a drafter in the worker, its share of the drafting) cost, valued at a
         plain step's rate."""
         B = len(reqs)
-        rate = B / self.cost.decode_ms(B)
+        plain, rounds, drafted = self._scale
+        rate = B / (self.cost.decode_ms(B) * plain)
         most = max(n for req in reqs for _, n in req.options) - 1
         if most < 1:
             return (0,) * B
         node_ms = (self._verify(B * (1 + most)) - self._verify(B)) / (B * most)
         # a request's share of drafting n nodes deep for everyone
-        draft_share = [self._draft(B, min(self.max_levels, n)) / B for n in range(most + 1)]
+        draft_share = [
+            drafted * self._draft(B, min(self.max_levels, n)) / B for n in range(most + 1)
+        ]
         choice = []
         for req in reqs:
             values = []
             for kind, max_nodes in req.options:
                 head = family(kind) == HEAD
+                node_cost = rate * node_ms * (drafted if head else rounds)
                 net, best = 0.0, 0.0
                 for n, g in enumerate(table[kind][: max(max_nodes - 1, 0)], start=1):
-                    net += min(1.0, g * req.scale) - rate * node_ms
+                    net += min(1.0, g * req.scale) - node_cost
                     best = max(best, net - rate * draft_share[n] if head else net)
                 values.append(best)
             choice.append(values.index(max(values)))
@@ -184,7 +205,7 @@ class TreePlanner:
         best gain first, for every cap on the head's trees (each level the head drafts costs
         the whole batch a step of it, so a deeper tree may pay only without the last few)."""
         B = len(reqs)
-        plain_ms = self.cost.decode_ms(B)
+        plain_ms = self.cost.decode_ms(B) * self._scale[0]
         plain = Plan([1] * B, False, float(B), plain_ms, plain_ms, choice)
         gains = []  # (gain, request, rank, drafted by the head)
         for b, (req, c) in enumerate(zip(reqs, choice)):
@@ -221,25 +242,27 @@ class TreePlanner:
         expected = float(B)
         found = None  # (expected, ms, length) of the best prefix
         threshold = (1.0 if best.speculate else MIN_GAIN) * best.rate
+        _, rounds, drafted_rounds = self._scale
+        least = min(rounds, drafted_rounds) * self._least_slope(B)
         for length, (gain, b, _, head) in enumerate(entries, start=1):
             expected += gain
             nodes[b] += 1
             if head:
                 drafted.add(b)
                 deepest = max(deepest, nodes[b])
-            if gain <= threshold * self._least_slope(B + length - 1):
+            if gain <= threshold * least:
                 break  # no later node (gaining no more) pays for what it adds to the verify
+            verify_ms = self._verify(B + length)
             # A tree of n nodes needs at most n - 1 levels of draft.
-            ms = self._round_ms(B + length, len(drafted), min(self.max_levels, deepest - 1))
+            draft_ms = self._draft(len(drafted), min(self.max_levels, deepest - 1))
+            ms = (drafted_rounds if drafted else rounds) * (verify_ms + draft_ms)
             if expected > threshold * ms:
-                found = expected, ms, length
+                found = expected, ms, length, verify_ms, draft_ms
                 threshold = expected / ms
         if found is None:
             return best, 0
-        return Plan([], True, found[0], found[1], plain_ms, choice), found[2]
-
-    def _round_ms(self, nodes: int, drafted: int, levels: int) -> float:
-        return self._verify(nodes) + self._draft(drafted, levels)
+        expected, ms, length, verify_ms, draft_ms = found
+        return Plan([], True, expected, ms, plain_ms, choice, verify_ms, draft_ms), length
 
     def _draft(self, requests: int, levels: int) -> float:
         if (requests, levels) not in self._draft_ms:
@@ -286,13 +309,19 @@ class TreePlanner:
 
     def record_step(self, mode: ForwardMode, batch: int, seconds: float) -> None:
         """How long a verify round or a plain decode step took."""
+        ms = 1000 * seconds
         if mode == ForwardMode.TARGET_VERIFY and self._pending is not None:
-            self.record.measured_ms += 1000 * seconds
-            self._pending = None
+            self.record.measured_ms += ms
+            plan, self._pending = self._pending, None
+            kind = "drafted_rounds" if plan.draft_ms > 0 else "rounds"
+            self.calibration[kind].observe(ms, plan.verify_ms + plan.draft_ms)
         elif mode == ForwardMode.DECODE:
+            predicted = self.cost.decode_ms(batch)
             self.record.plain_steps += 1
-            self.record.plain_measured_ms += 1000 * seconds
-            self.record.plain_predicted_ms += self.cost.decode_ms(batch)
+            self.record.plain_measured_ms += ms
+            # as the plans predict plain steps: calibrated
+            self.record.plain_predicted_ms += predicted * self.calibration["plain"].factor
+            self.calibration["plain"].observe(ms, predicted)
 
     def observe(
         self, kind: str, verified: int, path_ranks: list[int], scores: list[float] | None
@@ -317,6 +346,10 @@ class TreePlanner:
             "acceptance": {kind: self.stats[kind].to_dict() for kind in sorted(self.stats)},
             "rounds": self.record.to_dict(),
             "last": self.last,
+            "calibration": {
+                name: {"factor": round(cal.factor, 3), "steps": cal.count}
+                for name, cal in self.calibration.items()
+            },
         }
 
 
