@@ -118,9 +118,11 @@ class DraftModelDrafter:
         emitted: list[list[int]],
         kept_slots: torch.Tensor,
         features: object,
+        drafted: bool = True,
     ) -> None:
         """A verified round: each request's accepted path (root first) is committed at its
-        kept slots; a root this round's draft wrote stays computed."""
+        kept slots; a root this round's draft wrote stays computed. `drafted` changes
+        nothing: commits are queued either way."""
         offset = 0
         starts: list[int] = []
         for b, tokens in enumerate(accepted_tokens):

@@ -90,12 +90,15 @@ class EagleDrafter:
         emitted: list[list[int]],
         kept_slots: torch.Tensor,
         features: torch.Tensor,
+        drafted: bool = True,
     ) -> None:
         """A verified round: the head extends over each request's accepted path (position p
-        pairs the target's feature there with the token emitted after it)."""
+        pairs the target's feature there with the token emitted after it). Where the head
+        drafted none of the round's trees (n-gram, LOOKAHEAD) it may well not draft the next
+        either: only its KV is queued, as after a plain step (`write_kv`)."""
         accepted_lens = [len(tokens) for tokens in accepted_tokens]
         device = kept_slots.device
-        self.extend(
+        (self.extend if drafted else self.write_kv)(
             ForwardBatch(
                 mode=ForwardMode.DRAFT_EXTEND,
                 input_ids=torch.tensor([t for e in emitted for t in e], device=device),

@@ -186,8 +186,10 @@ class MedusaDrafter:
         emitted: list[list[int]],
         kept_slots: torch.Tensor,
         features: torch.Tensor,
+        drafted: bool = True,
     ) -> None:
-        """A verified round: the hidden state at each request's last accepted node."""
+        """A verified round: the hidden state at each request's last accepted node (whether
+        the heads drafted this round's trees, `drafted`, changes nothing here)."""
         self._keep_last(batch.req_pool_indices, [len(t) for t in accepted_tokens], features)
 
     def top1(self, rows: list[int]) -> list[float | None]:

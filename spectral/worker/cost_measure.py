@@ -28,6 +28,9 @@ VERIFY_POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DRAFT_POINTS = (1, 4)
 PREFIX = 256  # tokens of context the measured requests hold (a chat prompt and its answer)
 REPEATS = 3
+# What the measurements mean: bumped when a change in the code makes cached models wrong (2: a
+# round whose trees the head did not draft queues the head's KV instead of extending it).
+MEASURE_VERSION = 2
 
 
 def cache_key(parts: dict) -> str:
@@ -41,6 +44,7 @@ def load_or_measure(worker: SpeculativeWorker, parts: dict, path: str | None = N
     now and cached."""
     if path is not None:
         return CostModel.from_dict(json.loads(Path(path).read_text()))
+    parts = {**parts, "measure_version": MEASURE_VERSION}
     file = CACHE_DIR / f"{cache_key(parts)}.json"
     if file.exists():
         try:

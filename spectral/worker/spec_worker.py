@@ -127,6 +127,7 @@ class SpeculativeWorker:
                 verdict.emitted,
                 slots[kept_rows_t],
                 features,
+                drafted=any(p is not None for p in probs),
             )
         result = self._result(verdict, logits, offsets, wb.sampling)
         result.node_ranks = [trees.ranks[b, :n].tolist() for b, n in enumerate(sizes)]
