@@ -103,3 +103,81 @@ def _rank(rank: int, world: int, init: str) -> None:
 
 def test_two_gloo_ranks_give_one_process_results(tmp_path) -> None:
     mp.spawn(_rank, args=(2, f"file://{tmp_path / 'rendezvous'}"), nprocs=2, join=True)
+
+
+def _worker_rank(rank: int, world: int, init: str, model_dir: str) -> None:
+    from spectral.core.forward import ForwardMode
+    from spectral.core.worker_io import RequestSampling, WorkerBatch
+    from spectral.layers.parallel import TensorParallel
+    from spectral.sampling_params import SamplingParams
+    from spectral.worker.model_worker import ModelWorker
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        common = dict(
+            model_dir=model_dir,
+            dtype=torch.float32,
+            device="cpu",
+            max_total_tokens=512,
+            max_running_requests=4,
+            max_context_len=256,
+        )
+        whole = ModelWorker(**common)
+        mine = ModelWorker(**common, tensor_parallel=TensorParallel(rank, world))
+        held = sum(p.numel() for p in mine.model.parameters())
+        full = sum(p.numel() for p in whole.model.parameters())
+        assert held < 0.6 * full, (held, full)  # the norms are the only weights every rank holds
+        assert mine.kv_pool.k[0].shape[1] * world == whole.kv_pool.k[0].shape[1]
+        greedy = RequestSampling(SamplingParams(temperature=0.0, max_new_tokens=16))
+        prompts = [[5, 9, 300, 41, 7], [1000, 2, 3], [17] * 9]
+        lens = [len(p) for p in prompts]
+        slots = [list(range(1 + 64 * b, 1 + 64 * b + n)) for b, n in enumerate(lens)]
+        batch = WorkerBatch(
+            ForwardMode.EXTEND,
+            [t for p in prompts for t in p],
+            [i for n in lens for i in range(n)],
+            [s for row in slots for s in row],
+            [0, 1, 2],
+            [0, 0, 0],
+            lens,
+            [greedy] * 3,
+        )
+        outputs = []
+        for worker in (whole, mine):
+            steps = []
+            wb = batch
+            for step in range(10):
+                result, _, hidden, _ = worker.run(wb)
+                steps.append((result.next_token_ids, worker.model.compute_logits(hidden)))
+                now = [n + step for n in lens]
+                wb = WorkerBatch(
+                    ForwardMode.DECODE,
+                    result.next_token_ids,
+                    now,
+                    [1 + 64 * b + n for b, n in enumerate(now)],
+                    [0, 1, 2],
+                    now,
+                    [1, 1, 1],
+                    [greedy] * 3,
+                )
+            outputs.append(steps)
+        for (ids, logits), (tp_ids, tp_logits) in zip(*outputs):
+            assert tp_ids == ids
+            torch.testing.assert_close(tp_logits, logits, rtol=1e-4, atol=1e-4)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_rank_workers_decode_as_one_holding_half_the_weights_each(
+    tmp_path, peaky_model_dir: str
+) -> None:
+    """Two tensor-parallel ModelWorkers (gloo, the CPU kernels on) on the peaky model (4
+    query and 2 KV heads, one KV head a rank): a prefill and 10 greedy decode steps of three
+    requests give one worker's tokens and logits, each rank holding about half the weights and
+    half the KV heads."""
+    mp.spawn(
+        _worker_rank,
+        args=(2, f"file://{tmp_path / 'rendezvous'}", peaky_model_dir),
+        nprocs=2,
+        join=True,
+    )

@@ -117,3 +117,22 @@ def gather_columns(part: torch.Tensor, group: dist.ProcessGroup | None = None) -
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded.contiguous(), group=group)
     return torch.cat([p[:, : int(w)] for p, w in zip(parts, widths)], dim=1)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group: rank `rank` of `world`, collectives
+    over `group` (None: torch.distributed's default group)."""
+
+    rank: int
+    world: int
+    group: dist.ProcessGroup | None = None
+
+    def sum(self, partial: torch.Tensor) -> torch.Tensor:
+        return row_parallel_sum(partial, self.group)
+
+    def embed(self, ids: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
+        return vocab_parallel_embed(ids, rows, start, self.group)
+
+    def gather(self, part: torch.Tensor) -> torch.Tensor:
+        return gather_columns(part, self.group)

@@ -20,6 +20,7 @@ from spectral.core.forward import ForwardBatch
 from spectral.layers.linear import Linear, PackedRows, PackedWeight
 from spectral.layers.logits import LogitsHead
 from spectral.layers.norm import RMSNorm
+from spectral.layers.parallel import TensorParallel
 from spectral.layers.rotary import RotaryEmbedding
 from spectral.layers.routing import route_to_cpu_kernels
 from spectral.models.config import ModelConfig
@@ -55,6 +56,8 @@ class LayerContext:
 
 
 class LlamaAttention(nn.Module):
+    tp: TensorParallel | None = None  # this rank's heads only: o's outputs summed over ranks
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -74,10 +77,13 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = ctx.rotary.rotate_qkv(q, k, qkv, ctx.batch.positions, ctx.kernels)
-        return self.o_proj(ctx.backend.forward(q, k, v, self.layer_id, ctx.batch))
+        out = self.o_proj(ctx.backend.forward(q, k, v, self.layer_id, ctx.batch))
+        return out if self.tp is None else self.tp.sum(out)
 
 
 class LlamaMLP(nn.Module):
+    tp: TensorParallel | None = None  # this rank's share of the rows: down's outputs summed
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -88,7 +94,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.sum(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -146,6 +153,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # A tensor-parallel rank (models.tensor_parallel): its rows of the vocabulary from here
+    tp: TensorParallel | None = None
+    vocab_start = 0
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -180,6 +191,8 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of `input_ids` (from GGUF blocks where the model keeps those)."""
+        if self.tp is not None:
+            return self.tp.embed(input_ids, self.embed_tokens.weight, self.vocab_start)
         return self.embed_tokens(input_ids)
 
     def set_cpu_kernels(self, kernels: ModuleType | None) -> None:
@@ -187,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = kernels
         route_to_cpu_kernels(self, kernels)
         for layer in self.layers:
-            layer.fuse(kernels)
+            layer.fuse(kernels if self.tp is None else None)  # ranks sum inside a layer
         fused = [layer.fused for layer in self.layers]
         self.fused_stack = None  # every layer in one kernel call, where every layer has one
         if kernels is not None and fused and all(f is not None for f in fused):
@@ -235,4 +248,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [R, vocab] for the given rows of final hidden states."""
-        return self.logits_head(hidden)
+        logits = self.logits_head(hidden)
+        return logits if self.tp is None else self.tp.gather(logits)

@@ -10,12 +10,14 @@ from spectral.attention.registry import create_attention_backend
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.worker_io import WorkerBatch, WorkerResult
 from spectral.kernels.cpu_kernels import load_cpu_kernels
+from spectral.layers.parallel import TensorParallel
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.process import eager_release
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.models.config import ModelConfig
 from spectral.models.gguf_native import load_gguf_model
 from spectral.models.loader import build_model, dummy_model, load_model
+from spectral.models.tensor_parallel import shard_llama
 from spectral.worker.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -52,13 +54,16 @@ class ModelWorker:
         gguf_native: bool = True,
         gguf_int8: bool = False,
         dummy_weights: bool = False,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         """The KV pool holds `max_total_tokens` tokens, or what `mem_fraction_static` of the
         memory still free after loading the weights allows. With `gguf_file`, the weights come
         from that file (`model_dir` holds its config): with `gguf_native` and the CPU kernels
         its blocks are served as they are (with `gguf_int8`, through the integer path), else
-        dequantized at load. With `dummy_weights`, the
-        weights are random, made on `device` (`model_dir` needs only its config)."""
+        dequantized at load. With `tensor_parallel`, this process is one rank: it holds its
+        share of the (dense) weights and of the KV heads, and its collectives join the other
+        ranks'. With `dummy_weights`, the weights are random, made on `device` (`model_dir`
+        needs only its config)."""
         self.device = device
         self.dtype = dtype
         kernels = load_cpu_kernels() if device == "cpu" and use_cpu_kernels else None
@@ -78,8 +83,12 @@ class ModelWorker:
                 )
                 logger.info("GGUF blocks served as they are for %d weight matrices", served)
                 self.model.to(device)
+            cfg: ModelConfig = self.config
+            if tensor_parallel is not None:  # this rank's share, before anything is packed
+                if gguf_file is not None:
+                    raise ValueError("tensor parallelism serves dense weights only so far")
+                cfg = shard_llama(self.model, tensor_parallel)
             self.model.set_cpu_kernels(kernels)  # packs only what has no GGUF blocks
-        cfg: ModelConfig = self.config
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
         if max_total_tokens is None:
             max_total_tokens = int(free_memory_bytes(device) * mem_fraction_static) // per_token
