@@ -69,6 +69,8 @@ class ServerArgs:
     log_level: str = "info"
     api_key: str | None = None
     served_model_name: str | None = None
+    # Tensor parallelism: worker ranks in one torch.distributed group
+    tp_size: int = 1
     # Data parallelism: several servers behind sglang-router
     dp_size: int = 1
     worker_urls: str | None = None
@@ -133,6 +135,13 @@ class ServerArgs:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1 (got {self.dp_size})")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1 (got {self.tp_size})")
+        if self.tp_size > 1 and self.speculative_algorithm is not None:
+            raise ValueError(
+                "--tp-size > 1 does not yet run speculative decoding (issue 43): drop "
+                "--speculative-algorithm or use --tp-size 1"
+            )
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(
                 f"router_policy must be one of {', '.join(ROUTER_POLICIES)} "
@@ -250,6 +259,8 @@ class ServerArgs:
             "log_level": "debug, info, warning, error",
             "api_key": "require 'Authorization: Bearer <key>' on every endpoint but /health",
             "served_model_name": "the model name the OpenAI API reports (default: model path)",
+            "tp_size": "split the model over N worker processes (tensor parallelism over "
+            "torch.distributed, gloo on CPU; dense weights only so far)",
             "dp_size": "run N servers (ports after --port, loopback) behind sglang-router on "
             "--host:--port (needs spectral[router])",
             "worker_urls": "servers elsewhere for the router to use too (URLs separated by "

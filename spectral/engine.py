@@ -38,6 +38,11 @@ class Engine:
         if self.args.fault_injection is not None:
             faults.enable(self.args.fault_injection)
         args = self.args
+        if args.tp_size > 1:
+            raise ValueError(
+                "the offline Engine runs one worker; --tp-size > 1 runs in the server "
+                "(spectral serve / launch_server) so far"
+            )
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)
         self.model, self.tokenizer = resolve_model(args)

@@ -24,9 +24,11 @@ from spectral.server import messages  # noqa: F401  (registers the message types
 from spectral.server.ipc import recv_message, send_message
 
 
-def spawn_child(module: str, args: ServerArgs, ipc_dir: str) -> subprocess.Popen:
+def spawn_child(
+    module: str, args: ServerArgs, ipc_dir: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """Start `python -m module` with the server args as JSON (its model follows as a message:
-    `hand_model`)."""
+    `hand_model`), with `env` added to this process's environment."""
     return subprocess.Popen(
         [
             sys.executable,
@@ -36,7 +38,8 @@ def spawn_child(module: str, args: ServerArgs, ipc_dir: str) -> subprocess.Popen
             ipc_dir,
             "--args-json",
             json.dumps(dataclasses.asdict(args)),
-        ]
+        ],
+        env={**os.environ, **(env or {})},
     )
 
 

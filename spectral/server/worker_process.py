@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from spectral.speculative.cost_model import CostModel
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600
+WORKER_MODULE = "spectral.server.worker_process"  # run as a module: its __name__ is __main__
 
 
 @message
@@ -65,20 +67,42 @@ class WorkerStepError(RemoteError):
     """The worker failed on one batch; the scheduler fails that batch's requests."""
 
 
+# A tensor-parallel rank's number, set by rank 0 in the environment of the ranks it starts.
+TP_RANK_ENV = "SPECTRAL_TP_RANK"
+TP_TIMEOUT_S = 60  # a collective that waits longer than this for a rank fails
+
+
 def worker_main(args: ServerArgs, ipc_dir: str) -> None:
+    """The model worker. With --tp-size N, this process is rank 0: it starts ranks 1..N-1 (its
+    children), hands them the model, joins them in a gloo group, and passes every batch the
+    scheduler sends on to them before running it; only rank 0 answers (every rank computes
+    the same gathered logits and samples the same tokens)."""
     from spectral.worker.factory import create_worker
 
-    model = receive_model(ipc_dir, "worker")
+    rank = int(os.environ.get(TP_RANK_ENV, "0"))
+    role = "worker" if rank == 0 else f"worker{rank}"
+    model = receive_model(ipc_dir, role)
     ctx = zmq.Context()
+    if rank:
+        return _rank_main(args, ipc_dir, rank, model, ctx)
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(f"ipc://{ipc_dir}/worker_in")
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(f"ipc://{ipc_dir}/worker_out")
+    ranks, peers, handed = [], [], []
+    for r in range(1, args.tp_size):
+        ranks.append(spawn_child(WORKER_MODULE, args, ipc_dir, {TP_RANK_ENV: str(r)}))
+        handed.append(hand_model(ctx, ipc_dir, f"worker{r}", model))
+        peer = ctx.socket(zmq.PUSH)
+        peer.connect(f"ipc://{ipc_dir}/rank{r}_in")
+        peers.append(peer)
     try:
-        worker = create_worker(args, model)
+        worker = create_worker(args, model, _join_group(args, ipc_dir, 0))
     except Exception as err:
         send_message(outbox, WorkerFailed(f"{type(err).__name__}: {err}"))
         raise
+    for sock in handed:
+        sock.close(0)
     cost = worker.cost_model
     send_message(outbox, WorkerReady(worker.num_kv_slots, cost.to_dict() if cost else None))
     if worker.grammars is not None:  # speculative: the worker follows grammar requests itself
@@ -86,12 +110,57 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
     parent = os.getppid()
     while wait_for_work(inbox, parent):
         batch = recv_message(inbox)
+        for r, proc in enumerate(ranks, start=1):
+            if proc.poll() is not None:
+                sys.exit(f"spectral worker: tensor-parallel rank {r} exited with {proc.returncode}")
+        for peer in peers:
+            send_message(peer, batch)
         try:
             reply = worker.forward(batch)
         except Exception as err:  # one batch's failure must not end the process
             logger.exception("the model worker failed on a batch")
             reply = StepFailed(f"{type(err).__name__}: {err}")
         send_message(outbox, reply)
+
+
+def _join_group(args: ServerArgs, ipc_dir: str, rank: int):
+    """This rank's place in the tensor-parallel group (None without tensor parallelism); each
+    rank takes its share of the cores."""
+    if args.tp_size == 1:
+        return None
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from spectral.layers.parallel import TensorParallel
+
+    if args.num_threads is None:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{ipc_dir}/tp_rendezvous",
+        rank=rank,
+        world_size=args.tp_size,
+        timeout=datetime.timedelta(seconds=TP_TIMEOUT_S),
+    )
+    return TensorParallel(rank, args.tp_size)
+
+
+def _rank_main(args: ServerArgs, ipc_dir: str, rank: int, model, ctx: zmq.Context) -> None:
+    """Rank 1..N-1: run every batch rank 0 passes on; the results are rank 0's to send."""
+    from spectral.worker.factory import create_worker
+
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(f"ipc://{ipc_dir}/rank{rank}_in")
+    worker = create_worker(args, model, _join_group(args, ipc_dir, rank))
+    parent = os.getppid()
+    while wait_for_work(inbox, parent):
+        batch = recv_message(inbox)
+        try:
+            worker.forward(batch)
+        except Exception:  # rank 0 fails the same batch and answers for it
+            logger.exception("tensor-parallel rank %d failed on a batch", rank)
 
 
 class RemoteWorker:
@@ -107,7 +176,7 @@ class RemoteWorker:
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.PULL)
         self.results.bind(f"ipc://{ipc_dir}/worker_out")
-        self.process = spawn_child("spectral.server.worker_process", args, ipc_dir)
+        self.process = spawn_child(WORKER_MODULE, args, ipc_dir)
         self._model_out: zmq.Socket | None = None
         self.batches = self.ctx.socket(zmq.PUSH)
         self.batches.connect(f"ipc://{ipc_dir}/worker_in")

@@ -10,6 +10,7 @@ import torch
 from spectral.args import ServerArgs
 from spectral.constrained import GrammarBackend, GrammarFollower
 from spectral.core.model import ResolvedModel
+from spectral.layers.parallel import TensorParallel
 from spectral.models.resolved import load_tokenizer
 from spectral.speculative.settings import SpecSettings
 from spectral.worker.model_worker import ModelWorker
@@ -31,9 +32,11 @@ def resolve_draft_path(path: str) -> str:
     return path
 
 
-def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | SpeculativeWorker:
-    """The model worker for `args` and `model`; with speculative decoding on, wrapped with its
-    drafter."""
+def create_worker(
+    args: ServerArgs, model: ResolvedModel, tensor_parallel: TensorParallel | None = None
+) -> ModelWorker | SpeculativeWorker:
+    """The model worker for `args` and `model` (one rank of `tensor_parallel`, where given);
+    with speculative decoding on, wrapped with its drafter."""
     dtype, device = args.resolved_dtype(), args.resolved_device()
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
@@ -60,6 +63,7 @@ def create_worker(args: ServerArgs, model: ResolvedModel) -> ModelWorker | Specu
         max_context_len=model.context_len,
         attention_backend=args.attention_backend,
         use_cpu_kernels=not args.disable_cpu_kernels,
+        tensor_parallel=tensor_parallel,
     )
     spec = args.spec_settings()
     if spec is None:
