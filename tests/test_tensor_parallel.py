@@ -1,15 +1,21 @@
 """`--tp-size 2` through the server's processes: greedy output identical to one rank on the
-peaky model (native and OpenAI requests), the worker's rank processes gone after SIGTERM, and
-what tensor parallelism does not run yet refused with a message."""
+peaky model (native and OpenAI requests), the worker's rank processes gone after SIGTERM, a
+SIGKILLed rank taking the server down within 10 s with nothing left, and what tensor
+parallelism does not run yet refused with a message."""
 
 from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from spectral import Engine
 from spectral.args import ServerArgs
-from tests.server_utils import descendants, start_server, stop_server
+from tests.server_utils import alive, cmdline, descendants, start_server, stop_server
 
 PROMPTS = ["The capital of France", "def fib(n):", "1, 2, 3,", "Once upon a time", "SELECT"]
 
@@ -47,6 +53,28 @@ def test_two_ranks_give_one_ranks_greedy_output_and_leave_no_process(peaky_model
         assert res.status_code == 200, res.text
     finally:
         stop_server(two)  # asserts every process it started is gone
+
+
+def test_a_killed_rank_takes_the_server_down_naming_it_and_leaves_no_process(peaky_model_dir):
+    flags = ("--model-path", peaky_model_dir, "--dtype", "float32", "--tp-size", "2")
+    server, url = start_server(*flags, "--max-total-tokens", "4096", timeout=240)
+    try:
+        below = descendants(server.pid)
+        workers = [pid for pid in below if "spectral.server.worker_process" in cmdline(pid)]
+        assert len(workers) == 2
+        parents = {
+            pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            for pid in workers
+        }
+        rank1 = next(pid for pid in workers if parents[pid] in workers)
+        os.kill(rank1, signal.SIGKILL)
+        server.wait(timeout=10)
+        assert server.returncode != 0
+        time.sleep(1)
+        assert not [pid for pid in below if alive(pid)]
+    finally:
+        if server.poll() is None:
+            stop_server(server)
 
 
 def test_what_tensor_parallelism_does_not_run_yet_is_refused():

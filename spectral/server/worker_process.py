@@ -70,6 +70,7 @@ class WorkerStepError(RemoteError):
 # A tensor-parallel rank's number, set by rank 0 in the environment of the ranks it starts.
 TP_RANK_ENV = "SPECTRAL_TP_RANK"
 TP_TIMEOUT_S = 60  # a collective that waits longer than this for a rank fails
+RANK_POLL_MS = 200  # how often an idle rank 0 looks at its ranks
 
 
 def worker_main(args: ServerArgs, ipc_dir: str) -> None:
@@ -108,11 +109,13 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
     if worker.grammars is not None:  # speculative: the worker follows grammar requests itself
         worker.grammars.backend.start()
     parent = os.getppid()
-    while wait_for_work(inbox, parent):
+    while True:
+        while not inbox.poll(RANK_POLL_MS):  # waiting: the ranks are watched meanwhile
+            if os.getppid() != parent:
+                return
+            _exit_if_a_rank_died(ranks)
+        _exit_if_a_rank_died(ranks)
         batch = recv_message(inbox)
-        for r, proc in enumerate(ranks, start=1):
-            if proc.poll() is not None:
-                sys.exit(f"spectral worker: tensor-parallel rank {r} exited with {proc.returncode}")
         for peer in peers:
             send_message(peer, batch)
         try:
@@ -121,6 +124,14 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
             logger.exception("the model worker failed on a batch")
             reply = StepFailed(f"{type(err).__name__}: {err}")
         send_message(outbox, reply)
+
+
+def _exit_if_a_rank_died(ranks: list[subprocess.Popen]) -> None:
+    """End rank 0 (and so the server: the scheduler watches it) naming a rank that exited."""
+    for r, proc in enumerate(ranks, start=1):
+        if proc.poll() is not None:
+            logger.error("tensor-parallel rank %d exited with code %s", r, proc.returncode)
+            sys.exit(f"spectral worker: tensor-parallel rank {r} exited with {proc.returncode}")
 
 
 def _join_group(args: ServerArgs, ipc_dir: str, rank: int):

@@ -85,8 +85,11 @@ class ModelWorker:
                 self.model.to(device)
             cfg: ModelConfig = self.config
             if tensor_parallel is not None:  # this rank's share, before anything is packed
-                if gguf_file is not None:
-                    raise ValueError("tensor parallelism serves dense weights only so far")
+                if gguf_file is not None and gguf_native:
+                    raise ValueError(
+                        "tensor parallelism cuts dense weights only so far: serve a GGUF "
+                        "dequantized at load (--quantization none) or a HF directory"
+                    )
                 cfg = shard_llama(self.model, tensor_parallel)
             self.model.set_cpu_kernels(kernels)  # packs only what has no GGUF blocks
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
