@@ -57,12 +57,10 @@ def heads_dir(tmp_path_factory: pytest.TempPathFactory, peaky_model_dir: str) ->
 
 
 def medusa(model_dir: str, heads: str, **options):
+    """MEDUSA alone unless `options` add n-gram trees."""
+    options.setdefault("speculative_hybrid_ngram", 0)
     return make_spec_scheduler(
-        model_dir,
-        speculative_algorithm="MEDUSA",
-        speculative_draft_model_path=heads,
-        speculative_hybrid_ngram=0,
-        **options,
+        model_dir, speculative_algorithm="MEDUSA", speculative_draft_model_path=heads, **options
     )
 
 

@@ -95,7 +95,7 @@ def _rank(rank: int, world: int, init: str) -> None:
         rows = shard_range(11, rank, world)
         emb = vocab_parallel_embed(ids, shard_rows(table, rank, world), rows.start)
         assert torch.equal(emb, table[ids])
-        logits = gather_columns(x @ shard_rows(head, rank, world).T)  # 7 = 4 + 3 columns
+        logits = gather_columns(x @ shard_rows(head, rank, world).T, 7)  # 4 + 3 columns
         torch.testing.assert_close(logits, x @ head.T, rtol=1e-6, atol=1e-6)
     finally:
         dist.destroy_process_group()

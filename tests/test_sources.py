@@ -16,10 +16,11 @@ from spectral.speculative.acceptance import HEAD, NGRAM, family
 from tests.test_medusa import (
     check_heads_sampling,
     check_small_vocab_greedy,
+    medusa,
     random_heads,
     small_vocab_model_dir,
 )
-from tests.test_speculative import make_spec_scheduler, plain_outputs, prompts, run
+from tests.test_speculative import plain_outputs, prompts, run
 from tests.test_standalone import check_grammars_keep_greedy_output
 
 __all__ = ["plain_outputs", "small_vocab_model_dir"]  # fixtures shared with other tests
@@ -28,13 +29,8 @@ CASES = {"batch1": dict(at_once=1), "batch8": dict(at_once=8)}
 
 
 def every_source(model_dir: str, heads: str, **options):
-    return make_spec_scheduler(
-        model_dir,
-        speculative_algorithm="MEDUSA",
-        speculative_draft_model_path=heads,
-        speculative_hybrid_ngram=6,
-        speculative_hybrid_lookahead=True,
-        **options,
+    return medusa(
+        model_dir, heads, speculative_hybrid_ngram=6, speculative_hybrid_lookahead=True, **options
     )
 
 

@@ -106,17 +106,18 @@ def vocab_parallel_embed(
     return row_parallel_sum(out, group)
 
 
-def gather_columns(part: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Every rank's [m, n_r] columns side by side in rank order (the LM head's logits); shares
-    may differ by a unit in width."""
+def gather_columns(
+    part: torch.Tensor, total: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Every rank's [m, n_r] columns side by side in rank order (the LM head's logits), where
+    the ranks hold `shard_range` shares of `total` columns (so they may differ by one)."""
     world = dist.get_world_size(group)
-    widths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(widths, torch.tensor([part.shape[1]]), group=group)
-    widest = max(int(w) for w in widths)
-    padded = torch.nn.functional.pad(part, (0, widest - part.shape[1]))
+    shares = [shard_range(total, r, world) for r in range(world)]
+    widths = [share.stop - share.start for share in shares]
+    padded = torch.nn.functional.pad(part, (0, widths[0] - part.shape[1]))  # the first: widest
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded.contiguous(), group=group)
-    return torch.cat([p[:, : int(w)] for p, w in zip(parts, widths)], dim=1)
+    return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
 
 
 @dataclass(frozen=True)
@@ -134,5 +135,5 @@ class TensorParallel:
     def embed(self, ids: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
         return vocab_parallel_embed(ids, rows, start, self.group)
 
-    def gather(self, part: torch.Tensor) -> torch.Tensor:
-        return gather_columns(part, self.group)
+    def gather(self, part: torch.Tensor, total: int) -> torch.Tensor:
+        return gather_columns(part, total, self.group)

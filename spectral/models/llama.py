@@ -249,4 +249,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [R, vocab] for the given rows of final hidden states."""
         logits = self.logits_head(hidden)
-        return logits if self.tp is None else self.tp.gather(logits)
+        return logits if self.tp is None else self.tp.gather(logits, self.config.vocab_size)

@@ -66,10 +66,6 @@ def shard_llama(model: nn.Module, tp: TensorParallel) -> ModelConfig:
         _keep(model.lm_head, rows=[vocab])
     model.vocab_start = vocab.start
     model.tp = tp
-    local = dataclasses.replace(
-        cfg,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        intermediate_size=inter.stop - inter.start,
+    return dataclasses.replace(
+        cfg, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter.stop - inter.start
     )
-    return local

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -81,13 +82,17 @@ def receive_model(ipc_dir: str, role: str) -> ResolvedModel:
     return model
 
 
-def wait_for_work(sock: Any, parent: int) -> bool:
+def wait_for_work(sock: Any, parent: int, watch: Callable[[], None] | None = None) -> bool:
     """Block until `sock` has a message (True) or this process's parent `parent` is gone
-    (False), a backstop for the parent-death signal."""
-    while not sock.poll(500):
+    (False), a backstop for the parent-death signal. `watch`, where given, runs before every
+    poll (it may end the process: a worker watching processes of its own)."""
+    while True:
+        if watch is not None:
+            watch()
+        if sock.poll(500):
+            return True
         if os.getppid() != parent:
             return False
-    return True
 
 
 def die_with_parent() -> None:

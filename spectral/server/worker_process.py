@@ -70,7 +70,6 @@ class WorkerStepError(RemoteError):
 # A tensor-parallel rank's number, set by rank 0 in the environment of the ranks it starts.
 TP_RANK_ENV = "SPECTRAL_TP_RANK"
 TP_TIMEOUT_S = 60  # a collective that waits longer than this for a rank fails
-RANK_POLL_MS = 200  # how often an idle rank 0 looks at its ranks
 
 
 def worker_main(args: ServerArgs, ipc_dir: str) -> None:
@@ -109,12 +108,8 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
     if worker.grammars is not None:  # speculative: the worker follows grammar requests itself
         worker.grammars.backend.start()
     parent = os.getppid()
-    while True:
-        while not inbox.poll(RANK_POLL_MS):  # waiting: the ranks are watched meanwhile
-            if os.getppid() != parent:
-                return
-            _exit_if_a_rank_died(ranks)
-        _exit_if_a_rank_died(ranks)
+    watch = (lambda: _exit_if_a_rank_died(ranks)) if ranks else None
+    while wait_for_work(inbox, parent, watch):
         batch = recv_message(inbox)
         for peer in peers:
             send_message(peer, batch)

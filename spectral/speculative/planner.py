@@ -127,7 +127,12 @@ class TreePlanner:
         self.stats: dict[str, RankStats] = {}
         self._verify_ms: dict[int, float] = {}  # the cost model's curves, memoised
         self._draft_ms: dict[tuple[int, int], float] = {}
-        self._slopes: list[tuple[int, float]] | None = None
+        # the least ms a node adds to a verify round from each measured point on (suffix
+        # minima of the curve's slopes, 0 where it is not increasing)
+        points = cost.verify
+        slopes = [max(0.0, (y1 - y0) / (x1 - x0)) for (x0, y0), (x1, y1) in zip(points, points[1:])]
+        self._slope_from = [p[0] for p in points[:-1]] or [points[0][0]]
+        self._least_slopes = list(itertools.accumulate(reversed(slopes or [0.0]), min))[::-1]
         # measured against predicted: plain steps, rounds without drafting, rounds with it
         self.calibration = {
             "plain": Calibration(),
@@ -161,7 +166,8 @@ class TreePlanner:
         if math.prod(counts) <= EXHAUSTIVE_CHOICES:
             choices = list(itertools.product(*(range(c) for c in counts)))
         else:
-            choices = [self._by_net_gain(reqs, table), (0,) * B, tuple(c - 1 for c in counts)]
+            by_gain = self._by_net_gain(reqs, table, most)
+            choices = [by_gain, (0,) * B, tuple(c - 1 for c in counts)]
         best: Plan | None = None
         for choice in dict.fromkeys(tuple(c) for c in choices):
             plan = self._plan_for(reqs, list(choice), table)
@@ -169,14 +175,15 @@ class TreePlanner:
                 best = plan
         return best
 
-    def _by_net_gain(self, reqs: list[PlanInput], table: dict[str, list[float]]) -> tuple:
+    def _by_net_gain(
+        self, reqs: list[PlanInput], table: dict[str, list[float]], most: int
+    ) -> tuple:
         """Each request's source whose tree is expected to gain the most tokens net of what its
         nodes (and, for a drafter in the worker, its share of the drafting) cost, valued at a
-        plain step's rate."""
+        plain step's rate; `most`: the most non-root nodes any option has."""
         B = len(reqs)
         plain, rounds, drafted = self._scale
         rate = B / (self.cost.decode_ms(B) * plain)
-        most = max(n for req in reqs for _, n in req.options) - 1
         if most < 1:
             return (0,) * B
         node_ms = (self._verify(B * (1 + most)) - self._verify(B)) / (B * most)
@@ -219,7 +226,7 @@ class TreePlanner:
         caps = range(1, min(deepest, self.max_levels) + 1) if deepest else [0]
         best, taken = plain, []
         for cap in caps:
-            entries = [e for e in gains if not e[3] or e[2] < cap] if deepest else gains
+            entries = [e for e in gains if not e[3] or e[2] < cap]
             plan, length = self._greedy(entries, B, plain_ms, choice, best)
             if length:
                 best, taken = plan, entries[:length]
@@ -270,21 +277,9 @@ class TreePlanner:
         return self._draft_ms[requests, levels]
 
     def _least_slope(self, nodes: int) -> float:
-        """The least ms any node past the first `nodes` adds to a verify round (0 where the
-        measured curve is not increasing throughout)."""
-        if self._slopes is None:
-            points = self.cost.verify
-            segments = [
-                (x0, max(0.0, (y1 - y0) / (x1 - x0)))
-                for (x0, y0), (x1, y1) in zip(points, points[1:])
-            ] or [(points[0][0], 0.0)]
-            least, suffix = math.inf, []
-            for x0, slope in reversed(segments):
-                least = min(least, slope)
-                suffix.append((x0, least))
-            self._slopes = suffix[::-1]  # (segment start, least slope from it on)
-        i = max(bisect.bisect_right([x for x, _ in self._slopes], nodes) - 1, 0)
-        return self._slopes[i][1]
+        """The least ms any node past the first `nodes` adds to a verify round."""
+        i = max(bisect.bisect_right(self._slope_from, nodes) - 1, 0)
+        return self._least_slopes[i]
 
     def _verify(self, nodes: int) -> float:
         if nodes not in self._verify_ms:

@@ -72,7 +72,6 @@ class SpecRound:
                 inputs.append(PlanInput(*head, req.spec.accepted_tokens, req.spec.expected_drafts))
             else:
                 size = (spec.num_draft_tokens if spec.hybrid_merge else 1) + len(tree[0])
-                tree = tree[0][: room - 1], tree[1][: room - 1]
                 others = (head,) if spec.uses_draft_head and not spec.hybrid_merge else ()
                 inputs.append(
                     PlanInput(
