@@ -24,6 +24,7 @@ bench/out/spec.json.
 print(s.get_paths()["stdlib"])')"
     python bench/spec.py ... --algorithms STANDALONE,STANDALONE+MAP \
         --token-map bench/out/stdlib-map.json
+    # +Q4: the draft's layers quantized again to 4 bits at load (--speculative-draft-quantization)
     # Medusa heads (spectral train-medusa writes them), beside NGRAM:
     python bench/spec.py --batches 1 --algorithms MEDUSA,NGRAM --medusa models/medusa-smollm2-135m
 
@@ -214,6 +215,7 @@ def main() -> None:
                 speculative_hybrid_merge="MERGE" in extras,
                 speculative_hybrid_lookahead="LOOKAHEAD" in extras,
                 speculative_token_map=args.token_map if "MAP" in extras else None,
+                speculative_draft_quantization="q4_1" if "Q4" in extras else "auto",
                 **spec_options,
             )
             speed, out, tau = measure(engine, prompts, args.max_new_tokens, temp)

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from spectral.speculative.settings import SpecSettings
+from spectral.speculative.settings import DRAFT_QUANTIZATIONS, SpecSettings
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +57,7 @@ class ServerArgs:
     speculative_hybrid_lookahead: bool = False
     speculative_fixed_tree: bool = False
     speculative_disable_grammar_drafts: bool = False
-    speculative_draft_quantization: str = "q8_0"
+    speculative_draft_quantization: str = "auto"
     speculative_cost_model: str | None = None
     speculative_token_map: str | None = None
     speculative_lookahead_window: int | None = None
@@ -137,11 +137,6 @@ class ServerArgs:
             raise ValueError(f"dp_size must be >= 1 (got {self.dp_size})")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1 (got {self.tp_size})")
-        if self.tp_size > 1 and self.speculative_algorithm is not None:
-            raise ValueError(
-                "--tp-size > 1 does not yet run speculative decoding (issue 43): drop "
-                "--speculative-algorithm or use --tp-size 1"
-            )
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(
                 f"router_policy must be one of {', '.join(ROUTER_POLICIES)} "
@@ -230,8 +225,10 @@ class ServerArgs:
             "--speculative-max-batch-size, instead of trees sized from the cost model",
             "speculative_disable_grammar_drafts": "do not draft the text a request's grammar "
             "forces next (JSON keys and punctuation, a regex's literals)",
-            "speculative_draft_quantization": "weights of the draft head's matmuls on the CPU: "
-            "q8_0 (GGUF 8-bit blocks, a quarter of float32's memory traffic) or none",
+            "speculative_draft_quantization": "weights of the draft's matmuls on the CPU: "
+            "q8_0 (GGUF 8-bit blocks, a quarter of float32's memory traffic), q4_1 (4-bit) or "
+            "none; for STANDALONE, the draft model's layers stored in more bits a weight are "
+            "quantized again at load. auto: q8_0 for a head, a draft model as stored",
             "speculative_token_map": "STANDALONE: the token ids the draft model drafts from "
             "(FR-Spec; SGLang's torch.save'd tensor or a JSON list; `spectral token-map` "
             "writes one): its LM head keeps only those rows",
@@ -295,6 +292,7 @@ class ServerArgs:
                     "quantization": QUANTIZATIONS,
                     "load_format": LOAD_FORMATS,
                     "router_policy": ROUTER_POLICIES,
+                    "speculative_draft_quantization": DRAFT_QUANTIZATIONS,
                 }.get(f.name),
                 help=help_text.get(f.name, ""),
             )

@@ -6,6 +6,8 @@ import asyncio
 import itertools
 import logging
 import queue
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -22,6 +24,7 @@ from spectral.logprobs import logprob_meta
 from spectral.models.resolved import resolve_model
 from spectral.sampling_params import InvalidRequestError, SamplingParams
 from spectral.scheduler.scheduler import build_scheduler
+from spectral.server.worker_process import RemoteWorker
 from spectral.worker.factory import create_worker
 
 logger = logging.getLogger(__name__)
@@ -38,15 +41,22 @@ class Engine:
         if self.args.fault_injection is not None:
             faults.enable(self.args.fault_injection)
         args = self.args
-        if args.tp_size > 1:
-            raise ValueError(
-                "the offline Engine runs one worker; --tp-size > 1 runs in the server "
-                "(spectral serve / launch_server) so far"
-            )
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)
         self.model, self.tokenizer = resolve_model(args)
-        self.worker = create_worker(args, self.model)
+        self._ipc_dir: str | None = None
+        if args.tp_size > 1:
+            # the ranks are processes: the server's worker process is rank 0 and starts the
+            # others (docs/internals.md, "Tensor parallelism")
+            self._ipc_dir = tempfile.mkdtemp(prefix="spectral-")  # mode 0700
+            self.worker = RemoteWorker(args, self._ipc_dir)
+            try:
+                self.worker.hand_model(self.model).wait_ready()
+            except BaseException:
+                self._close_worker()
+                raise
+        else:
+            self.worker = create_worker(args, self.model)
         self.scheduler = build_scheduler(args, self.model, self.worker, self.tokenizer)
         if self.worker.grammars is not None:
             # In one process the worker follows grammars with the scheduler's compiler (one
@@ -362,6 +372,15 @@ class Engine:
         self._wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._close_worker()
+
+    def _close_worker(self) -> None:
+        """Stop the tensor-parallel ranks' processes, if any, and remove their sockets' dir."""
+        if self._ipc_dir is None:
+            return
+        self.worker.close()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self._ipc_dir = None
 
     def __enter__(self) -> Engine:
         return self

@@ -180,3 +180,55 @@ def test_the_weights_reader_keeps_every_tensor_and_no_vocabulary():
     assert any(k.startswith("tokenizer.") for k in full.fields)
     assert set(light.fields) == {k for k in full.fields if not k.startswith("tokenizer.")}
     assert light.fields["general.architecture"].contents() == "llama"
+
+
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q8_0", "Q4_K_M", "Q4_0"])
+def test_requantized_layers_expand_to_ggufs_own_q4_1_of_the_stored_weights(tmp_path, fmt):
+    """`requantize="Q4_1"` (a draft model's --speculative-draft-quantization q4_1): every layer
+    matrix stored in more bits a weight expands to gguf's own Q4_1 quantization of gguf's own
+    dequantization of it (rows as the model uses them, llama's q and k unpermuted); tensors
+    stored in 4-bit formats (Q4_0, Q4_K) and the LM head stay as stored."""
+    import gguf
+
+    from spectral.models.gguf_native import LAYER_LINEARS, bits_per_weight
+    from tests.gguf_models import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", fmt)
+    config = ModelConfig.from_pretrained(model_files_dir(str(path), str(tmp_path / "cache")))
+    models = []
+    for requantize in (None, "Q4_1"):
+        model = build_model(config, torch.float32)
+        load_gguf_model(path, model, config, kernels, requantize=requantize)
+        model.set_cpu_kernels(kernels)
+        models.append(model)
+    stored, requantized = models
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    kv = config.num_kv_heads * config.head_dim
+    out_rows = {"attn_q": config.num_heads * config.head_dim, "attn_k": kv, "attn_v": kv}
+    out_rows |= {"attn_output": config.hidden_size, "ffn_down": config.hidden_size}
+    out_rows |= {"ffn_gate": config.intermediate_size, "ffn_up": config.intermediate_size}
+    changed = 0
+    for i, (layer, again) in enumerate(zip(stored.layers, requantized.layers)):
+        for ours, theirs in LAYER_LINEARS.items():
+            module = layer.get_submodule(ours)
+            weight = expanded(module.packed, module.in_features, torch.float32)
+            parts, row = [], 0
+            for name in theirs:
+                kind = types[f"blk.{i}.{name}.weight"]
+                rows = out_rows[name]
+                part = weight[row : row + rows].numpy()
+                row += rows
+                if bits_per_weight(kind) > bits_per_weight("Q4_1"):
+                    part = gguf.quants.dequantize(gguf.quants.quantize(part, q4_1), q4_1)
+                    changed += 1
+                parts.append(torch.from_numpy(np.ascontiguousarray(part)))
+            module = again.get_submodule(ours)
+            got = expanded(module.packed, module.in_features, torch.float32)
+            assert torch.equal(got, torch.cat(parts)), (i, ours)
+    assert changed == {"Q4_0": 0, "Q4_K_M": 2 * 3}.get(fmt, 2 * 7)  # Q6_K: v, o and down
+    k = config.hidden_size
+    assert torch.equal(
+        expanded(requantized.lm_head_packed, k, torch.float32),
+        expanded(stored.lm_head_packed, k, torch.float32),
+    )

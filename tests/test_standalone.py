@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from transformers import AutoTokenizer
 
 import spectral.worker.spec_worker as spec_worker
 from spectral.args import ServerArgs
+from spectral.core.forward import ForwardMode
 from spectral.core.req import Req
 from spectral.models.resolved import resolve_model
 from spectral.sampling_params import SamplingParams
@@ -68,7 +70,8 @@ CASES = {
         speculative_num_draft_tokens=5,
         at_once=1,
     ),
-    "tree-batch8": dict(
+    "tree-batch8": dict(  # the draft's layers quantized to 4 bits (it only proposes)
+        speculative_draft_quantization="q4_1",
         speculative_eagle_topk=3,
         speculative_num_steps=3,
         speculative_num_draft_tokens=8,
@@ -105,10 +108,23 @@ def accepted_per_round(s) -> float:
     return (stats.spec_emitted_tokens - stats.spec_verify_ct) / stats.spec_verify_ct
 
 
-def test_a_draft_equal_to_the_target_is_accepted_nearly_always(peaky_model_dir: str) -> None:
+def test_a_draft_equal_to_the_target_is_accepted_nearly_always(
+    peaky_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The target as its own draft: its chains agree with the target unless the draft's KV is
     wrong somewhere (a position not caught up, a scratch row with the wrong ancestors, a
-    cached prefix's KV missing); prompts share prefixes (radix hits) and prefill in chunks."""
+    cached prefix's KV missing, a level's KV copied to the wrong slot); prompts share prefixes
+    (radix hits) and prefill in chunks. The accepted tokens a level computed are not computed
+    again: a catch-up runs over the last accepted token and the root at most."""
+    caught_up: list[int] = []  # tokens a request's catch-up forward runs over
+    original = DraftModelDrafter._logprobs
+
+    def logprobs(self, batch):
+        if batch.mode == ForwardMode.EXTEND:
+            caught_up.extend(batch.extend_lens)
+        return original(self, batch)
+
+    monkeypatch.setattr(DraftModelDrafter, "_logprobs", logprobs)
     base = prompts(1, seed=5)[0] * 3
     batch = [base + p for p in prompts(6, seed=6)]
     plain = make_spec_scheduler(peaky_model_dir, chunked_prefill_size=16)
@@ -125,6 +141,8 @@ def test_a_draft_equal_to_the_target_is_accepted_nearly_always(peaky_model_dir: 
     assert [r.output_ids for r in reqs] == expected
     assert sum(r.cached_tokens for r in reqs) > 0
     assert accepted_per_round(s) > 3.4  # of 4 drafted (a request's last round is cut short)
+    # 4 accepted: levels 1-3 computed three, the fourth and the root left (5 without copies)
+    assert statistics.median(caught_up) <= 2
 
 
 def test_retraction_and_aborts_keep_output_equal_and_free_everything(

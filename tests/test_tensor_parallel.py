@@ -1,7 +1,8 @@
-"""`--tp-size 2` through the server's processes: greedy output identical to one rank on the
-peaky model (native and OpenAI requests), the worker's rank processes gone after SIGTERM, a
-SIGKILLed rank taking the server down within 10 s with nothing left, and what tensor
-parallelism does not run yet refused with a message."""
+"""`--tp-size 2`: greedy output identical to one rank on the peaky model's 20 test prompts,
+plain, with EAGLE3 speculation and under a grammar, through the Engine (its worker is the
+server's worker process, rank 0, starting rank 1) and through the server (native and OpenAI
+requests); seeded sampling with speculation equal too; no process left after shutdown or
+SIGTERM; a SIGKILLed rank taking the server down within 10 s with nothing left."""
 
 from __future__ import annotations
 
@@ -16,43 +17,108 @@ import pytest
 from spectral import Engine
 from spectral.args import ServerArgs
 from tests.server_utils import alive, cmdline, descendants, start_server, stop_server
+from tests.test_speculative import FLAT_COST, cost_model_file, make_random_head, prompts
 
-PROMPTS = ["The capital of France", "def fib(n):", "1, 2, 3,", "Once upon a time", "SELECT"]
+PROMPTS = prompts(20)
+REGEX = r"(yes|no), because [a-z]+[.]"
+GREEDY = {"temperature": 0, "max_new_tokens": 12}
 
 
-def greedy(url: str) -> list[list[int]]:
-    out = []
-    for text in PROMPTS:
-        res = httpx.post(
-            url + "/generate",
-            json={"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 12}},
-            timeout=120,
+@pytest.fixture(scope="module")
+def eagle3_head(tmp_path_factory: pytest.TempPathFactory, peaky_model_dir: str) -> str:
+    return make_random_head(tmp_path_factory.mktemp("eagle3-head"), peaky_model_dir, "eagle3")
+
+
+def engine_options(model_dir: str, head: str | None = None) -> dict:
+    options = dict(model_path=model_dir, dtype="float32", max_total_tokens=4096)
+    if head is not None:  # rounds every step, with the largest trees (FLAT_COST)
+        options |= dict(
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=head,
+            speculative_eagle_topk=2,
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=6,
+            speculative_cost_model=cost_model_file(FLAT_COST),
         )
-        assert res.status_code == 200, res.text
-        out.append(res.json()["output_ids"])
-    return out
+    return options
 
 
-def test_two_ranks_give_one_ranks_greedy_output_and_leave_no_process(peaky_model_dir):
-    flags = ("--model-path", peaky_model_dir, "--dtype", "float32", "--max-total-tokens", "4096")
-    one, url = start_server(*flags)
-    try:
-        expected = greedy(url)
-    finally:
-        stop_server(one)
-    two, url = start_server(*flags, "--tp-size", "2", timeout=240)
+def engine_outputs(tp_size: int, **options) -> dict[str, list]:
+    """Greedy outputs of the 20 prompts, of three under the regex, and of four seeded sampled
+    requests; the rounds run (0 without speculation)."""
+    with Engine(tp_size=tp_size, **options) as engine:
+        greedy = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        regex = engine.generate(input_ids=PROMPTS[:3], sampling_params={**GREEDY, "regex": REGEX})
+        sampled = engine.generate(
+            input_ids=PROMPTS[:4],
+            sampling_params=[
+                {"temperature": 1.0, "seed": i, "max_new_tokens": 12} for i in range(4)
+            ],
+        )
+        rounds = engine.get_server_info()["stats"]["spec_verify_ct"]
+    return {
+        "greedy": [o["output_ids"] for o in greedy],
+        "regex": [o["text"] for o in regex],
+        "sampled": [o["output_ids"] for o in sampled],
+        "rounds": rounds,
+    }
+
+
+@pytest.fixture(scope="module")
+def one_rank(peaky_model_dir: str) -> dict[str, list]:
+    return engine_outputs(1, **engine_options(peaky_model_dir))
+
+
+def rank_processes() -> list[int]:
+    return [p for p in descendants(os.getpid()) if "spectral.server.worker_process" in cmdline(p)]
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "eagle3"])
+def test_the_engine_on_two_ranks_gives_one_ranks_output(
+    speculative: bool, peaky_model_dir: str, eagle3_head: str, one_rank: dict
+):
+    options = engine_options(peaky_model_dir, eagle3_head if speculative else None)
+    got = engine_outputs(2, **options)
+    assert got["greedy"] == one_rank["greedy"]
+    assert got["regex"] == one_rank["regex"]
+    assert all(text.split(", because ")[0] in ("yes", "no") for text in got["regex"])
+    # seeded sampling: the same draws on every rank (speculative: verification's too)
+    expected = engine_outputs(1, **options)["sampled"] if speculative else one_rank["sampled"]
+    assert got["sampled"] == expected
+    assert (got["rounds"] > 50) == speculative
+    assert not rank_processes()  # shutdown stopped rank 0 and rank 1
+
+
+def test_the_server_on_two_ranks_speculating_gives_one_ranks_output_and_leaves_no_process(
+    peaky_model_dir: str, eagle3_head: str, one_rank: dict
+):
+    flags = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in engine_options(peaky_model_dir, eagle3_head).items()
+    ]
+    server, url = start_server(*flags, "--tp-size", "2", timeout=240)
     try:
         # the scheduler, the detokenizer, the worker (rank 0) and its rank 1 at least
-        assert len(descendants(two.pid)) >= 4
-        assert greedy(url) == expected
+        assert len(descendants(server.pid)) >= 4
+        out = []
+        for ids in PROMPTS:
+            res = httpx.post(
+                url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY}, timeout=120
+            )
+            assert res.status_code == 200, res.text
+            out.append(res.json()["output_ids"])
+        assert out == one_rank["greedy"]
         res = httpx.post(
             url + "/v1/completions",
             json={"model": "x", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0},
             timeout=120,
         )
         assert res.status_code == 200, res.text
+        assert res.json()["choices"][0]["text"]
+        info = httpx.get(url + "/get_server_info", timeout=30).json()
+        assert info["stats"]["spec_verify_ct"] > 20
     finally:
-        stop_server(two)  # asserts every process it started is gone
+        stop_server(server)  # asserts every process it started is gone
 
 
 def test_a_killed_rank_takes_the_server_down_naming_it_and_leaves_no_process(peaky_model_dir):
@@ -77,10 +143,6 @@ def test_a_killed_rank_takes_the_server_down_naming_it_and_leaves_no_process(pea
             stop_server(server)
 
 
-def test_what_tensor_parallelism_does_not_run_yet_is_refused():
-    with pytest.raises(ValueError, match="does not yet run speculative decoding"):
-        ServerArgs(tp_size=2, speculative_algorithm="NGRAM")
+def test_a_tp_size_below_one_is_refused():
     with pytest.raises(ValueError, match="tp_size must be >= 1"):
         ServerArgs(tp_size=0)
-    with pytest.raises(ValueError, match="the offline Engine runs one worker"):
-        Engine(tp_size=2)

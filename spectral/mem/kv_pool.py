@@ -35,3 +35,8 @@ class KVPool:
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, loc, k.to(self.dtype))
         self.v[layer].index_copy_(0, loc, v.to(self.dtype))
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K and V at slots `src` copied to slots `dst`."""
+        for buf in self.k + self.v:
+            buf[dst] = buf[src]

@@ -99,6 +99,12 @@ def pack_in_slices(
     return out, name
 
 
+def bits_per_weight(kind: str) -> float:
+    """Bits a weight of GGUF format `kind` takes (scales included)."""
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    return 8 * size / block
+
+
 class WeightsReader(gguf.GGUFReader):
     """gguf's reader without the vocabulary's metadata (tokens, merges, token types), which
     loading weights never reads: gguf parses each of their items into a NumPy array of its own,
@@ -123,11 +129,15 @@ def load_gguf_model(
     config: ModelConfig,
     kernels: ModuleType | None,
     int8: bool = False,
+    requantize: str | None = None,
 ) -> int:
     """Fill `model` (built empty, in its dtype, on the CPU) from the GGUF file at `path`. With
     `kernels`, weights in NATIVE_TYPES stay blocks (their dense parameters are emptied) and a
     block-format token embedding is looked up in place; without, everything is dequantized.
     With `int8`, the block weights go through the integer path (layers.linear.integer_path).
+    With `requantize` (a block format gguf can quantize to, e.g. "Q4_1"), the layers' matmul
+    weights stored in more bits a weight are quantized again to it by gguf's own code (a draft
+    model's memory traffic; the LM head and the embedding stay as stored).
     Returns how many weight matrices are served as blocks."""
     reader = WeightsReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
@@ -151,6 +161,21 @@ def load_gguf_model(
         rows = np.asarray(tensor(name).data)
         return unpermute_rows(rows, heads) if heads else rows
 
+    def stored(name: str, requant: bool) -> tuple[np.ndarray, str]:
+        """The tensor's rows and their format: as stored, or quantized again to `requantize`
+        where `requant` and the stored format has more bits a weight."""
+        t = tensor(name)
+        kind = t.tensor_type.name
+        if (
+            not requant
+            or requantize is None
+            or bits_per_weight(kind) <= bits_per_weight(requantize)
+        ):
+            return rows_of(name), kind
+        dequantized.add(kind)
+        values = dequantize(t, rows_of(name)).numpy()
+        return gguf.quants.quantize(values, gguf.GGMLQuantizationType[requantize]), requantize
+
     def fill(param: torch.Tensor, names: list[str]) -> None:
         """Dequantize the tensors `names` into consecutive rows of `param`."""
         offset = 0
@@ -162,25 +187,31 @@ def load_gguf_model(
             offset += values.shape[0]
 
     def blocks(
-        names: list[str], k: int, index: np.ndarray | None = None
+        names: list[str], k: int, index: np.ndarray | None = None, requant: bool = False
     ) -> PackedWeight | PackedRows | None:
         """The tensors `names` packed for gguf_linear as one weight (in parts of one layout
         each where their formats differ), or None where the kernels cannot serve them; with
-        `index`, only those rows of the one tensor named."""
+        `index`, only those rows of the one tensor named; with `requant`, quantized again
+        (`stored`)."""
         if index is not None and len(names) != 1:
             raise ValueError("rows are picked from one tensor")
-        kinds = [tensor(n).tensor_type.name for n in names]
+        if kernels is None:
+            return None
+        sources = [stored(n, requant) for n in names]
+        kinds = [kind for _, kind in sources]
         layouts = [LAYOUTS.get(kind) for kind in kinds]
-        if kernels is None or None in layouts:
+        if None in layouts:
             return None
         if len(set(layouts)) > 1:
             runs = itertools.groupby(zip(names, layouts), key=lambda pair: pair[1])
-            return PackedRows([blocks([name for name, _ in run], k) for _, run in runs])
+            return PackedRows(
+                [blocks([name for name, _ in run], k, None, requant) for _, run in runs]
+            )
         layout = layouts[0]
         if len(set(kinds)) == 1:
             # Packed a slice of rows at a time (panels never straddle one): decoding a whole
             # LM head at once held several copies of it at load.
-            arrays = [rows_of(n) if index is None else rows_of(n)[index] for n in names]
+            arrays = [rows if index is None else rows[index] for rows, _ in sources]
             done = None
             if index is None and len(names) == 1 and not names[0].startswith("blk."):
                 # an LM head or embedding (150k rows): its file pages let go slice by slice
@@ -197,14 +228,14 @@ def load_gguf_model(
                 )
             data, name = packed
             return PackedWeight(data, sum(a.shape[0] for a in arrays), name)
-        parts = [decode(torch.from_numpy(rows_of(n)), kind) for n, kind in zip(names, kinds)]
+        parts = [decode(torch.from_numpy(rows), kind) for rows, kind in sources]
         joined = BlockParts.join(parts)
         packed = PackedWeight(joined.pack(kernels, layout), joined.quants.shape[0], layout)
         return integer_path(packed, k, kernels) if int8 else packed
 
-    def linear(module: nn.Module, names: list[str]) -> bool:
+    def linear(module: nn.Module, names: list[str], requant: bool = False) -> bool:
         """Serve `module` from its blocks (its dense weight emptied) or fill it; True if blocks."""
-        packed = blocks(names, module.in_features)
+        packed = blocks(names, module.in_features, None, requant)
         if packed is not None:
             module.packed = packed
             module.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
@@ -233,7 +264,8 @@ def load_gguf_model(
 
     for i, layer in enumerate(model.layers):
         for ours, theirs in LAYER_LINEARS.items():
-            native += linear(layer.get_submodule(ours), [f"blk.{i}.{t}.weight" for t in theirs])
+            names = [f"blk.{i}.{t}.weight" for t in theirs]
+            native += linear(layer.get_submodule(ours), names, requant=True)
         for ours, theirs in LAYER_NORMS.items():
             fill(layer.get_submodule(ours).weight, [f"blk.{i}.{theirs}.weight"])
     fill(model.norm.weight, ["output_norm.weight"])

@@ -150,16 +150,27 @@ def _join_group(args: ServerArgs, ipc_dir: str, rank: int):
         world_size=args.tp_size,
         timeout=datetime.timedelta(seconds=TP_TIMEOUT_S),
     )
+    # One random stream on every rank (rank 0's seed): unseeded sampling, verification's
+    # included, draws the same on each, so every rank accepts the same drafts and keeps the
+    # same slots.
+    seed = torch.tensor([args.random_seed if args.random_seed is not None else 0])
+    if args.random_seed is None and rank == 0:
+        seed = torch.randint(0, 2**62, (1,))
+    dist.broadcast(seed, 0)
+    torch.manual_seed(int(seed))
     return TensorParallel(rank, args.tp_size)
 
 
 def _rank_main(args: ServerArgs, ipc_dir: str, rank: int, model, ctx: zmq.Context) -> None:
-    """Rank 1..N-1: run every batch rank 0 passes on; the results are rank 0's to send."""
+    """Rank 1..N-1: run every batch rank 0 passes on (speculative rounds too: the drafter is
+    replicated, and every rank verifies alike); the results are rank 0's to send."""
     from spectral.worker.factory import create_worker
 
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(f"ipc://{ipc_dir}/rank{rank}_in")
     worker = create_worker(args, model, _join_group(args, ipc_dir, rank))
+    if worker.grammars is not None:  # speculative: each rank masks its trees itself
+        worker.grammars.backend.start()
     parent = os.getppid()
     while wait_for_work(inbox, parent):
         batch = recv_message(inbox)

@@ -74,12 +74,12 @@ class CostModel:
         return model
 
     def summary(self) -> dict:
-        """A few points of each curve, for /get_server_info."""
+        """A few points of each curve, for /get_server_info (keyed by strings, as JSON is)."""
         return {
-            "verify_ms": {n: round(self.verify_ms(n), 2) for n in (1, 2, 4, 8, 16, 32)},
-            "decode_ms": {b: round(self.decode_ms(b), 2) for b in (1, 4, 16)},
+            "verify_ms": {str(n): round(self.verify_ms(n), 2) for n in (1, 2, 4, 8, 16, 32)},
+            "decode_ms": {str(b): round(self.decode_ms(b), 2) for b in (1, 4, 16)},
             "draft_ms_one_and_three_levels": {
-                b: [round(self.draft_ms(b, 1), 2), round(self.draft_ms(b, 3), 2)]
+                str(b): [round(self.draft_ms(b, 1), 2), round(self.draft_ms(b, 3), 2)]
                 for b in (1, 4, 16)
             },
         }

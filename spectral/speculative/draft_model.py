@@ -15,7 +15,10 @@ is not computed again (docs/speculative.md, "Draft models").
 
 Tree levels: each frontier node gets a scratch row of the draft's own req-to-token table (its
 request's prefix, then its ancestors' scratch slots) and a scratch slot past the target's, so a
-level is one plain decode step of B x k rows through the draft's attention backend.
+level is one plain decode step of B x k rows through the draft's attention backend. The
+accepted tokens a level computed (a prefix of the accepted path, each a frontier node's) have
+their draft KV copied from its scratch slot to the slot the target keeps them in, so the next
+catch-up starts past them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from spectral.core.forward import ForwardBatch, ForwardMode
+from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.speculative.expansion import TreeExpansion
 from spectral.speculative.token_map import load_token_map
@@ -47,6 +51,7 @@ class DraftLM(Protocol):
     device: str
     model: Any
     num_kv_slots: int
+    kv_pool: KVPool
     req_to_token: ReqToTokenPool
 
     def forward_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
@@ -97,6 +102,9 @@ class DraftModelDrafter:
         self.computed = torch.zeros(self.scratch_slot0, dtype=torch.bool, device=device)
         # Request row -> the root slot this round's draft wrote (computed when committed).
         self._rooted: dict[int, int] = {}
+        # Request row -> its candidates' (tokens, parents) and {candidate: scratch slot} for
+        # the frontier nodes whose draft KV a level computed.
+        self._computed_nodes: dict[int, tuple[torch.Tensor, torch.Tensor, dict[int, int]]] = {}
 
     # ---- what the target commits ---------------------------------------------------------
 
@@ -125,16 +133,39 @@ class DraftModelDrafter:
         nothing: commits are queued either way."""
         offset = 0
         starts: list[int] = []
+        copies: list[tuple[int, int]] = []  # (scratch slot, kept slot) of computed nodes
         for b, tokens in enumerate(accepted_tokens):
             row = int(batch.req_pool_indices[b])
             rooted = self._rooted.get(row) == int(kept_slots[offset])
             starts.extend(range(offset + (1 if rooted else 0), offset + len(tokens)))
+            if rooted and row in self._computed_nodes:
+                for depth, scratch in enumerate(self._computed_path(row, tokens[1:]), start=1):
+                    copies.append((scratch, int(kept_slots[offset + depth])))
             offset += len(tokens)
         self._rooted.clear()
+        self._computed_nodes.clear()
         if starts:
             flat = torch.tensor([t for tokens in accepted_tokens for t in tokens])
             index = torch.tensor(starts)
             self.commit(kept_slots[index], flat[index])
+        if copies:
+            src, dst = torch.tensor(copies, device=self.computed.device).T
+            self.lm.kv_pool.copy(src, dst)
+            self.computed[dst] = True
+
+    def _computed_path(self, row: int, path: list[int]) -> list[int]:
+        """The scratch slots holding the draft KV of the accepted `path`'s first tokens (below
+        the root), as far as a level computed them."""
+        tokens, parents, slots = self._computed_nodes[row]
+        found: list[int] = []
+        node = -1
+        for token in path:
+            hits = ((parents == node) & (tokens == token)).nonzero()
+            if not hits.numel() or int(hits[0]) not in slots:
+                break
+            node = int(hits[0])
+            found.append(slots[node])
+        return found
 
     def top1(self, rows: list[int]) -> list[float | None]:
         """The draft's confidence is known only once it drafts (it reads the root first)."""
@@ -159,6 +190,7 @@ class DraftModelDrafter:
             raise ValueError("a draft model drafts below given roots (their tokens and slots)")
         steps = self.num_steps if num_steps is None else max(1, min(num_steps, self.num_steps))
         self._rooted.clear()
+        self._computed_nodes.clear()
         parts = [
             self._draft_chunk(
                 rows[i : i + DRAFT_CHUNK],
@@ -188,6 +220,7 @@ class DraftModelDrafter:
             return levels.result()
         table = self.scratch.table
         group = torch.arange(B)[:, None] * k + torch.arange(k)[None, :]  # scratch rows [B, k]
+        computed: list[dict[int, int]] = [{} for _ in range(B)]  # candidate -> scratch slot
         for b, n in enumerate(lens):  # every row of a request starts as its prefix and root
             table[group[b, 1:], : n + 1] = table[group[b, 0], : n + 1]
         for step in range(1, steps):
@@ -195,6 +228,8 @@ class DraftModelDrafter:
             for b, n in enumerate(lens):
                 table[group[b], n + step] = slots[b]
             positions = torch.tensor(lens)[:, None] + step
+            for b, (ids, own) in enumerate(zip(levels.frontier_ids.tolist(), slots.tolist())):
+                computed[b].update(zip(ids, own))
             batch = ForwardBatch(
                 mode=ForwardMode.DECODE,
                 input_ids=levels.frontier_tokens.reshape(-1),
@@ -211,7 +246,11 @@ class DraftModelDrafter:
             for b, n in enumerate(lens):  # each new frontier node takes its parent's path
                 path = table[group[b][parent[b]], n + 1 : n + step + 1].clone()
                 table[group[b], n + 1 : n + step + 1] = path
-        return levels.result()
+        result = levels.result()
+        _, tokens, parents = (t.cpu() for t in result)
+        for b, row in enumerate(rows.tolist()):
+            self._computed_nodes[row] = (tokens[b], parents[b], computed[b])
+        return result
 
     def _catch_up(
         self, rows: torch.Tensor, lens: list[int], roots: torch.Tensor, root_slots: torch.Tensor

@@ -31,6 +31,11 @@ class TreeExpansion:
         self._children: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
+    def frontier_ids(self) -> torch.Tensor:
+        """[B, k] the candidate index (in `result`'s layout) of each frontier node."""
+        return self._frontier_ids
+
+    @property
     def batch_size(self) -> int:
         return self.frontier_tokens.shape[0]
 

@@ -34,6 +34,8 @@ NO_LIMIT = 1 << 30
 # EAGLE/EAGLE3: n-gram trees of up to this many tokens where the request's last tokens repeat
 # earlier ones (0: the head drafts every round; docs/speculative.md, "Hybrid n-gram trees").
 DEFAULT_HYBRID_NGRAM = 8
+# --speculative-draft-quantization: auto is q8_0 for a head, the file's own for a draft model
+DRAFT_QUANTIZATIONS = ("auto", "q8_0", "q4_1", "none")
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,8 @@ class SpecSettings:
     cost_model_path: str | None = None
     # a request under a grammar drafts the text its grammar forces next
     grammar_drafts: bool = True
-    # GGUF block type the draft head's weights are quantized to for the CPU kernels, or None
+    # GGUF block type the draft's matmul weights are quantized to for the CPU kernels (a
+    # head's all, a draft model's stored in more bits a weight), or None
     draft_quantization: str | None = "Q8_0"
     # STANDALONE: a file of the token ids the draft model drafts from (speculative.token_map)
     token_map: str | None = None
@@ -197,8 +200,13 @@ class SpecSettings:
                 "--speculative-fixed-tree or --speculative-hybrid-merge (sized by hand)"
             )
         quant = (args.speculative_draft_quantization or "none").lower()
-        if quant not in ("q8_0", "none"):
-            raise ValueError(f"speculative_draft_quantization must be q8_0 or none (got {quant!r})")
+        if quant not in DRAFT_QUANTIZATIONS:
+            raise ValueError(
+                f"speculative_draft_quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)} "
+                f"(got {quant!r})"
+            )
+        if quant == "auto":  # a head's float weights to 8 bits; a draft model's as stored
+            quant = "none" if algo == "STANDALONE" else "q8_0"
         token_map = args.speculative_token_map
         if token_map is not None and algo != "STANDALONE":
             raise ValueError(

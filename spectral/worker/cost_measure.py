@@ -16,6 +16,7 @@ import torch
 from spectral.cache import DEFAULT_CACHE_DIR
 from spectral.core.forward import ForwardMode
 from spectral.core.worker_io import RequestSampling, WorkerBatch
+from spectral.layers.parallel import TensorParallel
 from spectral.sampling_params import SamplingParams
 from spectral.speculative.cost_model import CostModel
 from spectral.worker.spec_worker import SpeculativeWorker
@@ -39,20 +40,34 @@ def cache_key(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_or_measure(worker: SpeculativeWorker, parts: dict, path: str | None = None) -> CostModel:
+def load_or_measure(
+    worker: SpeculativeWorker,
+    parts: dict,
+    path: str | None = None,
+    tensor_parallel: TensorParallel | None = None,
+) -> CostModel | None:
     """The cost model at `path` (given by hand), else the cached one for `parts`, else measured
-    now and cached."""
+    now and cached. Under `tensor_parallel` the measuring forwards are collective: rank 0's
+    cache decides whether every rank measures (in step) or none does, and only rank 0 keeps
+    a model (the scheduler plans by it; other ranks return None)."""
     if path is not None:
         return CostModel.from_dict(json.loads(Path(path).read_text()))
     parts = {**parts, "measure_version": MEASURE_VERSION}
     file = CACHE_DIR / f"{cache_key(parts)}.json"
-    if file.exists():
-        try:
-            return CostModel.from_dict(json.loads(file.read_text()))
-        except (ValueError, json.JSONDecodeError):
-            logger.warning("ignoring a malformed cached cost model at %s", file)
+    cached = _read(file) if tensor_parallel is None or tensor_parallel.rank == 0 else None
+    if tensor_parallel is not None:
+        import torch.distributed as dist
+
+        found = torch.tensor([cached is not None])
+        dist.broadcast(found, 0, group=tensor_parallel.group)
+        if found.item() and tensor_parallel.rank:
+            return None
+    if cached is not None:
+        return cached
     start = time.perf_counter()
     model = measure(worker)
+    if tensor_parallel is not None and tensor_parallel.rank:
+        return None
     logger.info(
         "measured the speculative cost model in %.1f s (cached at %s): %s",
         time.perf_counter() - start,
@@ -67,6 +82,17 @@ def load_or_measure(worker: SpeculativeWorker, parts: dict, path: str | None = N
     except OSError as err:
         logger.warning("could not cache the cost model (%s)", err)
     return model
+
+
+def _read(file: Path) -> CostModel | None:
+    """The cached cost model in `file`, or None (absent or malformed)."""
+    if not file.exists():
+        return None
+    try:
+        return CostModel.from_dict(json.loads(file.read_text()))
+    except (ValueError, json.JSONDecodeError):
+        logger.warning("ignoring a malformed cached cost model at %s", file)
+        return None
 
 
 def timed(fn, repeats: int = REPEATS, warmup: int = 1) -> float:

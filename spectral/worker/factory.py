@@ -149,7 +149,11 @@ def create_worker(
             "draft_quantization": spec.draft_quantization,
             "token_map": _file_stamp(spec.token_map),
         }
-        spec_worker.cost_model = load_or_measure(spec_worker, parts, spec.cost_model_path)
+        if tensor_parallel is not None:
+            parts["tp_size"] = tensor_parallel.world
+        spec_worker.cost_model = load_or_measure(
+            spec_worker, parts, spec.cost_model_path, tensor_parallel
+        )
     return spec_worker
 
 
@@ -157,10 +161,11 @@ def draft_model_drafter(
     args: ServerArgs, model: ResolvedModel, target: ModelWorker, spec: SpecSettings
 ):
     """STANDALONE: the draft LM at --speculative-draft-model-path loaded as the target is (same
-    dtype, device and --quantization), its KV pool indexed by the target's slots plus scratch
-    for the tree levels, drafting from --speculative-token-map's ids where given. A draft whose
-    tokenizer differs from the target's is refused, naming both (their model vocabularies may
-    be padded to different sizes)."""
+    dtype, device and --quantization; its layers quantized again by
+    --speculative-draft-quantization where given), its KV pool indexed by the target's slots
+    plus scratch for the tree levels, drafting from --speculative-token-map's ids where given.
+    A draft whose tokenizer differs from the target's is refused, naming both (their model
+    vocabularies may be padded to different sizes)."""
     from spectral.models.resolved import resolve_model
     from spectral.speculative.draft_model import DraftModelDrafter, scratch_sizes
 
@@ -192,6 +197,7 @@ def draft_model_drafter(
         max_context_len=model.context_len + num_steps + 1,
         attention_backend=args.attention_backend,
         use_cpu_kernels=not args.disable_cpu_kernels,
+        quantize=spec.draft_quantization,
     )
     return DraftModelDrafter(
         worker,

@@ -11,6 +11,7 @@ from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.worker_io import WorkerBatch, WorkerResult
 from spectral.kernels.cpu_kernels import load_cpu_kernels
 from spectral.layers.parallel import TensorParallel
+from spectral.layers.routing import route_to_cpu_kernels
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.process import eager_release
 from spectral.mem.req_to_token import ReqToTokenPool
@@ -55,6 +56,7 @@ class ModelWorker:
         gguf_int8: bool = False,
         dummy_weights: bool = False,
         tensor_parallel: TensorParallel | None = None,
+        quantize: str | None = None,
     ) -> None:
         """The KV pool holds `max_total_tokens` tokens, or what `mem_fraction_static` of the
         memory still free after loading the weights allows. With `gguf_file`, the weights come
@@ -63,7 +65,9 @@ class ModelWorker:
         dequantized at load. With `tensor_parallel`, this process is one rank: it holds its
         share of the (dense) weights and of the KV heads, and its collectives join the other
         ranks'. With `dummy_weights`, the weights are random, made on `device` (`model_dir`
-        needs only its config)."""
+        needs only its config). With `quantize` (a GGUF block format, e.g. "Q4_1") and the CPU
+        kernels, the layers' matmul weights in more bits a weight are quantized to it at load
+        (a draft model's: it only proposes)."""
         self.device = device
         self.dtype = dtype
         kernels = load_cpu_kernels() if device == "cpu" and use_cpu_kernels else None
@@ -79,7 +83,12 @@ class ModelWorker:
                 if native and kernels is None:
                     logger.info("GGUF weights served dequantized (no CPU kernels on %s)", device)
                 served = load_gguf_model(
-                    gguf_file, self.model, self.config, kernels if native else None, gguf_int8
+                    gguf_file,
+                    self.model,
+                    self.config,
+                    kernels if native else None,
+                    gguf_int8,
+                    requantize=quantize,
                 )
                 logger.info("GGUF blocks served as they are for %d weight matrices", served)
                 self.model.to(device)
@@ -91,6 +100,9 @@ class ModelWorker:
                         "dequantized at load (--quantization none) or a HF directory"
                     )
                 cfg = shard_llama(self.model, tensor_parallel)
+            if quantize is not None and kernels is not None:
+                for layer in self.model.layers:  # dense layers quantized (GGUF blocks stay)
+                    route_to_cpu_kernels(layer, kernels, quantize)
             self.model.set_cpu_kernels(kernels)  # packs only what has no GGUF blocks
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
         if max_total_tokens is None:
