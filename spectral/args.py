@@ -71,6 +71,9 @@ class ServerArgs:
     served_model_name: str | None = None
     # Tensor parallelism: worker ranks in one torch.distributed group
     tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     # Data parallelism: several servers behind sglang-router
     dp_size: int = 1
     worker_urls: str | None = None
@@ -137,6 +140,7 @@ class ServerArgs:
             raise ValueError(f"dp_size must be >= 1 (got {self.dp_size})")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1 (got {self.tp_size})")
+        self._check_nodes()
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(
                 f"router_policy must be one of {', '.join(ROUTER_POLICIES)} "
@@ -162,6 +166,33 @@ class ServerArgs:
                 f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
         return cls(**kwargs)
+
+    def _check_nodes(self) -> None:
+        """--nnodes, --node-rank and --dist-init-addr: the tensor-parallel ranks spread evenly
+        over the machines, rank 0's reachable at HOST:PORT (and PORT + 1)."""
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank must be in 0..nnodes-1 and nnodes >= 1 (got node_rank "
+                f"{self.node_rank}, nnodes {self.nnodes})"
+            )
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes}): each "
+                "machine runs tp_size / nnodes ranks"
+            )
+        if self.nnodes > 1:
+            host, _, port = (self.dist_init_addr or "").rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(
+                    "nnodes > 1 needs --dist-init-addr HOST:PORT, the address of node 0 that "
+                    f"every machine can reach (got {self.dist_init_addr!r})"
+                )
+            if self.dp_size > 1:
+                raise ValueError("--nnodes > 1 runs one server; it does not go with --dp-size")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     def resolved_device(self) -> str:
         import torch
@@ -257,7 +288,12 @@ class ServerArgs:
             "api_key": "require 'Authorization: Bearer <key>' on every endpoint but /health",
             "served_model_name": "the model name the OpenAI API reports (default: model path)",
             "tp_size": "split the model over N worker processes (tensor parallelism over "
-            "torch.distributed, gloo on CPU; dense weights only so far)",
+            "torch.distributed: gloo on CPUs, NCCL on GPUs; a GGUF's blocks cut as they load)",
+            "nnodes": "machines the --tp-size ranks are spread over (each runs tp_size / "
+            "nnodes of them; node 0 also serves HTTP)",
+            "node_rank": "this machine's place among --nnodes (0: the server)",
+            "dist_init_addr": "with --nnodes > 1: HOST:PORT of node 0, where the ranks meet "
+            "(torch.distributed) and, at PORT + 1, take rank 0's batches",
             "dp_size": "run N servers (ports after --port, loopback) behind sglang-router on "
             "--host:--port (needs spectral[router])",
             "worker_urls": "servers elsewhere for the router to use too (URLs separated by "

@@ -1,7 +1,8 @@
 """Tensor parallelism's pieces (spectral/layers/parallel.py): shares that cover every row and
 column once, GGUF shares that dequantize (by gguf's own code) to the matching slices of the
-whole weight, head shares with KV heads split or replicated, and two gloo ranks whose
-column-parallel, row-parallel, vocab-parallel and gathered results equal one process's."""
+whole weight, head shares with KV heads split or replicated, two gloo ranks whose
+column-parallel, row-parallel, vocab-parallel and gathered results equal one process's, and two
+rank workers (dense, or GGUF blocks cut as they load) that decode as one."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from spectral.layers.parallel import (
     shard_rows,
     vocab_parallel_embed,
 )
+from spectral.models.resolve import model_files_dir
+from tests.gguf_models import write_tiny_gguf
 from tests.test_gguf_blocks import gguf_values, random_blocks
 
 
@@ -105,31 +108,47 @@ def test_two_gloo_ranks_give_one_process_results(tmp_path) -> None:
     mp.spawn(_rank, args=(2, f"file://{tmp_path / 'rendezvous'}"), nprocs=2, join=True)
 
 
-def _worker_rank(rank: int, world: int, init: str, model_dir: str) -> None:
+def _worker_rank(
+    rank: int, world: int, init: str, model_dir: str, options: dict, backend: str = "gloo"
+) -> None:
+    """Rank `rank` of `world`: a whole ModelWorker and a tensor-parallel one (`options` for
+    both; `backend` nccl: each rank on its own GPU, the weights random from one seed) decode
+    the same three requests."""
     from spectral.core.forward import ForwardMode
     from spectral.core.worker_io import RequestSampling, WorkerBatch
+    from spectral.layers.linear import weight_bytes
     from spectral.layers.parallel import TensorParallel
     from spectral.sampling_params import SamplingParams
     from spectral.worker.model_worker import ModelWorker
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = "cuda"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     try:
         common = dict(
             model_dir=model_dir,
             dtype=torch.float32,
-            device="cpu",
+            device=device,
             max_total_tokens=512,
             max_running_requests=4,
             max_context_len=256,
+            **options,
         )
         whole = ModelWorker(**common)
         mine = ModelWorker(**common, tensor_parallel=TensorParallel(rank, world))
-        held = sum(p.numel() for p in mine.model.parameters())
-        full = sum(p.numel() for p in whole.model.parameters())
-        assert held < 0.6 * full, (held, full)  # the norms are the only weights every rank holds
+        held, full = weight_bytes(mine.model), weight_bytes(whole.model)
+        # the norms (and an embedding looked up from its blocks) are all every rank holds whole
+        assert held < 0.6 * full, (held, full)
+        if options.get("gguf_file") and options.get("gguf_native", True):
+            layer = mine.model.layers[0]
+            assert layer.mlp.down_proj.packed is not None  # served from its cut blocks
+            assert layer.self_attn.qkv_proj.weight.numel() == 0
         assert mine.kv_pool.k[0].shape[1] * world == whole.kv_pool.k[0].shape[1]
         greedy = RequestSampling(SamplingParams(temperature=0.0, max_new_tokens=16))
-        prompts = [[5, 9, 300, 41, 7], [1000, 2, 3], [17] * 9]
+        vocab = whole.config.vocab_size
+        prompts = [[t % vocab for t in p] for p in ([5, 9, 300, 41, 7], [1000, 2, 3], [17] * 9)]
         lens = [len(p) for p in prompts]
         slots = [list(range(1 + 64 * b, 1 + 64 * b + n)) for b, n in enumerate(lens)]
         batch = WorkerBatch(
@@ -148,7 +167,7 @@ def _worker_rank(rank: int, world: int, init: str, model_dir: str) -> None:
             wb = batch
             for step in range(10):
                 result, _, hidden, _ = worker.run(wb)
-                steps.append((result.next_token_ids, worker.model.compute_logits(hidden)))
+                steps.append((result.next_token_ids, worker.model.compute_logits(hidden).cpu()))
                 now = [n + step for n in lens]
                 wb = WorkerBatch(
                     ForwardMode.DECODE,
@@ -168,16 +187,52 @@ def _worker_rank(rank: int, world: int, init: str, model_dir: str) -> None:
         dist.destroy_process_group()
 
 
+# (architecture, GGUF format, worker options): blocks served as they are, through the integer
+# path, and dequantized at load; llama's q and k rows are permuted in the file, qwen2 has biases
+GGUF_CASES = {
+    "qwen2-Q8_0": ("qwen2", "Q8_0", {}),
+    "llama-Q4_0-int8": ("llama", "Q4_0", {"gguf_int8": True}),
+    "llama-Q5_0-dequantized": ("llama", "Q5_0", {"gguf_native": False}),
+}
+
+
+@pytest.mark.parametrize("case", ["dense", *GGUF_CASES])
 def test_two_rank_workers_decode_as_one_holding_half_the_weights_each(
-    tmp_path, peaky_model_dir: str
+    tmp_path, peaky_model_dir: str, case: str
 ) -> None:
     """Two tensor-parallel ModelWorkers (gloo, the CPU kernels on) on the peaky model (4
-    query and 2 KV heads, one KV head a rank): a prefill and 10 greedy decode steps of three
-    requests give one worker's tokens and logits, each rank holding about half the weights and
-    half the KV heads."""
+    query and 2 KV heads, one KV head a rank) or a tiny GGUF (cut as it loads: each rank reads
+    and packs only its blocks): a prefill and 10 greedy decode steps of three requests give one
+    worker's tokens and logits, each rank holding about half the weights and half the KV
+    heads."""
+    model_dir, options = peaky_model_dir, {}
+    if case != "dense":
+        arch, fmt, options = GGUF_CASES[case]
+        path = write_tiny_gguf(tmp_path / f"{case}.gguf", arch, fmt, seed=2)
+        model_dir = model_files_dir(str(path), str(tmp_path / "cache"))
+        options = {**options, "gguf_file": str(path)}
     mp.spawn(
         _worker_rank,
-        args=(2, f"file://{tmp_path / 'rendezvous'}", peaky_model_dir),
+        args=(2, f"file://{tmp_path / 'rendezvous'}", model_dir, options),
         nprocs=2,
         join=True,
     )
+
+
+def test_a_gguf_whose_blocks_straddle_a_ranks_heads_is_refused(tmp_path) -> None:
+    """Q4_K's blocks hold 256 inputs; a rank's 2 heads of 64 give the attention output 128."""
+    from spectral.layers.parallel import TensorParallel
+    from spectral.worker.model_worker import ModelWorker
+
+    path = write_tiny_gguf(tmp_path / "k.gguf", "llama", "Q4_K_M")
+    with pytest.raises(ValueError, match="not whole GGUF blocks of 256 weights"):
+        ModelWorker(
+            model_files_dir(str(path), str(tmp_path / "cache")),
+            torch.float32,
+            "cpu",
+            512,
+            4,
+            256,
+            gguf_file=str(path),
+            tensor_parallel=TensorParallel(0, 2),
+        )

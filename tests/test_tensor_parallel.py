@@ -1,13 +1,16 @@
 """`--tp-size 2`: greedy output identical to one rank on the peaky model's 20 test prompts,
 plain, with EAGLE3 speculation and under a grammar, through the Engine (its worker is the
 server's worker process, rank 0, starting rank 1) and through the server (native and OpenAI
-requests); seeded sampling with speculation equal too; no process left after shutdown or
-SIGTERM; a SIGKILLed rank taking the server down within 10 s with nothing left."""
+requests), and over two "machines" (--nnodes 2 on this one); seeded sampling with speculation
+equal too; no process left after shutdown or SIGTERM; a SIGKILLed rank, on this node or
+another, taking the server down within 10 s with nothing left."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +19,14 @@ import pytest
 
 from spectral import Engine
 from spectral.args import ServerArgs
-from tests.server_utils import alive, cmdline, descendants, start_server, stop_server
+from tests.server_utils import (
+    alive,
+    cmdline,
+    descendants,
+    free_port,
+    start_server,
+    stop_server,
+)
 from tests.test_speculative import FLAT_COST, cost_model_file, make_random_head, prompts
 
 PROMPTS = prompts(20)
@@ -47,6 +57,9 @@ def engine_outputs(tp_size: int, **options) -> dict[str, list]:
     """Greedy outputs of the 20 prompts, of three under the regex, and of four seeded sampled
     requests; the rounds run (0 without speculation)."""
     with Engine(tp_size=tp_size, **options) as engine:
+        ranks = []  # the worker process (rank 0) and the ranks it started
+        if tp_size > 1:
+            ranks = [engine.worker.process.pid, *descendants(engine.worker.process.pid)]
         greedy = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         regex = engine.generate(input_ids=PROMPTS[:3], sampling_params={**GREEDY, "regex": REGEX})
         sampled = engine.generate(
@@ -61,16 +74,13 @@ def engine_outputs(tp_size: int, **options) -> dict[str, list]:
         "regex": [o["text"] for o in regex],
         "sampled": [o["output_ids"] for o in sampled],
         "rounds": rounds,
+        "ranks": ranks,
     }
 
 
 @pytest.fixture(scope="module")
 def one_rank(peaky_model_dir: str) -> dict[str, list]:
     return engine_outputs(1, **engine_options(peaky_model_dir))
-
-
-def rank_processes() -> list[int]:
-    return [p for p in descendants(os.getpid()) if "spectral.server.worker_process" in cmdline(p)]
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "eagle3"])
@@ -86,7 +96,9 @@ def test_the_engine_on_two_ranks_gives_one_ranks_output(
     expected = engine_outputs(1, **options)["sampled"] if speculative else one_rank["sampled"]
     assert got["sampled"] == expected
     assert (got["rounds"] > 50) == speculative
-    assert not rank_processes()  # shutdown stopped rank 0 and rank 1
+    assert len(got["ranks"]) == 2
+    time.sleep(1)
+    assert not [pid for pid in got["ranks"] if alive(pid)]  # shutdown stopped both ranks
 
 
 def test_the_server_on_two_ranks_speculating_gives_one_ranks_output_and_leaves_no_process(
@@ -108,6 +120,13 @@ def test_the_server_on_two_ranks_speculating_gives_one_ranks_output_and_leaves_n
             assert res.status_code == 200, res.text
             out.append(res.json()["output_ids"])
         assert out == one_rank["greedy"]
+        res = httpx.post(
+            url + "/generate",
+            json={"input_ids": PROMPTS[0], "sampling_params": {**GREEDY, "regex": REGEX}},
+            timeout=120,
+        )
+        assert res.status_code == 200, res.text
+        assert res.json()["text"] == one_rank["regex"][0]
         res = httpx.post(
             url + "/v1/completions",
             json={"model": "x", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0},
@@ -146,3 +165,44 @@ def test_a_killed_rank_takes_the_server_down_naming_it_and_leaves_no_process(pea
 def test_a_tp_size_below_one_is_refused():
     with pytest.raises(ValueError, match="tp_size must be >= 1"):
         ServerArgs(tp_size=0)
+
+
+def test_two_machines_serve_as_one_and_a_lost_rank_takes_the_server_down(
+    peaky_model_dir: str, one_rank: dict
+):
+    """--nnodes 2 on this machine: node 1 (`--node-rank 1`: rank 1 only, no HTTP) and node 0
+    (the server, rank 0) meet at --dist-init-addr; greedy output equals one rank's. Rank 1
+    SIGKILLed on node 1: the server exits within 10 s (its batch socket saw rank 1 go), node
+    1's launcher too, and nothing is left of either."""
+    port = free_port(2)  # the group's rendezvous and rank 0's batch socket
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_options(peaky_model_dir).items()]
+    flags += ["--tp-size=2", "--nnodes=2", f"--dist-init-addr=127.0.0.1:{port}"]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "spectral.launch_server", *flags, "--node-rank=1"],
+        start_new_session=True,
+    )
+    server = None
+    try:
+        server, url = start_server(*flags, "--node-rank=0", timeout=240)
+        out = []
+        for ids in PROMPTS[:5]:
+            res = httpx.post(
+                url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY}, timeout=120
+            )
+            assert res.status_code == 200, res.text
+            out.append(res.json()["output_ids"])
+        assert out == one_rank["greedy"][:5]
+        below = descendants(server.pid) + descendants(node1.pid)
+        (rank1,) = [p for p in descendants(node1.pid) if "worker_process" in cmdline(p)]
+        os.kill(rank1, signal.SIGKILL)
+        server.wait(timeout=10)
+        assert server.returncode != 0
+        node1.wait(timeout=10)
+        assert node1.returncode != 0
+        time.sleep(1)
+        assert not [pid for pid in below if alive(pid)]
+    finally:
+        for proc in (server, node1):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

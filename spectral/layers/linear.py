@@ -140,3 +140,30 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.kernels, self.packed)
+
+
+def weight_bytes(root: nn.Module) -> int:
+    """Bytes of the weights `root` holds: its parameters and the packed weights its modules
+    (and their heads) keep, each storage counted once (buffers, such as rotary tables, are
+    not weights)."""
+    storages: dict[int, int] = {}
+
+    def add(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+
+    def add_packed(value: object) -> None:
+        if isinstance(value, PackedWeight):
+            add(value.data)
+        elif isinstance(value, PackedRows):
+            for part in value.parts:
+                add(part.data)
+
+    for tensor in root.parameters():
+        if tensor.numel():
+            add(tensor)
+    for module in root.modules():
+        for value in vars(module).values():
+            add_packed(value)
+            add_packed(getattr(value, "packed", None))  # a head object's own packed copy
+    return sum(storages.values())

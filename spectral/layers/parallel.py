@@ -137,3 +137,11 @@ class TensorParallel:
 
     def gather(self, part: torch.Tensor, total: int) -> torch.Tensor:
         return gather_columns(part, total, self.group)
+
+    def broadcast(self, value: int) -> int:
+        """Rank 0's `value` on every rank (a tensor where the backend wants it: NCCL's on
+        this rank's GPU)."""
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.broadcast(tensor, 0, group=self.group)
+        return int(tensor.item())

@@ -99,6 +99,31 @@ def pack_in_slices(
     return out, name
 
 
+def block_weights(kind: str) -> int:
+    """Weights a block of GGUF format `kind` holds (1 for float formats)."""
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
+
+
+def cut_columns(kind: str, cols: slice) -> slice:
+    """The bytes (or values, for float formats) of a row of format `kind` holding input
+    columns `cols`, which must be whole blocks."""
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    if cols.start % block or cols.stop % block:
+        raise ValueError(f"columns {cols.start}..{cols.stop} are not whole {kind} blocks")
+    return slice(cols.start // block * size, cols.stop // block * size)
+
+
+def row_parallel_units(path: str | Path) -> tuple[int, int]:
+    """The weights of the largest block among the attention outputs' tensors and among the
+    MLP down projections' (the tensors whose input columns tensor parallelism splits)."""
+    units = {"attn_output": 1, "ffn_down": 1}
+    for t in WeightsReader(str(path)).tensors:
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if kind in units:
+            units[kind] = max(units[kind], block_weights(t.tensor_type.name))
+    return units["attn_output"], units["ffn_down"]
+
+
 def bits_per_weight(kind: str) -> float:
     """Bits a weight of GGUF format `kind` takes (scales included)."""
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
@@ -130,6 +155,7 @@ def load_gguf_model(
     kernels: ModuleType | None,
     int8: bool = False,
     requantize: str | None = None,
+    cuts: dict[str, tuple[slice | None, slice | None]] | None = None,
 ) -> int:
     """Fill `model` (built empty, in its dtype, on the CPU) from the GGUF file at `path`. With
     `kernels`, weights in NATIVE_TYPES stay blocks (their dense parameters are emptied) and a
@@ -137,7 +163,10 @@ def load_gguf_model(
     With `int8`, the block weights go through the integer path (layers.linear.integer_path).
     With `requantize` (a block format gguf can quantize to, e.g. "Q4_1"), the layers' matmul
     weights stored in more bits a weight are quantized again to it by gguf's own code (a draft
-    model's memory traffic; the LM head and the embedding stay as stored).
+    model's memory traffic; the LM head and the embedding stay as stored). With `cuts` (a
+    tensor-parallel rank's: models.tensor_parallel.gguf_cuts, the model already cut to their
+    shapes), each tensor kind's (rows, input columns) are what is read, packed and held; the
+    embedding, where looked up from its blocks, stays whole (lookups read only their rows).
     Returns how many weight matrices are served as blocks."""
     reader = WeightsReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
@@ -155,11 +184,19 @@ def load_gguf_model(
         return tensors[name]
 
     def rows_of(name: str) -> np.ndarray:
-        """The tensor's rows (blocks, or values for float formats), q and k unpermuted."""
+        """The tensor's rows (blocks, or values for float formats), q and k unpermuted, cut to
+        `cuts`."""
         parts = name.split(".")
-        heads = permuted.get(parts[2]) if parts[0] == "blk" else None
+        kind = parts[2] if parts[0] == "blk" else parts[0]
+        heads = permuted.get(kind) if parts[0] == "blk" else None
         rows = np.asarray(tensor(name).data)
-        return unpermute_rows(rows, heads) if heads else rows
+        rows = unpermute_rows(rows, heads) if heads else rows
+        keep, cols = (cuts or {}).get(kind, (None, None))
+        if keep is not None:
+            rows = rows[keep]
+        if cols is not None:
+            rows = rows[:, cut_columns(tensor(name).tensor_type.name, cols)]
+        return rows
 
     def stored(name: str, requant: bool) -> tuple[np.ndarray, str]:
         """The tensor's rows and their format: as stored, or quantized again to `requantize`
@@ -213,7 +250,12 @@ def load_gguf_model(
             # LM head at once held several copies of it at load.
             arrays = [rows if index is None else rows[index] for rows, _ in sources]
             done = None
-            if index is None and len(names) == 1 and not names[0].startswith("blk."):
+            if (
+                index is None
+                and cuts is None
+                and len(names) == 1
+                and not names[0].startswith("blk.")
+            ):
                 # an LM head or embedding (150k rows): its file pages let go slice by slice
                 done = lambda lo, hi: release(names, rows=(lo, hi))  # noqa: E731
             if not int8:
@@ -284,6 +326,7 @@ def load_gguf_model(
     # The embedding's dense table is needed only by a tied LM head not served from blocks.
     if kernels is not None and (model.lm_head_packed is not None or not config.tie_word_embeddings):
         model.embed_tokens = BlockEmbedding(tensor("token_embd.weight"), dtype)
+        model.vocab_start = None  # whole on every rank: no vocabulary-parallel lookup
     else:
         fill(model.embed_tokens.weight, ["token_embd.weight"])
     if kernels is not None and dequantized - {"F32", "F16", "BF16"}:

@@ -155,7 +155,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # A tensor-parallel rank (models.tensor_parallel): its rows of the vocabulary from here
     tp: TensorParallel | None = None
-    vocab_start = 0
+    # under tensor parallelism, the first vocabulary row this rank's embedding holds (None:
+    # it holds them all)
+    vocab_start: int | None = 0
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -191,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of `input_ids` (from GGUF blocks where the model keeps those)."""
-        if self.tp is not None:
+        if self.tp is not None and self.vocab_start is not None:  # this rank's rows
             return self.tp.embed(input_ids, self.embed_tokens.weight, self.vocab_start)
         return self.embed_tokens(input_ids)
 

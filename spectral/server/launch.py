@@ -22,7 +22,7 @@ import zmq
 from spectral.args import ServerArgs
 from spectral.models.registry import UnsupportedModelError, check_model_dir
 from spectral.models.resolve import ModelNotFoundError, model_files_dir
-from spectral.server.child import hand_model, spawn_child
+from spectral.server.child import hand_model, spawn_child, stop_children
 from spectral.server.ipc import recv_message
 from spectral.server.messages import ProcessReady
 
@@ -51,20 +51,13 @@ def _wait_ready(sock: zmq.Socket, children: dict[str, subprocess.Popen]) -> dict
     return ready
 
 
-def _stop(children: dict[str, subprocess.Popen]) -> None:
-    for proc in children.values():
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in children.values():
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def launch_server(args: ServerArgs) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    if args.node_rank > 0:  # another machine's tensor-parallel ranks; node 0 serves
+        from spectral.server.tp_group import serve_node
+
+        serve_node(args)
+        return
     if args.dp_size > 1 or args.worker_urls:
         from spectral.server.data_parallel import serve_data_parallel
 
@@ -173,7 +166,7 @@ def launch_server(args: ServerArgs) -> None:
     except KeyboardInterrupt:
         logger.info("shutting down")
     finally:
-        _stop(children)
+        stop_children(children.values())
         for sock in [ready_sock, *model_out]:
             sock.close(0)  # an open socket would keep ctx.term() waiting forever
         ctx.term()

@@ -27,12 +27,12 @@ from spectral.server.child import (
     wait_for_work,
 )
 from spectral.server.ipc import message, recv_message, send_message
+from spectral.server.tp_group import TP_RANK_ENV, WORKER_MODULE, RankFanout, join_group, rank_main
 from spectral.speculative.cost_model import CostModel
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600
-WORKER_MODULE = "spectral.server.worker_process"  # run as a module: its __name__ is __main__
 
 
 @message
@@ -67,16 +67,11 @@ class WorkerStepError(RemoteError):
     """The worker failed on one batch; the scheduler fails that batch's requests."""
 
 
-# A tensor-parallel rank's number, set by rank 0 in the environment of the ranks it starts.
-TP_RANK_ENV = "SPECTRAL_TP_RANK"
-TP_TIMEOUT_S = 60  # a collective that waits longer than this for a rank fails
-
-
 def worker_main(args: ServerArgs, ipc_dir: str) -> None:
-    """The model worker. With --tp-size N, this process is rank 0: it starts ranks 1..N-1 (its
-    children), hands them the model, joins them in a gloo group, and passes every batch the
-    scheduler sends on to them before running it; only rank 0 answers (every rank computes
-    the same gathered logits and samples the same tokens)."""
+    """The model worker. With --tp-size N, this process is rank 0 (spectral.server.tp_group):
+    it starts its machine's other ranks, hands them the model, joins them in one group, and
+    publishes every batch the scheduler sends to the ranks before running it; only rank 0
+    answers (every rank computes the same gathered logits and samples the same tokens)."""
     from spectral.worker.factory import create_worker
 
     rank = int(os.environ.get(TP_RANK_ENV, "0"))
@@ -84,100 +79,36 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
     model = receive_model(ipc_dir, role)
     ctx = zmq.Context()
     if rank:
-        return _rank_main(args, ipc_dir, rank, model, ctx)
+        return rank_main(args, ipc_dir, rank, model, ctx)
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(f"ipc://{ipc_dir}/worker_in")
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(f"ipc://{ipc_dir}/worker_out")
-    ranks, peers, handed = [], [], []
-    for r in range(1, args.tp_size):
-        ranks.append(spawn_child(WORKER_MODULE, args, ipc_dir, {TP_RANK_ENV: str(r)}))
-        handed.append(hand_model(ctx, ipc_dir, f"worker{r}", model))
-        peer = ctx.socket(zmq.PUSH)
-        peer.connect(f"ipc://{ipc_dir}/rank{r}_in")
-        peers.append(peer)
+    fanout = RankFanout(args, ipc_dir, ctx, model) if args.tp_size > 1 else None
     try:
-        worker = create_worker(args, model, _join_group(args, ipc_dir, 0))
+        worker = create_worker(args, model, join_group(args, ipc_dir, 0))
+        if fanout is not None:
+            fanout.wait_for_ranks()
     except Exception as err:
         send_message(outbox, WorkerFailed(f"{type(err).__name__}: {err}"))
         raise
-    for sock in handed:
-        sock.close(0)
     cost = worker.cost_model
     send_message(outbox, WorkerReady(worker.num_kv_slots, cost.to_dict() if cost else None))
     if worker.grammars is not None:  # speculative: the worker follows grammar requests itself
         worker.grammars.backend.start()
     parent = os.getppid()
-    watch = (lambda: _exit_if_a_rank_died(ranks)) if ranks else None
-    while wait_for_work(inbox, parent, watch):
+    while wait_for_work(inbox, parent, fanout.watch if fanout else None):
         batch = recv_message(inbox)
-        for peer in peers:
-            send_message(peer, batch)
+        if fanout is not None:
+            fanout.publish(batch)
         try:
             reply = worker.forward(batch)
         except Exception as err:  # one batch's failure must not end the process
             logger.exception("the model worker failed on a batch")
+            if fanout is not None:  # unless its ranks may now be out of step
+                sys.exit(f"spectral worker: a tensor-parallel step failed: {err}")
             reply = StepFailed(f"{type(err).__name__}: {err}")
         send_message(outbox, reply)
-
-
-def _exit_if_a_rank_died(ranks: list[subprocess.Popen]) -> None:
-    """End rank 0 (and so the server: the scheduler watches it) naming a rank that exited."""
-    for r, proc in enumerate(ranks, start=1):
-        if proc.poll() is not None:
-            logger.error("tensor-parallel rank %d exited with code %s", r, proc.returncode)
-            sys.exit(f"spectral worker: tensor-parallel rank {r} exited with {proc.returncode}")
-
-
-def _join_group(args: ServerArgs, ipc_dir: str, rank: int):
-    """This rank's place in the tensor-parallel group (None without tensor parallelism); each
-    rank takes its share of the cores."""
-    if args.tp_size == 1:
-        return None
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    from spectral.layers.parallel import TensorParallel
-
-    if args.num_threads is None:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{ipc_dir}/tp_rendezvous",
-        rank=rank,
-        world_size=args.tp_size,
-        timeout=datetime.timedelta(seconds=TP_TIMEOUT_S),
-    )
-    # One random stream on every rank (rank 0's seed): unseeded sampling, verification's
-    # included, draws the same on each, so every rank accepts the same drafts and keeps the
-    # same slots.
-    seed = torch.tensor([args.random_seed if args.random_seed is not None else 0])
-    if args.random_seed is None and rank == 0:
-        seed = torch.randint(0, 2**62, (1,))
-    dist.broadcast(seed, 0)
-    torch.manual_seed(int(seed))
-    return TensorParallel(rank, args.tp_size)
-
-
-def _rank_main(args: ServerArgs, ipc_dir: str, rank: int, model, ctx: zmq.Context) -> None:
-    """Rank 1..N-1: run every batch rank 0 passes on (speculative rounds too: the drafter is
-    replicated, and every rank verifies alike); the results are rank 0's to send."""
-    from spectral.worker.factory import create_worker
-
-    inbox = ctx.socket(zmq.PULL)
-    inbox.bind(f"ipc://{ipc_dir}/rank{rank}_in")
-    worker = create_worker(args, model, _join_group(args, ipc_dir, rank))
-    if worker.grammars is not None:  # speculative: each rank masks its trees itself
-        worker.grammars.backend.start()
-    parent = os.getppid()
-    while wait_for_work(inbox, parent):
-        batch = recv_message(inbox)
-        try:
-            worker.forward(batch)
-        except Exception:  # rank 0 fails the same batch and answers for it
-            logger.exception("tensor-parallel rank %d failed on a batch", rank)
 
 
 class RemoteWorker:

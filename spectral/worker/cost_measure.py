@@ -56,11 +56,8 @@ def load_or_measure(
     file = CACHE_DIR / f"{cache_key(parts)}.json"
     cached = _read(file) if tensor_parallel is None or tensor_parallel.rank == 0 else None
     if tensor_parallel is not None:
-        import torch.distributed as dist
-
-        found = torch.tensor([cached is not None])
-        dist.broadcast(found, 0, group=tensor_parallel.group)
-        if found.item() and tensor_parallel.rank:
+        found = tensor_parallel.broadcast(int(cached is not None))
+        if found and tensor_parallel.rank:
             return None
     if cached is not None:
         return cached

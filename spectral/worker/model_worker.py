@@ -10,15 +10,16 @@ from spectral.attention.registry import create_attention_backend
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.worker_io import WorkerBatch, WorkerResult
 from spectral.kernels.cpu_kernels import load_cpu_kernels
+from spectral.layers.linear import weight_bytes
 from spectral.layers.parallel import TensorParallel
 from spectral.layers.routing import route_to_cpu_kernels
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.process import eager_release
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.models.config import ModelConfig
-from spectral.models.gguf_native import load_gguf_model
+from spectral.models.gguf_native import load_gguf_model, row_parallel_units
 from spectral.models.loader import build_model, dummy_model, load_model
-from spectral.models.tensor_parallel import shard_llama
+from spectral.models.tensor_parallel import gguf_cuts, llama_shares, shard_llama
 from spectral.worker.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -63,15 +64,21 @@ class ModelWorker:
         from that file (`model_dir` holds its config): with `gguf_native` and the CPU kernels
         its blocks are served as they are (with `gguf_int8`, through the integer path), else
         dequantized at load. With `tensor_parallel`, this process is one rank: it holds its
-        share of the (dense) weights and of the KV heads, and its collectives join the other
-        ranks'. With `dummy_weights`, the weights are random, made on `device` (`model_dir`
-        needs only its config). With `quantize` (a GGUF block format, e.g. "Q4_1") and the CPU
-        kernels, the layers' matmul weights in more bits a weight are quantized to it at load
-        (a draft model's: it only proposes)."""
+        share of the weights (a GGUF's blocks cut as they load) and of the KV heads, and its
+        collectives join the other ranks'. With `dummy_weights`, the weights are random, made on
+        `device` (`model_dir` needs only its config). With `quantize` (a GGUF block format, e.g.
+        "Q4_1") and the CPU kernels, the layers' matmul weights in more bits a weight are
+        quantized to it at load (a draft model's: it only proposes)."""
         self.device = device
         self.dtype = dtype
         kernels = load_cpu_kernels() if device == "cpu" and use_cpu_kernels else None
         self.config = ModelConfig.from_pretrained(model_dir)  # what the model is built from
+        cfg: ModelConfig = self.config  # what this process's layers and KV pool hold
+        shares = None
+        if tensor_parallel is not None:  # this rank's share, cut before anything is packed
+            units = row_parallel_units(gguf_file) if gguf_file is not None else (1, 1)
+            shares = llama_shares(self.config, tensor_parallel, *units)
+            cfg = shares.config(self.config)
         with eager_release():  # the load's temporaries go back to the system as freed
             if dummy_weights:
                 self.model = dummy_model(self.config, dtype, device)
@@ -79,6 +86,8 @@ class ModelWorker:
                 self.model = load_model(model_dir, self.config, dtype, device)
             else:
                 self.model = build_model(self.config, dtype, "cpu")
+                if shares is not None:  # cut as it loads: each rank reads only its blocks
+                    shard_llama(self.model, shares, cut=False)
                 native = gguf_native and dtype in (torch.float32, torch.bfloat16)
                 if native and kernels is None:
                     logger.info("GGUF weights served dequantized (no CPU kernels on %s)", device)
@@ -89,21 +98,23 @@ class ModelWorker:
                     kernels if native else None,
                     gguf_int8,
                     requantize=quantize,
+                    cuts=gguf_cuts(shares) if shares is not None else None,
                 )
                 logger.info("GGUF blocks served as they are for %d weight matrices", served)
                 self.model.to(device)
-            cfg: ModelConfig = self.config
-            if tensor_parallel is not None:  # this rank's share, before anything is packed
-                if gguf_file is not None and gguf_native:
-                    raise ValueError(
-                        "tensor parallelism cuts dense weights only so far: serve a GGUF "
-                        "dequantized at load (--quantization none) or a HF directory"
-                    )
-                cfg = shard_llama(self.model, tensor_parallel)
+            if shares is not None and gguf_file is None:
+                shard_llama(self.model, shares)
             if quantize is not None and kernels is not None:
                 for layer in self.model.layers:  # dense layers quantized (GGUF blocks stay)
                     route_to_cpu_kernels(layer, kernels, quantize)
             self.model.set_cpu_kernels(kernels)  # packs only what has no GGUF blocks
+        if tensor_parallel is not None:
+            logger.info(
+                "tensor-parallel rank %d of %d holds %.1f MiB of weights",
+                tensor_parallel.rank,
+                tensor_parallel.world,
+                weight_bytes(self.model) / 2**20,
+            )
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
         if max_total_tokens is None:
             max_total_tokens = int(free_memory_bytes(device) * mem_fraction_static) // per_token

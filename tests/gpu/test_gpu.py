@@ -1,6 +1,7 @@
 """On a CUDA GPU: the Triton and FlashInfer attention backends against the torch backend in
 every forward mode, sampling and verification on the device, and speculative decoding with
-EAGLE3 giving plain decoding's tokens in float32. Skipped where torch sees no GPU.
+EAGLE3 giving plain decoding's tokens in float32, and (with two GPUs) tensor parallelism over
+NCCL. Skipped where torch sees no GPU.
 
 Nothing here reads the default model (a lent GPU has no copy): the engines serve tiny models
 with random weights made on the device (--load-format dummy), whose config and tokenizer
@@ -161,3 +162,20 @@ def test_eagle3_on_the_gpu_gives_plain_decodings_tokens_in_float32(tiny_model, b
     assert all(len(out) == 48 for out in outputs[0]), "plain decoding ended a request early"
     assert outputs[0] == outputs[1]
     assert rounds > 0
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason=f"needs two CUDA GPUs for NCCL (torch sees {torch.cuda.device_count()})",
+)
+def test_two_nccl_ranks_decode_as_one_worker(tmp_path, tiny_model):
+    """Tensor parallelism over NCCL: two ranks, one GPU each, give one worker's greedy tokens
+    and logits (the gloo test's oracle, tests/test_parallel_layers.py)."""
+    import torch.multiprocessing as mp
+
+    from tests.test_parallel_layers import _worker_rank
+
+    model_dir, _ = tiny_model
+    init = f"file://{tmp_path / 'rendezvous'}"
+    options = {"dummy_weights": True}
+    mp.spawn(_worker_rank, args=(2, init, model_dir, options, "nccl"), nprocs=2, join=True)
