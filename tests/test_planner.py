@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import random
 
 import pytest
@@ -22,8 +21,6 @@ from spectral.speculative.acceptance import (
     family,
     head_bucket,
     ngram_bucket,
-    probabilities,
-    scored_ranks,
 )
 from spectral.speculative.cost_model import CALIBRATION_BOUNDS, Calibration, CostModel, interpolate
 from spectral.speculative.planner import MIN_GAIN, PlanInput, TreePlanner
@@ -329,26 +326,6 @@ def test_a_rank_drafted_once_does_not_set_its_gain_alone() -> None:
     gains = planner.stats_for(HEAD).gains(2)
     assert gains[1] > 0.55
     assert planner.plan([PlanInput(HEAD, 5)]).nodes[0] >= 3
-
-
-def test_a_shallow_drafts_second_candidate_does_not_score_a_deeper_drafts_second_rank() -> None:
-    """A one-level draft's second candidate is the root's second child (p 0.1), while a
-    two-level draft's second rank is the first child's child (0.84 x 0.8): only the ranks a
-    deeper draft keeps are scored. Scoring the sibling as rank 2 (the control) held a draft
-    model that is usually asked for one level to one-draft trees for good."""
-    lp = [math.log(p) for p in (0.84, 0.1)]
-    assert scored_ranks(lp, [-1, -1]) == pytest.approx([0.84])
-    deeper = lp + [math.log(p) for p in (0.84 * 0.8, 0.84 * 0.1, 0.1 * 0.5, 0.1 * 0.3)]
-    assert scored_ranks(deeper, [-1, -1, 0, 0, 1, 1]) == pytest.approx([0.84, 0.672])
-    costly = CostModel(verify=STEEP.verify, decode_one=11.0, draft=[(1, 2.0, 2.0)])
-    planners = {}
-    for name, scores in (("scored", scored_ranks(lp, [-1, -1])), ("control", probabilities(lp))):
-        planner = planners[name] = TreePlanner(costly, 4, draft_model=True)
-        for i in range(120):
-            planner.observe(HEAD, 1, [0] if i % 6 else [], scores)
-    assert planners["scored"].stats_for(HEAD).gains(2)[1] > 0.55
-    assert planners["scored"].plan([PlanInput(HEAD, 5)]).nodes[0] >= 3
-    assert planners["control"].stats_for(HEAD).gains(2)[1] < 0.2
 
 
 def test_calibration_follows_measured_over_predicted_within_bounds() -> None:

@@ -67,7 +67,7 @@ class RankStats:
 
     def observe(self, verified: int, path_ranks: list[int], scores: list[float] | None) -> None:
         """One round: `verified` non-root nodes, the ranks of the accepted drafts in path order,
-        and (head) the probabilities of the first drafted ranks, best first (`scored_ranks`)."""
+        and (head) the probabilities of the drafted candidates, best first."""
         for values in (self.hits, self.seen):
             self._grow(values, verified)
         for r in range(verified):
@@ -83,7 +83,7 @@ class RankStats:
                 self.score_sum[r] += p
                 self.score_n[r] += 1
             self.predicted += sum(scores[:verified])
-            self.accepted += sum(rank < len(scores) for rank in path_ranks)
+            self.accepted += len(path_ranks)
 
     def gains(self, ranks: int) -> list[float]:
         """Expected accepted drafts each of the first `ranks` ranks adds, non-increasing."""
@@ -116,18 +116,3 @@ class RankStats:
 def probabilities(logprobs: list[float]) -> list[float]:
     """Cumulative draft log-probabilities as probabilities, best first."""
     return sorted((math.exp(lp) for lp in logprobs if lp > -math.inf), reverse=True)
-
-
-def scored_ranks(logprobs: list[float], parents: list[int]) -> list[float]:
-    """The probabilities of the ranks a drafted candidate set (cumulative log-probs, each
-    candidate's parent or -1, parents first) scores as a deeper draft would, best first. A node
-    is no likelier than its parent, so candidates at least as likely as the deepest level's
-    best keep their ranks however deep a drafter goes; past them a deeper draft ranks its own
-    nodes ahead (a one-level draft's second rank is the root's second child, a two-level
-    draft's is mostly the first child's child), so they are left unscored."""
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    deepest = max(depths, default=0)
-    floor = max((lp for lp, d in zip(logprobs, depths) if d == deepest), default=-math.inf)
-    return probabilities([lp for lp in logprobs if lp >= floor])

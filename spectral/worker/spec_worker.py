@@ -14,7 +14,7 @@ import torch
 from spectral.constrained import GrammarFollower, apply_bitmask
 from spectral.core.forward import ForwardMode
 from spectral.core.worker_io import RequestSampling, WorkerBatch, WorkerResult
-from spectral.speculative.acceptance import scored_ranks
+from spectral.speculative.acceptance import probabilities
 from spectral.speculative.cost_model import CostModel
 from spectral.speculative.draft_model import DraftModelDrafter
 from spectral.speculative.eagle_drafter import EagleDrafter
@@ -147,7 +147,7 @@ class SpeculativeWorker:
         """Each request's tree: the one the batch gives (n-gram), else the head's best
         `sizes[b]` nodes (a request of size 1 verifies its root alone and is not drafted for);
         with `merge_given_trees`, the union of both where one is given. Also, per request the
-        head drafted for, its first ranks' probabilities, best first (`scored_ranks`)."""
+        head drafted for, its candidates' probabilities, best first."""
         n = max(sizes)
         B = len(sizes)
         node_tokens = list(wb.draft_tokens or [None] * B)
@@ -183,7 +183,7 @@ class SpeculativeWorker:
             roots = torch.tensor(wb.input_ids)[index]
             trees = select_eagle_trees(roots, scores, tokens, parents, head_n)
             for i, b in enumerate(drafted):
-                probs[b] = scored_ranks(scores[i].tolist(), parents[i].tolist())
+                probs[b] = probabilities(scores[i].tolist())
             if len(drafted) == B and trees.num_draft_tokens == n and not any(given):
                 return trees, probs
             for i, b in enumerate(drafted):
