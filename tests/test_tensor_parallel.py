@@ -156,9 +156,17 @@ def test_the_server_on_two_ranks_speculating_gives_one_ranks_output_until_a_rank
             stop_server(server)
 
 
-def test_a_tp_size_below_one_is_refused():
+def test_bad_rank_layouts_are_refused_saying_what_is_allowed():
     with pytest.raises(ValueError, match="tp_size must be >= 1"):
         ServerArgs(tp_size=0)
+    with pytest.raises(ValueError, match=r"tp_size \(3\) must be a multiple of nnodes \(2\)"):
+        ServerArgs(tp_size=3, nnodes=2, dist_init_addr="10.0.0.1:29500")
+    with pytest.raises(ValueError, match="nnodes > 1 needs --dist-init-addr HOST:PORT"):
+        ServerArgs(tp_size=2, nnodes=2)
+    with pytest.raises(ValueError, match="node_rank must be in 0..nnodes-1"):
+        ServerArgs(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="10.0.0.1:29500")
+    with pytest.raises(ValueError, match="does not go with --dp-size"):
+        ServerArgs(tp_size=2, nnodes=2, dp_size=2, dist_init_addr="10.0.0.1:29500")
 
 
 def test_two_machines_serve_as_one_and_a_lost_rank_takes_the_server_down(
