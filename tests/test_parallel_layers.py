@@ -14,12 +14,11 @@ import torch.multiprocessing as mp
 
 from spectral.layers.gguf_blocks import BLOCKS
 from spectral.layers.parallel import (
+    block_columns,
     gather_columns,
     head_share,
     row_parallel_sum,
-    shard_columns,
     shard_range,
-    shard_rows,
     vocab_parallel_embed,
 )
 from spectral.models.resolve import model_files_dir
@@ -49,22 +48,30 @@ def test_bad_splits_are_refused_with_what_is_wrong() -> None:
         shard_range(10, 2, 2)
     with pytest.raises(ValueError, match="do not split over 2"):
         head_share(9, 3, 0, 2)
-    with pytest.raises(ValueError, match="GGUF type Q2_K"):
-        shard_columns(torch.zeros(2, 84, dtype=torch.uint8), 0, 2, "Q2_K")
+    with pytest.raises(ValueError, match="columns 0..128 are not whole Q4_K blocks"):
+        block_columns("Q4_K", slice(0, 128))
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "Q4_K", "Q6_K", "F32"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_gguf_shares_dequantize_to_slices_of_the_whole(fmt: str, world: int) -> None:
-    size, nbytes = BLOCKS[fmt]
-    raw = random_blocks(fmt, 6, 6, seed=world)
-    whole = gguf_values(fmt, raw)
+    """Each rank's whole-block columns (or float values) of GGUF rows as gguf's reader gives
+    them dequantize, by gguf's own code, to its columns of the whole weight; rows likewise."""
+    if fmt == "F32":
+        size, raw = 32, np.random.default_rng(world).standard_normal((6, 6 * 32), np.float32)
+        whole = torch.from_numpy(raw)
+    else:
+        size = BLOCKS[fmt][0]
+        raw = random_blocks(fmt, 6, 6, seed=world)
+        whole = gguf_values(fmt, raw)
     for rank in range(world):
-        cols = shard_columns(torch.from_numpy(raw), rank, world, fmt).numpy()
         k = shard_range(6 * size, rank, world, size)
-        assert torch.equal(gguf_values(fmt, np.ascontiguousarray(cols)), whole[:, k])
-        rows = shard_rows(torch.from_numpy(raw), rank, world).numpy()
-        assert torch.equal(gguf_values(fmt, rows), whole[shard_range(6, rank, world)])
+        cols = np.ascontiguousarray(raw[:, block_columns(fmt, k)])
+        got = torch.from_numpy(cols) if fmt == "F32" else gguf_values(fmt, cols)
+        assert torch.equal(got, whole[:, k])
+        rows = shard_range(6, rank, world)
+        if fmt != "F32":
+            assert torch.equal(gguf_values(fmt, raw[rows]), whole[rows])
 
 
 def test_head_shares_split_kv_heads_or_replicate_the_one_read() -> None:
@@ -92,13 +99,14 @@ def _rank(rank: int, world: int, init: str) -> None:
         head = torch.randn(7, 24)
         ids = torch.tensor([0, 10, 3, 5, 5, 9])
         # an MLP: column-parallel up (rows), row-parallel down (its columns), one all-reduce
-        h = torch.relu(x @ shard_rows(up, rank, world).T)
-        out = row_parallel_sum(h @ shard_columns(down, rank, world).T)
+        inter = shard_range(40, rank, world)
+        h = torch.relu(x @ up[inter].T)
+        out = row_parallel_sum(h @ down[:, inter].T)
         torch.testing.assert_close(out, torch.relu(x @ up.T) @ down.T, rtol=1e-5, atol=1e-4)
         rows = shard_range(11, rank, world)
-        emb = vocab_parallel_embed(ids, shard_rows(table, rank, world), rows.start)
+        emb = vocab_parallel_embed(ids, table[rows], rows.start)
         assert torch.equal(emb, table[ids])
-        logits = gather_columns(x @ shard_rows(head, rank, world).T, 7)  # 4 + 3 columns
+        logits = gather_columns(x @ head[shard_range(7, rank, world)].T, 7)  # 4 + 3 columns
         torch.testing.assert_close(logits, x @ head.T, rtol=1e-6, atol=1e-6)
     finally:
         dist.destroy_process_group()

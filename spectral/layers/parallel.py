@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import gguf
 import torch
 import torch.distributed as dist
-
-from spectral.layers.gguf_blocks import BLOCKS
 
 
 def shard_range(size: int, rank: int, world: int, unit: int = 1) -> slice:
@@ -38,23 +37,21 @@ def shard_range(size: int, rank: int, world: int, unit: int = 1) -> slice:
     return slice(start * unit, (start + base + (rank < extra)) * unit)
 
 
-def shard_rows(weight: torch.Tensor, rank: int, world: int, unit: int = 1) -> torch.Tensor:
-    """A column-parallel (or vocab-parallel) share: whole rows, in units of `unit` rows (a
-    head's rows, say). Dense [n, k] or GGUF block rows (uint8 [n, bytes]) alike."""
-    return weight[shard_range(weight.shape[0], rank, world, unit)].contiguous()
+def block_shape(kind: str) -> tuple[int, int]:
+    """(weights, bytes) of one block of GGUF format `kind` (one weight for float formats)."""
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
 
 
-def shard_columns(
-    weight: torch.Tensor, rank: int, world: int, gguf_type: str | None = None
-) -> torch.Tensor:
-    """A row-parallel share: whole input columns of a dense [n, k] weight, or whole blocks of
-    GGUF block rows (uint8 [n, blocks * bytes]) of `gguf_type`."""
-    if gguf_type is None:
-        return weight[:, shard_range(weight.shape[1], rank, world)].contiguous()
-    if gguf_type not in BLOCKS:
-        raise ValueError(f"GGUF type {gguf_type} is not split here ({', '.join(BLOCKS)} are)")
-    _, nbytes = BLOCKS[gguf_type]
-    return weight[:, shard_range(weight.shape[1], rank, world, nbytes)].contiguous()
+def block_columns(kind: str, cols: slice) -> slice:
+    """A row-parallel share of a GGUF row of format `kind` as gguf's reader gives it: where
+    input columns `cols` lie, in bytes of whole blocks (the values themselves for float
+    formats)."""
+    weights, nbytes = block_shape(kind)
+    if weights == 1:
+        return cols
+    if cols.start % weights or cols.stop % weights:
+        raise ValueError(f"columns {cols.start}..{cols.stop} are not whole {kind} blocks")
+    return slice(cols.start // weights * nbytes, cols.stop // weights * nbytes)
 
 
 @dataclass(frozen=True)

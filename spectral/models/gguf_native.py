@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 
@@ -27,8 +27,10 @@ from torch import nn
 from spectral.layers.embedding import BlockEmbedding, dequantize
 from spectral.layers.gguf_blocks import LAYOUTS, BlockParts, decode, pack_blocks, pack_int8
 from spectral.layers.linear import PackedRows, PackedWeight, integer_path
+from spectral.layers.parallel import TensorParallel, block_columns, block_shape
 from spectral.models.config import ModelConfig
 from spectral.models.registry import gguf_architecture
+from spectral.models.tensor_parallel import gguf_cuts, llama_shares, shard_llama
 
 logger = logging.getLogger(__name__)
 
@@ -99,35 +101,26 @@ def pack_in_slices(
     return out, name
 
 
-def block_weights(kind: str) -> int:
-    """Weights a block of GGUF format `kind` holds (1 for float formats)."""
-    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
-
-
-def cut_columns(kind: str, cols: slice) -> slice:
-    """The bytes (or values, for float formats) of a row of format `kind` holding input
-    columns `cols`, which must be whole blocks."""
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
-    if cols.start % block or cols.stop % block:
-        raise ValueError(f"columns {cols.start}..{cols.stop} are not whole {kind} blocks")
-    return slice(cols.start // block * size, cols.stop // block * size)
-
-
-def row_parallel_units(path: str | Path) -> tuple[int, int]:
+def row_parallel_units(tensors: Iterable[gguf.ReaderTensor]) -> tuple[int, int]:
     """The weights of the largest block among the attention outputs' tensors and among the
     MLP down projections' (the tensors whose input columns tensor parallelism splits)."""
     units = {"attn_output": 1, "ffn_down": 1}
-    for t in WeightsReader(str(path)).tensors:
+    for t in tensors:
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         if kind in units:
             units[kind] = max(units[kind], block_weights(t.tensor_type.name))
     return units["attn_output"], units["ffn_down"]
 
 
+def block_weights(kind: str) -> int:
+    """Weights a block of GGUF format `kind` holds (1 for float formats)."""
+    return block_shape(kind)[0]
+
+
 def bits_per_weight(kind: str) -> float:
     """Bits a weight of GGUF format `kind` takes (scales included)."""
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
-    return 8 * size / block
+    weights, nbytes = block_shape(kind)
+    return 8 * nbytes / weights
 
 
 class WeightsReader(gguf.GGUFReader):
@@ -155,7 +148,7 @@ def load_gguf_model(
     kernels: ModuleType | None,
     int8: bool = False,
     requantize: str | None = None,
-    cuts: dict[str, tuple[slice | None, slice | None]] | None = None,
+    tp: TensorParallel | None = None,
 ) -> int:
     """Fill `model` (built empty, in its dtype, on the CPU) from the GGUF file at `path`. With
     `kernels`, weights in NATIVE_TYPES stay blocks (their dense parameters are emptied) and a
@@ -163,13 +156,19 @@ def load_gguf_model(
     With `int8`, the block weights go through the integer path (layers.linear.integer_path).
     With `requantize` (a block format gguf can quantize to, e.g. "Q4_1"), the layers' matmul
     weights stored in more bits a weight are quantized again to it by gguf's own code (a draft
-    model's memory traffic; the LM head and the embedding stay as stored). With `cuts` (a
-    tensor-parallel rank's: models.tensor_parallel.gguf_cuts, the model already cut to their
-    shapes), each tensor kind's (rows, input columns) are what is read, packed and held; the
-    embedding, where looked up from its blocks, stays whole (lookups read only their rows).
+    model's memory traffic; the LM head and the embedding stay as stored). With `tp`, the
+    model (built whole) is cut to the rank's shares (models.tensor_parallel, o's and down's
+    input columns in whole blocks of their formats) and each tensor kind's rows and input
+    columns in them are all that is read, packed and held; the embedding, where looked up from
+    its blocks, stays whole (lookups read only their rows).
     Returns how many weight matrices are served as blocks."""
     reader = WeightsReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
+    cuts: dict[str, tuple[slice | None, slice | None]] = {}
+    if tp is not None:
+        shares = llama_shares(config, tp, *row_parallel_units(tensors.values()))
+        shard_llama(model, shares, cut=False)
+        cuts = gguf_cuts(shares)
     arch = gguf_architecture(reader, path)
     permuted = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     if arch not in PERMUTED_QK:
@@ -191,11 +190,11 @@ def load_gguf_model(
         heads = permuted.get(kind) if parts[0] == "blk" else None
         rows = np.asarray(tensor(name).data)
         rows = unpermute_rows(rows, heads) if heads else rows
-        keep, cols = (cuts or {}).get(kind, (None, None))
+        keep, cols = cuts.get(kind, (None, None))
         if keep is not None:
             rows = rows[keep]
         if cols is not None:
-            rows = rows[:, cut_columns(tensor(name).tensor_type.name, cols)]
+            rows = rows[:, block_columns(tensor(name).tensor_type.name, cols)]
         return rows
 
     def stored(name: str, requant: bool) -> tuple[np.ndarray, str]:
@@ -209,7 +208,6 @@ def load_gguf_model(
             or bits_per_weight(kind) <= bits_per_weight(requantize)
         ):
             return rows_of(name), kind
-        dequantized.add(kind)
         values = dequantize(t, rows_of(name)).numpy()
         return gguf.quants.quantize(values, gguf.GGMLQuantizationType[requantize]), requantize
 
@@ -250,12 +248,7 @@ def load_gguf_model(
             # LM head at once held several copies of it at load.
             arrays = [rows if index is None else rows[index] for rows, _ in sources]
             done = None
-            if (
-                index is None
-                and cuts is None
-                and len(names) == 1
-                and not names[0].startswith("blk.")
-            ):
+            if index is None and not cuts and len(names) == 1 and not names[0].startswith("blk."):
                 # an LM head or embedding (150k rows): its file pages let go slice by slice
                 done = lambda lo, hi: release(names, rows=(lo, hi))  # noqa: E731
             if not int8:

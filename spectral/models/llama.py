@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from spectral.layers.parallel import TensorParallel
 from spectral.layers.rotary import RotaryEmbedding
 from spectral.layers.routing import route_to_cpu_kernels
 from spectral.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from spectral.models.tensor_parallel import LlamaShares
 
 
 @dataclass
@@ -153,8 +157,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # A tensor-parallel rank (models.tensor_parallel): its rows of the vocabulary from here
+    # A tensor-parallel rank (models.tensor_parallel): its group, and its shares of the model
     tp: TensorParallel | None = None
+    shares: LlamaShares | None = None
     # under tensor parallelism, the first vocabulary row this rank's embedding holds (None:
     # it holds them all)
     vocab_start: int | None = 0

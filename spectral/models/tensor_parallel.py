@@ -140,5 +140,5 @@ def shard_llama(model: nn.Module, shares: LlamaShares, cut: bool = True) -> Mode
     if not cfg.tie_word_embeddings:
         _keep(model.lm_head, [vocab], cut=cut)
     model.vocab_start = vocab.start
-    model.tp = tp
+    model.tp, model.shares = tp, shares
     return shares.config(cfg)

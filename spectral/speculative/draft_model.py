@@ -23,6 +23,7 @@ catch-up starts past them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -102,9 +103,8 @@ class DraftModelDrafter:
         self.computed = torch.zeros(self.scratch_slot0, dtype=torch.bool, device=device)
         # Request row -> the root slot this round's draft wrote (computed when committed).
         self._rooted: dict[int, int] = {}
-        # Request row -> its candidates' (tokens, parents) and {candidate: scratch slot} for
-        # the frontier nodes whose draft KV a level computed.
-        self._computed_nodes: dict[int, tuple[torch.Tensor, torch.Tensor, dict[int, int]]] = {}
+        # Request row -> what this round's draft computed for it (`_Drafted`).
+        self._drafted: dict[int, _Drafted] = {}
 
     # ---- what the target commits ---------------------------------------------------------
 
@@ -138,12 +138,13 @@ class DraftModelDrafter:
             row = int(batch.req_pool_indices[b])
             rooted = self._rooted.get(row) == int(kept_slots[offset])
             starts.extend(range(offset + (1 if rooted else 0), offset + len(tokens)))
-            if rooted and row in self._computed_nodes:
-                for depth, scratch in enumerate(self._computed_path(row, tokens[1:]), start=1):
+            if rooted and row in self._drafted:
+                path = self._drafted[row].scratch_slots(tokens[1:], self.scratch_slot0)
+                for depth, scratch in enumerate(path, start=1):
                     copies.append((scratch, int(kept_slots[offset + depth])))
             offset += len(tokens)
         self._rooted.clear()
-        self._computed_nodes.clear()
+        self._drafted.clear()
         if starts:
             flat = torch.tensor([t for tokens in accepted_tokens for t in tokens])
             index = torch.tensor(starts)
@@ -152,20 +153,6 @@ class DraftModelDrafter:
             src, dst = torch.tensor(copies, device=self.computed.device).T
             self.lm.kv_pool.copy(src, dst)
             self.computed[dst] = True
-
-    def _computed_path(self, row: int, path: list[int]) -> list[int]:
-        """The scratch slots holding the draft KV of the accepted `path`'s first tokens (below
-        the root), as far as a level computed them."""
-        tokens, parents, slots = self._computed_nodes[row]
-        found: list[int] = []
-        node = -1
-        for token in path:
-            hits = ((parents == node) & (tokens == token)).nonzero()
-            if not hits.numel() or int(hits[0]) not in slots:
-                break
-            node = int(hits[0])
-            found.append(slots[node])
-        return found
 
     def top1(self, rows: list[int]) -> list[float | None]:
         """The draft's confidence is known only once it drafts (it reads the root first)."""
@@ -190,7 +177,7 @@ class DraftModelDrafter:
             raise ValueError("a draft model drafts below given roots (their tokens and slots)")
         steps = self.num_steps if num_steps is None else max(1, min(num_steps, self.num_steps))
         self._rooted.clear()
-        self._computed_nodes.clear()
+        self._drafted.clear()
         parts = [
             self._draft_chunk(
                 rows[i : i + DRAFT_CHUNK],
@@ -220,7 +207,7 @@ class DraftModelDrafter:
             return levels.result()
         table = self.scratch.table
         group = torch.arange(B)[:, None] * k + torch.arange(k)[None, :]  # scratch rows [B, k]
-        computed: list[dict[int, int]] = [{} for _ in range(B)]  # candidate -> scratch slot
+        frontiers: list[torch.Tensor] = []  # each level's frontier candidates [B, k]
         for b, n in enumerate(lens):  # every row of a request starts as its prefix and root
             table[group[b, 1:], : n + 1] = table[group[b, 0], : n + 1]
         for step in range(1, steps):
@@ -228,8 +215,7 @@ class DraftModelDrafter:
             for b, n in enumerate(lens):
                 table[group[b], n + step] = slots[b]
             positions = torch.tensor(lens)[:, None] + step
-            for b, (ids, own) in enumerate(zip(levels.frontier_ids.tolist(), slots.tolist())):
-                computed[b].update(zip(ids, own))
+            frontiers.append(levels.frontier_ids)
             batch = ForwardBatch(
                 mode=ForwardMode.DECODE,
                 input_ids=levels.frontier_tokens.reshape(-1),
@@ -247,9 +233,8 @@ class DraftModelDrafter:
                 path = table[group[b][parent[b]], n + 1 : n + step + 1].clone()
                 table[group[b], n + 1 : n + step + 1] = path
         result = levels.result()
-        _, tokens, parents = (t.cpu() for t in result)
         for b, row in enumerate(rows.tolist()):
-            self._computed_nodes[row] = (tokens[b], parents[b], computed[b])
+            self._drafted[row] = _Drafted(b, steps, result[1][b], result[2][b], frontiers)
         return result
 
     def _catch_up(
@@ -305,3 +290,35 @@ class DraftModelDrafter:
             hidden = hidden[ends.to(hidden.device)]
         logits = self.lm.model.compute_logits(hidden)[:, : self.vocab]
         return torch.log_softmax(logits.float(), dim=-1)
+
+
+@dataclass
+class _Drafted:
+    """What one draft computed for a request: its candidates (`tokens`, `parents`, in
+    TreeExpansion.result's layout) and each level's frontier candidates [B, k], whose draft KV
+    that level wrote: frontier node j of level d (row `b` of `frontiers[d - 1]`) in scratch
+    row b * k + j, whose slot for level d is `scratch_slot0 + (b * k + j) * steps + d`."""
+
+    b: int  # the request's place in its draft chunk
+    steps: int
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    frontiers: list[torch.Tensor]
+
+    def scratch_slots(self, path: list[int], scratch_slot0: int) -> list[int]:
+        """The scratch slots holding the draft KV of the accepted `path`'s first tokens (below
+        the root), as far as a level computed them."""
+        tokens, parents = self.tokens.tolist(), self.parents.tolist()
+        found: list[int] = []
+        node = -1
+        for depth, (token, frontier) in enumerate(zip(path, self.frontiers), start=1):
+            nodes = frontier[self.b].tolist()
+            k = len(nodes)
+            j = next(
+                (j for j, c in enumerate(nodes) if tokens[c] == token and parents[c] == node), None
+            )
+            if j is None:
+                break
+            node = nodes[j]
+            found.append(scratch_slot0 + (self.b * k + j) * self.steps + depth)
+        return found

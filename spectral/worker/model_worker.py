@@ -17,9 +17,9 @@ from spectral.mem.kv_pool import KVPool
 from spectral.mem.process import eager_release
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.models.config import ModelConfig
-from spectral.models.gguf_native import load_gguf_model, row_parallel_units
+from spectral.models.gguf_native import load_gguf_model
 from spectral.models.loader import build_model, dummy_model, load_model
-from spectral.models.tensor_parallel import gguf_cuts, llama_shares, shard_llama
+from spectral.models.tensor_parallel import llama_shares, shard_llama
 from spectral.worker.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -73,12 +73,6 @@ class ModelWorker:
         self.dtype = dtype
         kernels = load_cpu_kernels() if device == "cpu" and use_cpu_kernels else None
         self.config = ModelConfig.from_pretrained(model_dir)  # what the model is built from
-        cfg: ModelConfig = self.config  # what this process's layers and KV pool hold
-        shares = None
-        if tensor_parallel is not None:  # this rank's share, cut before anything is packed
-            units = row_parallel_units(gguf_file) if gguf_file is not None else (1, 1)
-            shares = llama_shares(self.config, tensor_parallel, *units)
-            cfg = shares.config(self.config)
         with eager_release():  # the load's temporaries go back to the system as freed
             if dummy_weights:
                 self.model = dummy_model(self.config, dtype, device)
@@ -86,11 +80,10 @@ class ModelWorker:
                 self.model = load_model(model_dir, self.config, dtype, device)
             else:
                 self.model = build_model(self.config, dtype, "cpu")
-                if shares is not None:  # cut as it loads: each rank reads only its blocks
-                    shard_llama(self.model, shares, cut=False)
                 native = gguf_native and dtype in (torch.float32, torch.bfloat16)
                 if native and kernels is None:
                     logger.info("GGUF weights served dequantized (no CPU kernels on %s)", device)
+                # with tensor_parallel, cut as it loads: each rank reads only its blocks
                 served = load_gguf_model(
                     gguf_file,
                     self.model,
@@ -98,16 +91,19 @@ class ModelWorker:
                     kernels if native else None,
                     gguf_int8,
                     requantize=quantize,
-                    cuts=gguf_cuts(shares) if shares is not None else None,
+                    tp=tensor_parallel,
                 )
                 logger.info("GGUF blocks served as they are for %d weight matrices", served)
                 self.model.to(device)
-            if shares is not None and gguf_file is None:
-                shard_llama(self.model, shares)
+            if tensor_parallel is not None and gguf_file is None:  # this rank's share
+                shard_llama(self.model, llama_shares(self.config, tensor_parallel))
             if quantize is not None and kernels is not None:
                 for layer in self.model.layers:  # dense layers quantized (GGUF blocks stay)
                     route_to_cpu_kernels(layer, kernels, quantize)
             self.model.set_cpu_kernels(kernels)  # packs only what has no GGUF blocks
+        # what this process's layers and KV pool hold
+        shares = self.model.shares
+        cfg: ModelConfig = shares.config(self.config) if shares is not None else self.config
         if tensor_parallel is not None:
             logger.info(
                 "tensor-parallel rank %d of %d holds %.1f MiB of weights",
