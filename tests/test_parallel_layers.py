@@ -117,11 +117,26 @@ def test_two_gloo_ranks_give_one_process_results(tmp_path) -> None:
 
 
 def _worker_rank(
-    rank: int, world: int, init: str, model_dir: str, options: dict, backend: str = "gloo"
+    rank: int, world: int, init: str, cases: list[tuple[str, dict]], backend: str = "gloo"
 ) -> None:
-    """Rank `rank` of `world`: a whole ModelWorker and a tensor-parallel one (`options` for
-    both; `backend` nccl: each rank on its own GPU, the weights random from one seed) decode
-    the same three requests."""
+    """Rank `rank` of `world` in one group, for each (model_dir, options) case in turn: a
+    whole ModelWorker and a tensor-parallel one decode as one (`_decode_as_one`); `backend`
+    nccl: each rank on its own GPU."""
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = "cuda"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    try:
+        for model_dir, options in cases:
+            _decode_as_one(rank, world, device, model_dir, options)
+    finally:
+        dist.destroy_process_group()
+
+
+def _decode_as_one(rank: int, world: int, device: str, model_dir: str, options: dict) -> None:
+    """A whole ModelWorker and a tensor-parallel one (`options` for both; on a GPU the weights
+    random from one seed) decode the same three requests alike."""
     from spectral.core.forward import ForwardMode
     from spectral.core.worker_io import RequestSampling, WorkerBatch
     from spectral.layers.linear import weight_bytes
@@ -129,70 +144,62 @@ def _worker_rank(
     from spectral.sampling_params import SamplingParams
     from spectral.worker.model_worker import ModelWorker
 
-    device = "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = "cuda"
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    try:
-        common = dict(
-            model_dir=model_dir,
-            dtype=torch.float32,
-            device=device,
-            max_total_tokens=512,
-            max_running_requests=4,
-            max_context_len=256,
-            **options,
-        )
-        whole = ModelWorker(**common)
-        mine = ModelWorker(**common, tensor_parallel=TensorParallel(rank, world))
-        held, full = weight_bytes(mine.model), weight_bytes(whole.model)
-        # the norms (and an embedding looked up from its blocks) are all every rank holds whole
-        assert held < 0.6 * full, (held, full)
-        if options.get("gguf_file") and options.get("gguf_native", True):
-            layer = mine.model.layers[0]
-            assert layer.mlp.down_proj.packed is not None  # served from its cut blocks
-            assert layer.self_attn.qkv_proj.weight.numel() == 0
-        assert mine.kv_pool.k[0].shape[1] * world == whole.kv_pool.k[0].shape[1]
-        greedy = RequestSampling(SamplingParams(temperature=0.0, max_new_tokens=16))
-        vocab = whole.config.vocab_size
-        prompts = [[t % vocab for t in p] for p in ([5, 9, 300, 41, 7], [1000, 2, 3], [17] * 9)]
-        lens = [len(p) for p in prompts]
-        slots = [list(range(1 + 64 * b, 1 + 64 * b + n)) for b, n in enumerate(lens)]
-        batch = WorkerBatch(
-            ForwardMode.EXTEND,
-            [t for p in prompts for t in p],
-            [i for n in lens for i in range(n)],
-            [s for row in slots for s in row],
-            [0, 1, 2],
-            [0, 0, 0],
-            lens,
-            [greedy] * 3,
-        )
-        outputs = []
-        for worker in (whole, mine):
-            steps = []
-            wb = batch
-            for step in range(10):
-                result, _, hidden, _ = worker.run(wb)
-                steps.append((result.next_token_ids, worker.model.compute_logits(hidden).cpu()))
-                now = [n + step for n in lens]
-                wb = WorkerBatch(
-                    ForwardMode.DECODE,
-                    result.next_token_ids,
-                    now,
-                    [1 + 64 * b + n for b, n in enumerate(now)],
-                    [0, 1, 2],
-                    now,
-                    [1, 1, 1],
-                    [greedy] * 3,
-                )
-            outputs.append(steps)
-        for (ids, logits), (tp_ids, tp_logits) in zip(*outputs):
-            assert tp_ids == ids
-            torch.testing.assert_close(tp_logits, logits, rtol=1e-4, atol=1e-4)
-    finally:
-        dist.destroy_process_group()
+    common = dict(
+        model_dir=model_dir,
+        dtype=torch.float32,
+        device=device,
+        max_total_tokens=512,
+        max_running_requests=4,
+        max_context_len=256,
+        **options,
+    )
+    whole = ModelWorker(**common)
+    mine = ModelWorker(**common, tensor_parallel=TensorParallel(rank, world))
+    held, full = weight_bytes(mine.model), weight_bytes(whole.model)
+    # the norms (and an embedding looked up from its blocks) are all every rank holds whole
+    assert held < 0.6 * full, (held, full)
+    if options.get("gguf_file") and options.get("gguf_native", True):
+        layer = mine.model.layers[0]
+        assert layer.mlp.down_proj.packed is not None  # served from its cut blocks
+        assert layer.self_attn.qkv_proj.weight.numel() == 0
+    assert mine.kv_pool.k[0].shape[1] * world == whole.kv_pool.k[0].shape[1]
+    greedy = RequestSampling(SamplingParams(temperature=0.0, max_new_tokens=16))
+    vocab = whole.config.vocab_size
+    prompts = [[t % vocab for t in p] for p in ([5, 9, 300, 41, 7], [1000, 2, 3], [17] * 9)]
+    lens = [len(p) for p in prompts]
+    slots = [list(range(1 + 64 * b, 1 + 64 * b + n)) for b, n in enumerate(lens)]
+    batch = WorkerBatch(
+        ForwardMode.EXTEND,
+        [t for p in prompts for t in p],
+        [i for n in lens for i in range(n)],
+        [s for row in slots for s in row],
+        [0, 1, 2],
+        [0, 0, 0],
+        lens,
+        [greedy] * 3,
+    )
+    outputs = []
+    for worker in (whole, mine):
+        steps = []
+        wb = batch
+        for step in range(10):
+            result, _, hidden, _ = worker.run(wb)
+            steps.append((result.next_token_ids, worker.model.compute_logits(hidden).cpu()))
+            now = [n + step for n in lens]
+            wb = WorkerBatch(
+                ForwardMode.DECODE,
+                result.next_token_ids,
+                now,
+                [1 + 64 * b + n for b, n in enumerate(now)],
+                [0, 1, 2],
+                now,
+                [1, 1, 1],
+                [greedy] * 3,
+            )
+        outputs.append(steps)
+    for (ids, logits), (tp_ids, tp_logits) in zip(*outputs):
+        assert tp_ids == ids
+        torch.testing.assert_close(tp_logits, logits, rtol=1e-4, atol=1e-4)
 
 
 # (architecture, GGUF format, worker options): blocks served as they are, through the integer
@@ -204,24 +211,22 @@ GGUF_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", ["dense", *GGUF_CASES])
 def test_two_rank_workers_decode_as_one_holding_half_the_weights_each(
-    tmp_path, peaky_model_dir: str, case: str
+    tmp_path, peaky_model_dir: str
 ) -> None:
     """Two tensor-parallel ModelWorkers (gloo, the CPU kernels on) on the peaky model (4
-    query and 2 KV heads, one KV head a rank) or a tiny GGUF (cut as it loads: each rank reads
-    and packs only its blocks): a prefill and 10 greedy decode steps of three requests give one
-    worker's tokens and logits, each rank holding about half the weights and half the KV
-    heads."""
-    model_dir, options = peaky_model_dir, {}
-    if case != "dense":
-        arch, fmt, options = GGUF_CASES[case]
-        path = write_tiny_gguf(tmp_path / f"{case}.gguf", arch, fmt, seed=2)
+    query and 2 KV heads, one KV head a rank) and on tiny GGUFs (cut as they load: each rank
+    reads and packs only its blocks): a prefill and 10 greedy decode steps of three requests
+    give one worker's tokens and logits, each rank holding about half the weights and half
+    the KV heads. The cases run in one pair of rank processes."""
+    cases = [(peaky_model_dir, {})]
+    for name, (arch, fmt, options) in GGUF_CASES.items():
+        path = write_tiny_gguf(tmp_path / f"{name}.gguf", arch, fmt, seed=2)
         model_dir = model_files_dir(str(path), str(tmp_path / "cache"))
-        options = {**options, "gguf_file": str(path)}
+        cases.append((model_dir, {**options, "gguf_file": str(path)}))
     mp.spawn(
         _worker_rank,
-        args=(2, f"file://{tmp_path / 'rendezvous'}", model_dir, options),
+        args=(2, f"file://{tmp_path / 'rendezvous'}", cases),
         nprocs=2,
         join=True,
     )

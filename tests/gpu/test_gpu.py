@@ -178,4 +178,5 @@ def test_two_nccl_ranks_decode_as_one_worker(tmp_path, tiny_model):
     model_dir, _ = tiny_model
     init = f"file://{tmp_path / 'rendezvous'}"
     options = {"dummy_weights": True}
-    mp.spawn(_worker_rank, args=(2, init, model_dir, options, "nccl"), nprocs=2, join=True)
+    cases = [(model_dir, options)]
+    mp.spawn(_worker_rank, args=(2, init, cases, "nccl"), nprocs=2, join=True)
