@@ -43,6 +43,10 @@ class ServerArgs:
     disable_cpu_kernels: bool = False
     random_seed: int | None = None
     num_threads: int | None = None
+    # CUDA graphs (SGLang's flags)
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] | None = None
     # Speculative decoding
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -124,6 +128,12 @@ class ServerArgs:
             raise ValueError(f"schedule_policy must be fcfs or lpm (got {self.schedule_policy!r})")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 (got {self.num_threads})")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1 (got {self.cuda_graph_max_bs})")
+        if self.cuda_graph_bs is not None and (
+            not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1
+        ):
+            raise ValueError(f"cuda_graph_bs must list batch sizes >= 1 (got {self.cuda_graph_bs})")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {self.max_prefill_tokens})")
         for name in (
@@ -240,6 +250,13 @@ class ServerArgs:
             "Triton's interpreter, for tests), flashinfer (CUDA)",
             "disable_cpu_kernels": "use plain PyTorch matmuls instead of spectral's C++ kernels",
             "random_seed": "seed for unseeded sampling",
+            "disable_cuda_graph": "on a GPU, run decode and verification forwards eagerly "
+            "instead of replaying CUDA graphs captured at start",
+            "cuda_graph_max_bs": "largest batch captured in a CUDA graph (default: from the "
+            "GPU's free memory, at most --max-running-requests); larger batches run eagerly",
+            "cuda_graph_bs": "the batch sizes captured (e.g. 1 2 4 8; default: 1, 2, 3, 4, "
+            "8, 12, 16, 24, then steps of 8 and 16, up to --cuda-graph-max-bs). On a CPU, "
+            "given, the same static-buffer path runs without capture (how it is tested)",
             "num_threads": "CPU threads of the model worker (default: torch's, one per core)",
             "speculative_algorithm": "EAGLE, EAGLE3 (draft head), STANDALONE (draft model), "
             "MEDUSA (Medusa heads), NGRAM or LOOKAHEAD (no model)",
@@ -318,6 +335,11 @@ class ServerArgs:
             type_name = str(f.type).split(" ")[0].replace("| None", "").strip()
             if type_name == "bool":
                 parser.add_argument(flag, action="store_true", help=help_text.get(f.name, ""))
+                continue
+            if type_name == "list[int]":
+                parser.add_argument(
+                    flag, type=int, nargs="+", default=default, help=help_text.get(f.name, "")
+                )
                 continue
             parser.add_argument(
                 flag,

@@ -29,7 +29,7 @@ class AttentionCase:
         pool = KVPool(self.pool.num_slots, 1, *self.pool.k[0].shape[1:], dtype, device)
         pool.k[0].copy_(self.pool.k[0])
         pool.v[0].copy_(self.pool.v[0])
-        table = ReqToTokenPool(*self.table.table.shape, device)
+        table = ReqToTokenPool(self.table.max_requests, self.table.max_context_len, device)
         table.table.copy_(self.table.table)
         b = self.batch
         moved = dataclasses.replace(

@@ -4,6 +4,8 @@ random Llama that shares the default tokenizer (fast property tests)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -210,3 +212,15 @@ def assert_no_leaks(engine) -> None:
     assert kv.tree.protected_size == 0
     assert kv.allocator.free_count + kv.tree.evictable_size == kv.allocator.num_slots
     assert len(kv.free_rows) == kv.max_rows
+
+
+def run_under_triton_interpreter(module: str) -> str:
+    """Run `python -m module` with Triton's interpreter on (it must be chosen before triton is
+    imported, which this process may have done); its output, after asserting it succeeded."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", module], env=env, capture_output=True, text=True, timeout=300
+    )
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout

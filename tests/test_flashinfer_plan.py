@@ -131,8 +131,28 @@ class StandInWrappers:
             return out.to(q.dtype)
 
     class BatchDecodeWithPagedKVCacheWrapper(BatchPrefillWithPagedKVCacheWrapper):
-        def __init__(self, float_workspace_buffer, kv_layout="NHD", use_tensor_cores=False):
+        """In CUDA-graph mode (`use_cuda_graph`) the batch size is fixed by the indptr buffer,
+        `plan` copies the arrays into the given buffers and `run` reads them from there."""
+
+        def __init__(
+            self,
+            float_workspace_buffer,
+            kv_layout="NHD",
+            use_cuda_graph=False,
+            use_tensor_cores=False,
+            paged_kv_indptr_buffer=None,
+            paged_kv_indices_buffer=None,
+            paged_kv_last_page_len_buffer=None,
+        ):
             super().__init__(float_workspace_buffer, kv_layout)
+            self.buffers = None
+            if use_cuda_graph:
+                self.buffers = (
+                    paged_kv_indptr_buffer,
+                    paged_kv_indices_buffer,
+                    paged_kv_last_page_len_buffer,
+                )
+                assert all(b is not None and b.dtype == torch.int32 for b in self.buffers)
 
         def plan(
             self,
@@ -147,8 +167,16 @@ class StandInWrappers:
             q_data_type="float16",
             kv_data_type=None,
             sm_scale=None,
+            non_blocking=False,
         ):
             rows = torch.arange(len(indptr), dtype=torch.int32)  # one query per request
+            if self.buffers is not None:
+                indptr_buf, indices_buf, last_buf = self.buffers
+                assert len(indptr) == len(indptr_buf), "the batch size is fixed in graph mode"
+                indptr_buf.copy_(indptr)
+                indices_buf[: len(indices)].copy_(indices)
+                last_buf.copy_(last_page_len)
+                indptr, indices, last_page_len = indptr_buf, indices_buf, last_buf
             super().plan(
                 rows,
                 indptr,
@@ -250,3 +278,35 @@ def test_the_backend_drives_flashinfers_wrappers_as_documented(monkeypatch, dtyp
         assert err < 3e-2, f"{mode.name} {dtype}: max error {err:.2e}"
     with pytest.raises(ValueError, match="use --attention-backend triton for float32"):
         FlashInferAttentionBackend(case.pool, case.table, case.scaling)
+
+
+def test_static_decode_batches_plan_flashinfers_graph_wrappers(monkeypatch):
+    """A decode step in static buffers (the graph runner's, padded with the dummy row): the
+    backend plans a CUDA-graph-mode wrapper of the bucket's size before the replay, whose
+    buffers give the torch backend's output on the real rows."""
+    import sys
+
+    from spectral.attention.flashinfer_backend import FlashInferAttentionBackend
+    from spectral.worker.graph_runner import Bucket, StaticInputs
+
+    monkeypatch.setitem(sys.modules, "flashinfer", StandInWrappers)
+    case = random_case(random.Random(11), ForwardMode.DECODE, [7, 70, 1], [1, 1, 1], 4, 2, 16)
+    oracle = TorchAttentionBackend(case.pool, case.table, case.scaling, kernels=None)
+    oracle.init_forward_metadata(case.batch)
+    expected = oracle.forward(case.q, case.k, case.v, 0, case.batch)
+    low = case.to("cpu", torch.bfloat16)
+    backend = FlashInferAttentionBackend(low.pool, low.table, low.scaling, num_heads=4)
+    inputs = StaticInputs(max_tokens=4, max_requests=4, max_mask=0, device="cpu")
+    static = inputs.batch(Bucket(tokens=1, requests=4), capture_layers=())
+    b = low.batch
+    static.out_cache_loc[:3].copy_(b.out_cache_loc)
+    static.req_pool_indices.copy_(torch.tensor([*b.req_pool_indices.tolist(), low.table.dummy_row]))
+    static.seq_lens_tensor.copy_(torch.tensor([8, 71, 2, 1]))
+    static.prefix_lens = [7, 70, 1, 0]
+    backend.prepare_replay(static)
+    backend.init_forward_metadata(static)
+    padded = [torch.cat((t, t[:1])) for t in (low.q, low.k, low.v)]
+    got = backend.forward(*padded, 0, static).float()[:3]
+    wrapper = backend._graph_wrappers[4]
+    assert wrapper.buffers is not None and int(wrapper.buffers[0][-1]) == 8 + 71 + 2 + 1
+    assert float((got - expected).abs().max()) < 3e-2

@@ -3,13 +3,11 @@ interpreter on CPU tensors (the GPU runs of the same kernel: tests/gpu, where a 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (make test installs it)")
+
+from tests.conftest import run_under_triton_interpreter  # noqa: E402
 
 
 def test_the_triton_backend_equals_the_torch_backend_in_every_mode():
@@ -18,14 +16,5 @@ def test_the_triton_backend_equals_the_torch_backend_in_every_mode():
     verification); ragged batches, GQA and MHA; float32 within 1e-5. An Engine with the
     backend gives the torch backend's greedy tokens, plainly and with EAGLE3
     (tests/triton_cases.py)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.triton_cases"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    print(done.stdout)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("max error") == 12 and done.stdout.count("engine,") == 3
+    stdout = run_under_triton_interpreter("tests.triton_cases")
+    assert stdout.count("max error") == 12 and stdout.count("engine,") == 3

@@ -8,7 +8,7 @@ from types import ModuleType
 
 import torch
 
-from spectral.core.forward import ForwardBatch
+from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 
@@ -19,6 +19,11 @@ class AttentionBackend(ABC):
     `init_forward_metadata` runs once per forward, before the first layer; `forward` runs once per
     layer and writes the new tokens' K and V into the pool before attending.
     """
+
+    # The modes in which `init_forward_metadata` and `forward` over a batch in static buffers
+    # (its `seq_lens_tensor` set, every request with one count of new tokens) may be captured
+    # in a CUDA graph: no device value read on the host, no shape taken from one.
+    capturable_modes: frozenset[ForwardMode] = frozenset()
 
     def __init__(
         self,
@@ -41,6 +46,11 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the batch's new tokens. Returns [T, H * D]."""
+
+    def prepare_replay(self, batch: ForwardBatch) -> None:
+        """Host work due before a captured forward of `batch` replays (a plan the graph's
+        kernels read from buffers of fixed address); none by default."""
+        return None
 
     def decode_kernel_inputs(self, batch: ForwardBatch) -> DecodeKernelInputs | None:
         """Where this forward's attention is the CPU kernels' decode_attention over the KV pool

@@ -3,6 +3,9 @@
 DECODE through the batch decode wrapper, every other mode through the batch prefill wrapper
 (causal, or under the tree mask). `plan_arrays` builds what they are planned with, on any
 device. The kernels take float16 and bfloat16 only: `auto` picks Triton for a float32 pool.
+Decode steps in static buffers (a CUDA graph's) go through one decode wrapper per batch size
+in FlashInfer's CUDA-graph mode, planned on the host before each replay into buffers of fixed
+address (`prepare_replay`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from spectral.attention.base import AttentionBackend, request_mask, request_slots
-from spectral.core.forward import ForwardBatch
+from spectral.core.forward import ForwardBatch, ForwardMode
+from spectral.core.transfer import pinned
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 
@@ -61,12 +65,42 @@ def plan_arrays(batch: ForwardBatch, table: torch.Tensor) -> FlashInferPlan:
     return dataclasses.replace(plan, custom_mask=torch.cat(blocks), mask_indptr=mask_indptr)
 
 
+@dataclass(frozen=True)
+class GraphDecode:
+    """A static decode batch's metadata: its wrapper, planned by `prepare_replay`."""
+
+    wrapper: object
+
+
+def gathered_slots(
+    rows: torch.Tensor, seq_lens: torch.Tensor, table: torch.Tensor, total: int
+) -> torch.Tensor:
+    """The KV slots of requests in table `rows`, `seq_lens` each (device tensors; `total`
+    their sum, known on the host), concatenated as int32, with no wait for the device."""
+    row_of = rows.repeat_interleave(seq_lens, output_size=total)
+    starts = seq_lens.cumsum(0) - seq_lens
+    column = torch.arange(total, device=table.device) - starts.repeat_interleave(
+        seq_lens, output_size=total
+    )
+    return table[row_of, column].to(torch.int32)
+
+
 class FlashInferAttentionBackend(AttentionBackend):
     """Plans its wrapper at the first layer of each forward (when the query heads are known)
     and runs it at every layer over the pool's K and V viewed as pages of one token."""
 
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenPool, scaling: float) -> None:
+    capturable_modes = frozenset((ForwardMode.DECODE,))
+
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        req_to_token: ReqToTokenPool,
+        scaling: float,
+        num_heads: int | None = None,
+    ) -> None:
+        """`num_heads` (query heads) is needed only to plan static decode batches."""
         super().__init__(kv_pool, req_to_token, scaling)
+        self.num_heads = num_heads
         if kv_pool.dtype not in DTYPES:
             raise ValueError(
                 f"the flashinfer backend takes a float16 or bfloat16 KV cache (got "
@@ -85,10 +119,76 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=True
         )
         self._planned: object = None
+        # CUDA-graph mode: a decode wrapper per batch size over shared buffers (one static
+        # batch replays at a time)
+        self._graph_wrappers: dict[int, object] = {}
+        self._graph_buffers: tuple[torch.Tensor, ...] | None = None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.seq_lens_tensor is not None and batch.mode.is_decode():
+            batch.attn_metadata = GraphDecode(self._graph_wrapper(batch.batch_size))
+            return
         batch.attn_metadata = plan_arrays(batch, self.req_to_token.table)
         self._planned = None
+
+    def prepare_replay(self, batch: ForwardBatch) -> None:
+        """Plan the static decode batch's wrapper: lengths from the host's lists, slots
+        gathered on the device into the wrapper's buffer. Other modes plan as they run."""
+        if not batch.mode.is_decode():
+            return
+        seq_lens = [p + 1 for p in batch.prefix_lens]
+        total = sum(seq_lens)
+        indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+        indptr[1:] = torch.tensor(seq_lens, dtype=torch.int32).cumsum(0)
+        slots = gathered_slots(
+            batch.req_pool_indices, batch.seq_lens_tensor, self.req_to_token.table, total
+        )
+        _, num_kv_heads, head_dim = self.kv_pool.k[0].shape
+        dtype = self.kv_pool.dtype
+        device = slots.device
+        self._graph_wrapper(batch.batch_size).plan(
+            pinned(indptr, device),
+            slots,
+            pinned(torch.ones(len(seq_lens), dtype=torch.int32), device),
+            self.num_heads,
+            num_kv_heads,
+            head_dim,
+            1,  # page size
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            sm_scale=self.scaling,
+            non_blocking=True,
+        )
+
+    def _graph_wrapper(self, batch_size: int) -> object:
+        """The CUDA-graph-mode decode wrapper of `batch_size` requests (made once)."""
+        wrapper = self._graph_wrappers.get(batch_size)
+        if wrapper is not None:
+            return wrapper
+        if self.num_heads is None:
+            raise ValueError("a static decode batch needs the backend built with num_heads")
+        import flashinfer
+
+        table = self.req_to_token.table
+        if self._graph_buffers is None:
+            rows, width = table.shape
+            self._graph_buffers = (
+                torch.zeros(rows + 1, dtype=torch.int32, device=table.device),
+                torch.zeros(rows * width, dtype=torch.int32, device=table.device),
+                torch.ones(rows, dtype=torch.int32, device=table.device),
+            )
+        indptr, indices, last_page_len = self._graph_buffers
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=True,
+            paged_kv_indptr_buffer=indptr[: batch_size + 1],
+            paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last_page_len[:batch_size],
+        )
+        self._graph_wrappers[batch_size] = wrapper
+        return wrapper
 
     def _plan(self, plan: FlashInferPlan, num_heads: int, batch: ForwardBatch) -> object:
         _, num_kv_heads, head_dim = self.kv_pool.k[0].shape
@@ -120,8 +220,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
         self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
-        if self._planned is None:
-            self._planned = self._plan(batch.attn_metadata, q.shape[1], batch)
+        meta = batch.attn_metadata
+        if isinstance(meta, GraphDecode):
+            planned = meta.wrapper
+        else:
+            if self._planned is None:
+                self._planned = self._plan(meta, q.shape[1], batch)
+            planned = self._planned
         pages = (self.kv_pool.k[layer_id].unsqueeze(1), self.kv_pool.v[layer_id].unsqueeze(1))
-        out = self._planned.run(q.to(self.kv_pool.dtype).contiguous(), pages)
+        out = planned.run(q.to(self.kv_pool.dtype).contiguous(), pages)
         return out.reshape(q.shape[0], -1).to(q.dtype)

@@ -19,9 +19,11 @@ def create_attention_backend(
     scaling: float,
     device: str,
     kernels: ModuleType | None = None,
+    num_heads: int | None = None,
 ) -> AttentionBackend:
     """`auto` picks by device (`default_attention_backend`). `kernels` (spectral's CPU
-    kernels) serve the torch backend's decode and tree steps."""
+    kernels) serve the torch backend's decode and tree steps; `num_heads` (query heads) lets
+    flashinfer plan static decode batches ahead of their first layer."""
     if name == "auto":
         name = default_attention_backend(device, kv_pool.dtype)
     if name == "torch":
@@ -35,7 +37,7 @@ def create_attention_backend(
     if name == "flashinfer":
         from spectral.attention.flashinfer_backend import FlashInferAttentionBackend
 
-        return FlashInferAttentionBackend(kv_pool, req_to_token, scaling)
+        return FlashInferAttentionBackend(kv_pool, req_to_token, scaling, num_heads)
     raise ValueError(
         f"unknown attention backend {name!r}; available: auto, torch, triton, flashinfer"
     )

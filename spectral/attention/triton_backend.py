@@ -1,7 +1,9 @@
 """`--attention-backend triton`: DECODE through `row_attention` (each request's one new token a
-query row over its slots), every other mode through `extend_attention` (tiles of new tokens
-over the request's keys, causal or under the tree mask). Runs on CUDA; on CPU tensors only under
-Triton's interpreter (TRITON_INTERPRET=1 before triton is imported: slow, for tests)."""
+query row over its row of the req-to-token table), every other mode through `extend_attention`
+(tiles of new tokens over the request's keys, causal or under the tree mask). Runs on CUDA; on
+CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1 before triton is imported:
+slow, for tests). Its metadata is built on the device from the batch's tensors and host sizes
+alone, so a forward over static buffers can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -9,33 +11,37 @@ from dataclasses import dataclass
 
 import torch
 
-from spectral.attention.base import AttentionBackend, request_slots
-from spectral.core.forward import ForwardBatch
+from spectral.attention.base import AttentionBackend
+from spectral.core.forward import ForwardBatch, ForwardMode
+from spectral.core.transfer import on_device
 from spectral.kernels.triton.attention import row_attention
-from spectral.kernels.triton.extend import extend_attention
+from spectral.kernels.triton.extend import ExtendLayout, extend_attention
 
 
 @dataclass
 class RowMetadata:
-    kv_indices: torch.Tensor  # [B, L] slots per request (its one query row)
-    lens: torch.Tensor  # [T]
-
-
-@dataclass
-class ExtendMetadata:
-    prefix_lens: torch.Tensor  # [B] int64, on the table's device
-    extend_lens: torch.Tensor  # [B]
+    rows: torch.Tensor  # [B] each request's row of the req-to-token table
+    lens: torch.Tensor  # [B] its length, the new token included
 
 
 class TritonAttentionBackend(AttentionBackend):
+    capturable_modes = frozenset((ForwardMode.DECODE, ForwardMode.TARGET_VERIFY))
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        table = self.req_to_token.table
-        if batch.mode.is_decode():  # each request's one new token over its slots
-            batch.attn_metadata = RowMetadata(*request_slots(batch, table))
+        device = self.req_to_token.table.device
+        seq_lens = batch.seq_lens_tensor
+        if seq_lens is None:
+            seq_lens = on_device(batch.seq_lens, torch.int64, device)
+        rows = batch.req_pool_indices
+        if batch.mode.is_decode():
+            batch.attn_metadata = RowMetadata(rows, seq_lens)
             return
-        batch.attn_metadata = ExtendMetadata(
-            torch.tensor(batch.prefix_lens, dtype=torch.int64, device=table.device),
-            torch.tensor(batch.extend_lens, dtype=torch.int64, device=table.device),
+        if batch.seq_lens_tensor is not None:  # static buffers: one count for every request
+            new = torch.full_like(seq_lens, batch.extend_lens[0])
+        else:
+            new = on_device(batch.extend_lens, torch.int64, device)
+        batch.attn_metadata = ExtendLayout.build(
+            rows, seq_lens - new, new, max(batch.extend_lens), batch.custom_mask
         )
 
     def forward(
@@ -45,18 +51,9 @@ class TritonAttentionBackend(AttentionBackend):
         meta = batch.attn_metadata
         dtype, q = q.dtype, q.to(self.kv_pool.dtype)
         k_pool, v_pool = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+        table = self.req_to_token.table
         if isinstance(meta, RowMetadata):
-            out = row_attention(q, k_pool, v_pool, meta.kv_indices, meta.lens, self.scaling)
+            out = row_attention(q, k_pool, v_pool, table, meta.lens, self.scaling, meta.rows)
         else:
-            out = extend_attention(
-                q,
-                k_pool,
-                v_pool,
-                self.req_to_token.table,
-                batch.req_pool_indices,
-                meta.prefix_lens,
-                meta.extend_lens,
-                self.scaling,
-                batch.custom_mask,
-            )
+            out = extend_attention(q, k_pool, v_pool, table, meta, self.scaling)
         return out.reshape(out.shape[0], -1).to(dtype)

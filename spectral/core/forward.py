@@ -55,6 +55,9 @@ class ForwardBatch:
     # Layer indices whose input hidden states are returned (EAGLE-3 uses three).
     capture_layers: tuple[int, ...] = ()
     attn_metadata: object = field(default=None, repr=False)
+    # The device copy of `seq_lens` where the batch lives in static buffers (a CUDA graph's,
+    # spectral.worker.graph_runner): backends build their metadata from it inside the graph.
+    seq_lens_tensor: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

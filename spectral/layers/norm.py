@@ -1,4 +1,5 @@
-"""RMSNorm, fused with the residual add where spectral's CPU kernels serve it."""
+"""RMSNorm, fused with the residual add where spectral's CPU kernels or, on CUDA, a fused
+kernel (layers.cuda_fused) serve it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from types import ModuleType
 
 import torch
 from torch import nn
+
+from spectral.layers import cuda_fused
 
 
 class RMSNorm(nn.Module):
@@ -21,11 +24,16 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); without a residual, (norm(x), x).
 
-        The fused kernel writes x + residual into `residual` in place.
+        The fused kernels write x + residual into `residual` in place; on CUDA, FlashInfer's
+        also writes the normed result over x.
         """
         if self.kernels is not None and x.device.type == "cpu" and x.is_contiguous():
             normed, residual = self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
             return normed, residual
+        if x.is_cuda:
+            fused = cuda_fused.add_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
         if residual is not None:
             x = x + residual
         h = x.float()

@@ -1,5 +1,6 @@
 """Rotary position embeddings: the config's rope (default, or transformers' scaled types) as
-cos/sin tables, applied in place by spectral's CPU kernels where they serve it."""
+cos/sin tables, applied in place by spectral's CPU kernels or, on CUDA, a fused kernel
+(layers.cuda_fused) where they serve it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from spectral.layers import cuda_fused
 
 
 def rope_settings(hf: PretrainedConfig) -> tuple[str, float]:
@@ -38,7 +41,8 @@ def rope_inverse_frequencies(hf: PretrainedConfig, head_dim: int) -> tuple[torch
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables (float32) for every position up to the context length."""
+    """cos/sin tables (float32) for every position up to the context length, each row its
+    half repeated; `cos_sin_cache` holds the halves side by side (FlashInfer's layout)."""
 
     def __init__(self, hf_config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -48,6 +52,9 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        half = inv_freq.shape[0]
+        cos_sin = torch.cat((self.cos[:, :half], self.sin[:, :half]), dim=-1)
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def rotate_qkv(
         self,
@@ -62,6 +69,10 @@ class RotaryEmbedding(nn.Module):
         if kernels is not None and qkv.device.type == "cpu" and qkv.stride(1) == 1:
             num_heads = q.shape[1] + k.shape[1]
             kernels.rotary_inplace(qkv, num_heads, q.shape[2], self.cos, self.sin, positions)
+            return q, k
+        heads = (q.shape[1], k.shape[1], q.shape[2])
+        tables = (self.cos, self.sin, self.cos_sin_cache)
+        if qkv.is_cuda and cuda_fused.rotate_qkv(qkv, *heads, positions, *tables):
             return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]

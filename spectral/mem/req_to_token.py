@@ -1,6 +1,8 @@
 """The request-to-token table: one row per running request, the KV slot of each position.
 
-The scheduler decides which row a request gets; this table only records slots.
+The scheduler decides which row a request gets; this table only records slots. One row more
+than `max_requests` is kept, `dummy_row`, all slot 0 (the dummy KV slot): padded requests of a
+batch in static buffers (a CUDA graph's) read it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ class ReqToTokenPool:
     def __init__(self, max_requests: int, max_context_len: int, device: str = "cpu") -> None:
         self.max_requests = max_requests
         self.max_context_len = max_context_len
-        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=device)
+        self.dummy_row = max_requests
+        self.table = torch.zeros(
+            (max_requests + 1, max_context_len), dtype=torch.int64, device=device
+        )
 
     def write(self, row: int, start: int, slots: list[int] | torch.Tensor) -> None:
         """Record the slots of positions start, start+1, ... of request `row`."""

@@ -3,7 +3,8 @@
 Projections are fused at load time (q|k|v into `qkv_proj`, gate|up into `gate_up_proj`).
 Normalisation runs in float32 and rotary in the model dtype, in transformers' order of
 operations, so float32 outputs match it. Where the worker provides spectral's CPU kernels, the
-layers run through them; the PyTorch code is their reference and the path everywhere else.
+layers run through them, and on CUDA through fused kernels (layers.cuda_fused); the PyTorch
+code is their reference and the path everywhere else.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from spectral.attention.base import AttentionBackend, DecodeKernelInputs
 from spectral.core.forward import ForwardBatch
+from spectral.layers import cuda_fused
 from spectral.layers.linear import Linear, PackedRows, PackedWeight
 from spectral.layers.logits import LogitsHead
 from spectral.layers.norm import RMSNorm
@@ -97,8 +99,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = cuda_fused.silu_and_mul(gate_up) if gate_up.is_cuda else None
+        if act is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        out = self.down_proj(act)
         return out if self.tp is None else self.tp.sum(out)
 
 

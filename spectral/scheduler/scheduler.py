@@ -128,6 +128,9 @@ class Scheduler:
         }
         if self.spec_round is not None:
             out["speculative"] = self.spec_round.info()
+        graphs = self.worker.graph_info()
+        if graphs is not None:
+            out["cuda_graph"] = graphs
         return out
 
     # ---- the step ----------------------------------------------------------------------------

@@ -41,6 +41,8 @@ class WorkerReady:
     num_kv_slots: int
     # What speculative rounds cost there (CostModel.to_dict), for the scheduler's tree planner
     cost_model: dict | None = None
+    # The graph runner's summary (ModelWorker.graph_info), for /get_server_info
+    graphs: dict | None = None
 
 
 @message
@@ -93,7 +95,8 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
         send_message(outbox, WorkerFailed(f"{type(err).__name__}: {err}"))
         raise
     cost = worker.cost_model
-    send_message(outbox, WorkerReady(worker.num_kv_slots, cost.to_dict() if cost else None))
+    ready = WorkerReady(worker.num_kv_slots, cost.to_dict() if cost else None, worker.graph_info())
+    send_message(outbox, ready)
     if worker.grammars is not None:  # speculative: the worker follows grammar requests itself
         worker.grammars.backend.start()
     parent = os.getppid()
@@ -147,6 +150,9 @@ class RemoteWorker:
         self.num_kv_slots = ready.num_kv_slots
         self.cost_model = CostModel.from_dict(ready.cost_model) if ready.cost_model else None
         return self
+
+    def graph_info(self) -> dict | None:
+        return self.ready.graphs
 
     def _receive(self, timeout_s: float):
         deadline = time.monotonic() + timeout_s

@@ -19,3 +19,6 @@ class Worker(Protocol):
     grammars: GrammarFollower | None
 
     def forward(self, batch: WorkerBatch) -> WorkerResult: ...
+
+    def graph_info(self) -> dict | None:
+        """The graph runner's buckets, capture time and memory (None: no runner)."""

@@ -13,6 +13,7 @@ from spectral.core.model import ResolvedModel
 from spectral.layers.parallel import TensorParallel
 from spectral.models.resolved import load_tokenizer
 from spectral.speculative.settings import SpecSettings
+from spectral.worker.graph_runner import DEFAULT_BATCH_SIZES, default_max_batch_size
 from spectral.worker.model_worker import ModelWorker
 from spectral.worker.spec_worker import SpeculativeWorker
 
@@ -66,7 +67,10 @@ def create_worker(
         tensor_parallel=tensor_parallel,
     )
     spec = args.spec_settings()
+    graph_sizes = graph_batch_sizes(args, device, tensor_parallel)
     if spec is None:
+        if graph_sizes:
+            worker.use_graphs(graph_sizes)
         return worker
     drafter = None
     if spec.algorithm == "STANDALONE":
@@ -120,6 +124,13 @@ def create_worker(
         report_node_choices=spec.uses_lookahead,
         grammars=GrammarFollower(lambda: grammar_backend(model)),
     )
+    if graph_sizes:
+        worker.use_graphs(
+            graph_sizes,
+            max(spec.num_draft_tokens, spec.hybrid_ngram),
+            spec.max_batch_size or None,
+            drafter.capture_layers if drafter is not None else (),
+        )
     if not spec.fixed_tree:
         from spectral.kernels.cpu_kernels import build_dir_of, cpu_signature
         from spectral.worker.cost_measure import load_or_measure
@@ -137,6 +148,8 @@ def create_worker(
             # the kernels' build (their sources, this CPU): a faster kernel is measured anew
             "cpu_kernels": None if args.disable_cpu_kernels else build_dir_of("native").name,
             "attention": args.attention_backend,
+            # the buckets (not the capture's timings): padded forwards cost what the bucket does
+            "graphs": _graph_key(worker.graph_info()),
             "algorithm": spec.algorithm,
             "head": _file_stamp(
                 resolve_draft_path(spec.draft_model_path)
@@ -155,6 +168,23 @@ def create_worker(
             spec_worker, parts, spec.cost_model_path, tensor_parallel
         )
     return spec_worker
+
+
+def graph_batch_sizes(
+    args: ServerArgs, device: str, tensor_parallel: TensorParallel | None
+) -> list[int] | None:
+    """The decode batch sizes the graph runner holds, or None (no runner). On a GPU unless
+    --disable-cuda-graph: --cuda-graph-bs, else the default sizes up to --cuda-graph-max-bs.
+    On a CPU only --cuda-graph-bs, run eagerly through the static buffers (a test of the GPU's
+    path). Not under tensor parallelism yet."""
+    if args.disable_cuda_graph or tensor_parallel is not None:
+        return None
+    if args.cuda_graph_bs:
+        return sorted(set(args.cuda_graph_bs))
+    if not device.startswith("cuda"):
+        return None
+    cap = args.cuda_graph_max_bs or default_max_batch_size(device, args.max_running_requests)
+    return [bs for bs in DEFAULT_BATCH_SIZES if bs <= cap] or [1]
 
 
 def draft_model_drafter(
@@ -216,6 +246,12 @@ def grammar_backend(model: ResolvedModel) -> GrammarBackend:
     return GrammarBackend(
         load_tokenizer(model.tokenizer_dir), model.vocab_size, model.stop_token_ids
     )
+
+
+def _graph_key(info: dict | None) -> list | None:
+    if info is None:
+        return None
+    return [info["captured"], info["decode_batch_sizes"], info["verify_tree_sizes"]]
 
 
 def _file_stamp(path: str | Path | None) -> list | None:

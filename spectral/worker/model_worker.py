@@ -8,6 +8,7 @@ import torch
 
 from spectral.attention.registry import create_attention_backend
 from spectral.core.forward import ForwardBatch, ForwardMode
+from spectral.core.transfer import stage, to_device
 from spectral.core.worker_io import WorkerBatch, WorkerResult
 from spectral.kernels.cpu_kernels import load_cpu_kernels
 from spectral.layers.linear import weight_bytes
@@ -20,9 +21,15 @@ from spectral.models.config import ModelConfig
 from spectral.models.gguf_native import load_gguf_model
 from spectral.models.loader import build_model, dummy_model, load_model
 from spectral.models.tensor_parallel import llama_shares, shard_llama
+from spectral.worker.graph_runner import GraphRunner, plan_buckets
 from spectral.worker.sampler import sample
 
 logger = logging.getLogger(__name__)
+
+
+def _check_context(end: int, width: int) -> None:
+    if end > width:
+        raise ValueError(f"position {end - 1} exceeds the context length {width}")
 
 
 def free_memory_bytes(device: str) -> int:
@@ -40,6 +47,7 @@ def free_memory_bytes(device: str) -> int:
 class ModelWorker:
     cost_model = None  # no speculation here (the Worker interface's optional parts)
     grammars = None
+    graphs: GraphRunner | None = None  # decode and verify through static buffers (use_graphs)
 
     def __init__(
         self,
@@ -129,28 +137,54 @@ class ModelWorker:
         )
         self.req_to_token = ReqToTokenPool(max_running_requests, max_context_len, device)
         self.attn_backend = create_attention_backend(
-            attention_backend, self.kv_pool, self.req_to_token, cfg.head_dim**-0.5, device, kernels
+            attention_backend,
+            self.kv_pool,
+            self.req_to_token,
+            cfg.head_dim**-0.5,
+            device,
+            kernels,
+            num_heads=cfg.num_heads,
         )
 
     def to_forward_batch(self, wb: WorkerBatch) -> ForwardBatch:
-        """Record the batch's slots in the req-to-token table and build the tensors."""
+        """Record the batch's slots in the req-to-token table and build the tensors, with one
+        copy of what the host holds (nothing waits for the device)."""
+        width = self.req_to_token.max_context_len
+        prefix_places: list[int] = []
+        prefix_slots: list[int] = []
         for row, start, slots in wb.table_writes:
-            self.req_to_token.write(row, start, slots)
-        dev = self.device
-        out_loc = torch.tensor(wb.out_cache_loc, dtype=torch.int64, device=dev)
-        offset = 0
+            _check_context(start + len(slots), width)
+            prefix_places.extend(range(row * width + start, row * width + start + len(slots)))
+            prefix_slots.extend(slots)
+        new_places: list[int] = []
         for row, prefix, ext in zip(wb.req_pool_indices, wb.prefix_lens, wb.extend_lens):
-            self.req_to_token.table[row, prefix : prefix + ext] = out_loc[offset : offset + ext]
-            offset += ext
+            _check_context(prefix + ext, width)
+            new_places.extend(range(row * width + prefix, row * width + prefix + ext))
+        staged = stage(
+            {
+                "input_ids": wb.input_ids,
+                "positions": wb.positions,
+                "out_cache_loc": wb.out_cache_loc,
+                "req_pool_indices": wb.req_pool_indices,
+                "prefix_places": prefix_places,
+                "prefix_slots": prefix_slots,
+                "new_places": new_places,
+            },
+            self.device,
+        )
+        table = self.req_to_token.table.view(-1)
+        if prefix_places:
+            table.index_copy_(0, staged["prefix_places"], staged["prefix_slots"])
+        table.index_copy_(0, staged["new_places"], staged["out_cache_loc"])
         custom = None
         if wb.custom_mask is not None:
-            custom = torch.tensor(wb.custom_mask, dtype=torch.bool, device=dev)
+            custom = to_device(torch.tensor(wb.custom_mask, dtype=torch.bool), self.device)
         return ForwardBatch(
             mode=wb.mode,
-            input_ids=torch.tensor(wb.input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(wb.positions, dtype=torch.int64, device=dev),
-            out_cache_loc=out_loc,
-            req_pool_indices=torch.tensor(wb.req_pool_indices, dtype=torch.int64, device=dev),
+            input_ids=staged["input_ids"],
+            positions=staged["positions"],
+            out_cache_loc=staged["out_cache_loc"],
+            req_pool_indices=staged["req_pool_indices"],
             prefix_lens=list(wb.prefix_lens),
             extend_lens=list(wb.extend_lens),
             custom_mask=custom,
@@ -166,11 +200,24 @@ class ModelWorker:
     @torch.inference_mode()
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits for the rows `batch.logits_rows` selects."""
-        hidden, _ = self.forward_hidden(batch)
-        if batch.logits_rows == "last":
+        return self.forward_batch(batch)[2]
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """Final hidden states of every new token, the captured layer inputs, and float32
+        logits of the rows `batch.logits_rows` selects: through the graph runner where it
+        holds the batch (its logits valid until its next replay), else eagerly."""
+        bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
+        if bucket is not None:
+            return self.graphs.run(batch, bucket)
+        hidden, captured = self.forward_hidden(batch)
+        rows = hidden
+        if batch.logits_rows == "last" and batch.num_tokens != batch.batch_size:
             ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
-            hidden = hidden[ends.to(hidden.device)]
-        return self.model.compute_logits(hidden)
+            rows = hidden[ends.to(hidden.device)]
+        return hidden, captured, self.model.compute_logits(rows)
 
     @torch.inference_mode()
     def forward(self, wb: WorkerBatch) -> WorkerResult:
@@ -186,16 +233,46 @@ class ModelWorker:
         the inputs of `capture_layers` (what a draft head is trained on)."""
         batch = self.to_forward_batch(wb)
         batch.capture_layers = capture_layers
-        hidden, captured = self.forward_hidden(batch)
-        ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
-        last = hidden if batch.num_tokens == batch.batch_size else hidden[ends]
-        logits = self.model.compute_logits(last)
+        hidden, captured, logits = self.forward_batch(batch)
         out = sample(logits, wb.sampling, wb.vocab_mask, self.model.kernels)
         input_logprobs = self._input_logprobs(wb, batch, hidden) if wb.input_logprob_starts else []
         result = WorkerResult(
             out.next_token_ids.tolist(), out.logprobs, out.top_logprobs, input_logprobs
         )
         return result, batch, hidden, captured
+
+    def use_graphs(
+        self,
+        batch_sizes: list[int],
+        max_tree_tokens: int = 1,
+        verify_max_batch_size: int | None = None,
+        capture_layers: tuple[int, ...] = (),
+    ) -> None:
+        """Run decode steps of up to max(batch_sizes) requests (and, with `max_tree_tokens` >
+        1, verification of trees up to that size) through the graph runner's static buffers,
+        captured as CUDA graphs where the model runs on a GPU whose attention backend allows
+        it; elsewhere they run eagerly through the same buffers."""
+        buckets = plan_buckets(sorted(set(batch_sizes)), max_tree_tokens, verify_max_batch_size)
+        on_gpu = self.device.startswith("cuda")
+        if on_gpu:  # only what the backend can capture: the rest is faster without padding
+            modes = self.attn_backend.capturable_modes
+            buckets = [b for b in buckets if b.mode in modes]
+            if not buckets:
+                logger.warning(
+                    "CUDA graphs: the %s attention backend cannot be captured; forwards run "
+                    "eagerly",
+                    type(self.attn_backend).__name__,
+                )
+                return
+        self.graphs = GraphRunner(
+            self.model, self.attn_backend, self.req_to_token, buckets, capture_layers
+        )
+        if on_gpu:
+            self.graphs.capture()
+
+    def graph_info(self) -> dict | None:
+        """The graph runner's summary for /get_server_info (None: no runner)."""
+        return self.graphs.summary() if self.graphs is not None else None
 
     def _input_logprobs(
         self, wb: WorkerBatch, batch: ForwardBatch, hidden: torch.Tensor

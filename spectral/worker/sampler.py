@@ -13,6 +13,7 @@ import torch
 
 from spectral import faults
 from spectral.constrained import apply_bitmask
+from spectral.core.transfer import on_device, to_device
 from spectral.core.worker_io import RequestSampling
 
 
@@ -21,18 +22,6 @@ class SampleOutput:
     next_token_ids: torch.Tensor  # [B] int64
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[float, int]] | None]
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; to a GPU through pinned memory without the host waiting for
-    the device (a plain copy to CUDA synchronises)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def apply_penalties(logits: torch.Tensor, sampling: list[RequestSampling]) -> torch.Tensor:

@@ -56,6 +56,9 @@ class SpeculativeWorker:
         # scheduler's tree planner sizes trees by it. None: trees of fixed size.
         self.cost_model: CostModel | None = None
 
+    def graph_info(self) -> dict | None:
+        return self.target.graph_info()
+
     def forward(self, wb: WorkerBatch) -> WorkerResult:
         if wb.mode == ForwardMode.TARGET_VERIFY:
             return self._verify_round(wb)
@@ -105,8 +108,7 @@ class SpeculativeWorker:
         )
         batch = target.to_forward_batch(verify_wb)
         batch.capture_layers = self.drafter.capture_layers if self.drafter else ()
-        hidden, captured = target.forward_hidden(batch)
-        logits = target.model.compute_logits(hidden)  # stays on the device
+        hidden, captured, logits = target.forward_batch(batch)  # logits stay on the device
         verdict = self._verify(trees, logits, sizes, wb.sampling, masks)
 
         slots = batch.out_cache_loc

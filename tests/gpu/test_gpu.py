@@ -180,3 +180,121 @@ def test_two_nccl_ranks_decode_as_one_worker(tmp_path, tiny_model):
     options = {"dummy_weights": True}
     cases = [(model_dir, options)]
     mp.spawn(_worker_rank, args=(2, init, cases, "nccl"), nprocs=2, join=True)
+
+
+def _graph_engines(tiny_model, backend: str, spec: dict, graphs: bool):
+    from spectral import Engine
+
+    model_dir, _ = tiny_model
+    engine = Engine(
+        model_path=model_dir,
+        dtype="float32" if backend == "triton" else "bfloat16",
+        device="cuda",
+        load_format="dummy",
+        attention_backend=backend,
+        max_total_tokens=16384,
+        disable_cuda_graph=not graphs,
+        cuda_graph_bs=[1, 2, 4, 8, 16],
+        **spec,
+    )
+    target = engine.worker.target if spec else engine.worker
+    torch.manual_seed(0)
+    for name, param in target.model.named_parameters():  # the same sharp weights both times
+        param.copy_(torch.randn_like(param) * (1.0 if name.endswith("norm.weight") else 0.5))
+    return engine
+
+
+@pytest.mark.parametrize(
+    ("backend", "algorithm"),
+    [
+        ("triton", None),
+        ("triton", "EAGLE3"),
+        pytest.param("flashinfer", None, marks=NEEDS_FLASHINFER),
+    ],
+)
+def test_graph_replay_gives_the_eager_tokens(tiny_model, backend, algorithm):
+    """Greedy decoding (and EAGLE3 tree verification) replaying CUDA graphs gives the eager
+    forwards' tokens at batches 1, 3 and 16, requests finishing mid-run; the pool is empty
+    after."""
+    from tests.conftest import scheduler_leaks
+
+    _, head_dir = tiny_model
+    spec = {}
+    if algorithm:
+        spec = {
+            "speculative_algorithm": algorithm,
+            "speculative_draft_model_path": head_dir,
+            "speculative_fixed_tree": True,
+            "speculative_num_steps": 3,
+            "speculative_eagle_topk": 4,
+            "speculative_num_draft_tokens": 8,
+            "speculative_max_batch_size": 16,
+            "speculative_hybrid_ngram": 0,
+        }
+    runs = {}
+    for graphs in (False, True):
+        engine = _graph_engines(tiny_model, backend, spec, graphs)
+        try:
+            outputs = []
+            for batch in (1, 3, 16):
+                prompts = [[5 + i, 40 + 3 * i, 7, 300 + i][: 2 + i % 3] for i in range(batch)]
+                params = [
+                    {"temperature": 0, "max_new_tokens": 8 + 4 * (i % 5), "ignore_eos": True}
+                    for i in range(batch)
+                ]
+                outs = engine.generate(input_ids=prompts, sampling_params=params)
+                outputs.append([o["output_ids"] for o in outs])
+            assert scheduler_leaks(engine.scheduler) == []
+            info = engine.worker.graph_info()
+            assert bool(info and info["captured"]) == graphs
+        finally:
+            engine.shutdown()
+        runs[graphs] = outputs
+    assert runs[True] == runs[False]
+
+
+def test_a_graphed_decode_step_waits_on_the_device_only_for_its_result(tiny_model):
+    """A decode step replaying a graph (inputs staged through pinned memory, the table written
+    on the device) makes the host wait once: the sampled tokens coming back."""
+    from spectral.core.worker_io import RequestSampling, WorkerBatch
+    from spectral.sampling_params import SamplingParams
+
+    engine = _graph_engines(tiny_model, "triton", {}, graphs=True)
+    try:
+        worker = engine.worker
+        greedy = RequestSampling(SamplingParams(temperature=0.0), "r")
+        prefill = WorkerBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=[5, 6, 7, 8],
+            positions=[0, 1, 2, 3],
+            out_cache_loc=[1, 2, 3, 4],
+            req_pool_indices=[0],
+            prefix_lens=[0],
+            extend_lens=[4],
+            sampling=[greedy],
+        )
+        worker.forward(prefill)
+        counts = []
+        for step in range(3):
+            decode = WorkerBatch(
+                mode=ForwardMode.DECODE,
+                input_ids=[9 + step],
+                positions=[4 + step],
+                out_cache_loc=[5 + step],
+                req_pool_indices=[0],
+                prefix_lens=[4 + step],
+                extend_lens=[1],
+                sampling=[greedy],
+            )
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    worker.forward(decode)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+        assert counts[1:] == [1, 1], f"host waits per decode step: {counts}"
+    finally:
+        engine.shutdown()

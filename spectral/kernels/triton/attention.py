@@ -23,6 +23,7 @@ def _row_attention_kernel(
     k_ptr,
     v_ptr,
     indices_ptr,
+    rows_ptr,
     lens_ptr,
     out_ptr,
     scale,
@@ -44,6 +45,7 @@ def _row_attention_kernel(
     head = tl.program_id(1)
     kv_head = head // GROUP
     seq_len = tl.load(lens_ptr + row)
+    indices_row = tl.load(rows_ptr + row)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + row * stride_qt + head * stride_qh + d, mask=d_ok, other=0.0)
@@ -54,7 +56,7 @@ def _row_attention_kernel(
     for start in range(0, seq_len, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < seq_len
-        slots = tl.load(indices_ptr + row * stride_it + n, mask=n_ok, other=0)
+        slots = tl.load(indices_ptr + indices_row * stride_it + n, mask=n_ok, other=0)
         both = n_ok[:, None] & d_ok[None, :]
         k = tl.load(
             k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
@@ -89,17 +91,24 @@ def row_attention(
     kv_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scaling: float,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D]; k_pool, v_pool [slots, KVH, D] (H a multiple of KVH); kv_indices [T, L]
-    int64 slots, of which row t uses the first seq_lens[t] (>= 1). Returns [T, H, D] in q's
-    dtype: softmax(q k^T * scaling) v over each row's slots."""
+    """q [T, H, D]; k_pool, v_pool [slots, KVH, D] (H a multiple of KVH); kv_indices [R, L]
+    int64 slots, of which query row t uses the first seq_lens[t] (>= 1) of row rows[t] (int64
+    [T]; None: row t, with R = T). Returns [T, H, D] in q's dtype: softmax(q k^T * scaling) v
+    over each query row's slots. Reads no device value on the host (a CUDA graph may hold
+    it): with `rows`, kv_indices may be the req-to-token table itself."""
     T, H, _ = q.shape
-    if kv_indices.shape[0] != T or seq_lens.shape != (T,):
+    if seq_lens.shape != (T,) or (rows is None and kv_indices.shape[0] != T):
         raise ValueError(
-            f"kv_indices must be [T, L] and seq_lens [T] with T = {T} "
-            f"(got {tuple(kv_indices.shape)} and {tuple(seq_lens.shape)})"
+            f"seq_lens must be [T] and kv_indices [T, L] without rows, with T = {T} "
+            f"(got {tuple(seq_lens.shape)} and {tuple(kv_indices.shape)})"
         )
-    q, kv_indices = q.contiguous(), kv_indices.contiguous()
+    if rows is None:
+        rows = torch.arange(T, dtype=torch.int64, device=q.device)
+    q = q.contiguous()
+    if kv_indices.stride(1) != 1:
+        kv_indices = kv_indices.contiguous()
     out = torch.empty_like(q)
     if T == 0:
         return out
@@ -109,6 +118,7 @@ def row_attention(
         k_pool,
         v_pool,
         kv_indices,
+        rows.contiguous(),
         seq_lens.contiguous(),
         out,
         scaling,

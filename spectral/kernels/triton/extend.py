@@ -11,6 +11,8 @@ j <= i (causal) or mask[i, j] (custom). Causal blocks stop at their last query's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -133,47 +135,72 @@ def _extend_kernel(
     )
 
 
+@dataclass(frozen=True)
+class ExtendLayout:
+    """Where each request's new tokens, keys and mask bits are, for `extend_attention`: B
+    requests, request b's `extend_lens[b]` new tokens (query rows from `q_starts[b]`) after
+    `prefix_lens[b]` cached ones, its slots (prefix, then new) in table row `rows[b]`; with a
+    custom mask, its bits from `mask_starts[b]` of `mask` (int8). All int64 [B] on the device;
+    `max_extend` (a host int) sizes the grid. Built once a forward, read by every layer."""
+
+    rows: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    q_starts: torch.Tensor
+    max_extend: int
+    mask: torch.Tensor | None = None
+    mask_starts: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        rows: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        extend_lens: torch.Tensor,
+        max_extend: int,
+        custom_mask: torch.Tensor | None = None,
+    ) -> ExtendLayout:
+        """From the requests' table rows, prefix and new-token counts (device tensors) and
+        ForwardBatch's flattened bool mask; nothing read back to the host."""
+        zero = torch.zeros(1, dtype=torch.int64, device=extend_lens.device)
+        q_starts = torch.cat((zero, extend_lens.cumsum(0)[:-1]))
+        mask = mask_starts = None
+        if custom_mask is not None:
+            mask = custom_mask.to(torch.int8)
+            mask_starts = torch.cat((zero, (extend_lens * extend_lens).cumsum(0)[:-1]))
+        return cls(rows, prefix_lens, extend_lens, q_starts, max_extend, mask, mask_starts)
+
+
 def extend_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     table: torch.Tensor,
-    rows: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
+    layout: ExtendLayout,
     scaling: float,
-    custom_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D]: the new tokens of B requests, request after request; request b's are
-    extend_lens[b] tokens after prefix_lens[b] cached ones, its slots (prefix, then new) in
-    `table` row rows[b]. `custom_mask`, when given, is the concatenation over requests of the
-    flattened bool [n, n] among their new tokens (ForwardBatch's layout); else causal.
-    Returns [T, H, D] in q's dtype."""
+    """q [T, H, D]: the new tokens of the requests `layout` describes, request after request,
+    their slots in `table` (the req-to-token table); causal among a request's new tokens, or
+    under `layout.mask`. Returns [T, H, D] in q's dtype. Reads no device value on the host (a
+    CUDA graph may hold it)."""
     T, H, _ = q.shape
-    if int(extend_lens.sum()) != T:
-        raise ValueError(f"extend_lens sum to {int(extend_lens.sum())}, not the {T} query rows")
     q = q.contiguous()
     out = torch.empty_like(q)
     if T == 0:
         return out
-    zero = torch.zeros(1, dtype=torch.int64, device=q.device)
-    q_starts = torch.cat((zero, extend_lens.cumsum(0)[:-1]))
-    if custom_mask is None:
-        mask, mask_starts = zero, zero
-    else:
-        mask = custom_mask.to(torch.int8).contiguous()
-        mask_starts = torch.cat((zero, (extend_lens * extend_lens).cumsum(0)[:-1]))
+    mask = layout.mask if layout.mask is not None else layout.q_starts
+    mask_starts = layout.mask_starts if layout.mask_starts is not None else layout.q_starts
     strides, shapes = launch_layout(q, k_pool, v_pool, out)
-    grid = (extend_lens.numel(), H, triton.cdiv(int(extend_lens.max()), BLOCK_M))
+    grid = (layout.extend_lens.numel(), H, triton.cdiv(layout.max_extend, BLOCK_M))
     _extend_kernel[grid](
         q,
         k_pool,
         v_pool,
         table,
-        rows,
-        prefix_lens,
-        extend_lens,
-        q_starts,
+        layout.rows,
+        layout.prefix_lens,
+        layout.extend_lens,
+        layout.q_starts,
         mask,
         mask_starts,
         out,
@@ -183,7 +210,7 @@ def extend_attention(
         **shapes,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
-        CUSTOM_MASK=custom_mask is not None,
+        CUSTOM_MASK=layout.mask is not None,
         IEEE=q.dtype == torch.float32,
     )
     return out
