@@ -1,10 +1,11 @@
 """Where a decode step's time goes on the device: torch's profiler over plain greedy decoding of
 one request on a model of a bench/shapes.py shape with random weights, per attention backend.
-Prints the operators by host (self CPU) time, and how often the host waited on the device
-(synchronisations, blocking copies) per generated token.
+Prints the operators by host (self CPU) time, and per generated token the kernel launches (a
+CUDA graph's replay is one), the kernels the device ran and how often the host waited on it.
+bench/gpu.py reports the same counts (`launches_per_token`).
 
     python bench/gpu_profile.py --backends triton,torch          # on a GPU
-    python bench/gpu_profile.py --device cpu --shapes tiny --backends torch --dtype float32
+    python bench/gpu_profile.py --device cpu --shape tiny --backends torch --dtype float32
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -21,7 +23,59 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.shapes import make_model_dir  # noqa: E402
 from spectral import Engine  # noqa: E402
 
-WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaEventSynchronize")
+# Host calls that start work on the device (a graph launch replays a whole captured step).
+LAUNCHES = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cudaLaunchCooperativeKernel",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaGraphLaunch",
+)
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+COPIES = ("cudaMemcpy", "cudaMemcpyAsync")
+
+
+def _profiled(engine: Engine, prompt: list[int], tokens: int):
+    """The profile of generating `tokens` greedily after `prompt` (and the decode steps run)."""
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available() and engine.args.resolved_device().startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    params = {"temperature": 0, "max_new_tokens": tokens, "ignore_eos": True}
+    before = engine.get_server_info()["stats"]["decode_steps"]
+    with profile(activities=activities) as prof:
+        engine.generate(input_ids=[prompt], sampling_params=params)
+    return prof, engine.get_server_info()["stats"]["decode_steps"] - before
+
+
+def _counts(prof) -> dict[str, int]:
+    counts = {"launches": 0, "graph_launches": 0, "device_kernels": 0, "syncs": 0, "copies": 0}
+    for event in prof.events():
+        name = event.name
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            counts["device_kernels"] += not name.startswith(("Memcpy", "Memset"))
+        elif name in LAUNCHES:
+            counts["launches"] += 1
+            counts["graph_launches"] += name == "cudaGraphLaunch"
+        elif name in SYNCS:
+            counts["syncs"] += 1
+        elif name in COPIES:
+            counts["copies"] += 1
+    return counts
+
+
+def launches_per_token(
+    engine: Engine, prompt: list[int], short: int = 8, long: int = 40
+) -> dict[str, float]:
+    """Per decoded token of one request: host launch calls (graph launches among them), device
+    kernels, host waits and copies, from two profiled generations of `short` and `long` tokens
+    (their difference: prefill and the first step cancel). Warms the engine up first."""
+    engine.generate(input_ids=[prompt], sampling_params={"temperature": 0, "max_new_tokens": 4})
+    short_prof, short_steps = _profiled(engine, prompt, short)
+    long_prof, long_steps = _profiled(engine, prompt, long)
+    steps = long_steps - short_steps
+    a, b = _counts(short_prof), _counts(long_prof)
+    return {"decode_steps": steps, **{k: round((b[k] - a[k]) / steps, 2) for k in a}}
 
 
 def profile_backend(model_dir: str, backend: str, args: argparse.Namespace) -> None:
@@ -33,21 +87,17 @@ def profile_backend(model_dir: str, backend: str, args: argparse.Namespace) -> N
         load_format="dummy",
         max_total_tokens=8192,
     )
-    prompt = [[3 + (7 * i) % 1000 for i in range(args.prompt_len)]]
-    params = {"temperature": 0, "max_new_tokens": args.tokens, "ignore_eos": True}
-    engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 4})
-    activities = [ProfilerActivity.CPU]
-    if args.device == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        engine.generate(input_ids=prompt, sampling_params=params)
-    engine.shutdown()
-    averages = prof.key_averages()
+    prompt = [3 + (7 * i) % 1000 for i in range(args.prompt_len)]
+    params = {"temperature": 0, "max_new_tokens": 4}
+    engine.generate(input_ids=[prompt], sampling_params=params)
+    prof, _ = _profiled(engine, prompt, args.tokens)
     print(f"== {backend}: {args.tokens} tokens after a {args.prompt_len}-token prompt")
-    print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
-    for event in averages:
-        if event.key.startswith(WAITS):
-            print(f"{event.key}: {event.count / args.tokens:.1f} per token")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    print("per token, prefill included:")
+    for key, count in _counts(prof).items():
+        print(f"  {key}: {count / args.tokens:.1f}")
+    print("per decoded token (two runs' difference):", launches_per_token(engine, prompt))
+    engine.shutdown()
 
 
 def main() -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-# The default model's shape (SmolLM2-135M) and Qwen2.5-Coder-1.5B's, and a tiny one for tests.
+# The default model's shape (SmolLM2-135M), Qwen2.5-Coder-1.5B's and Llama-3.1-8B's, and a tiny
+# one for tests.
 SHAPES = {
     "default": dict(
         architecture="LlamaForCausalLM",
@@ -33,6 +34,17 @@ SHAPES = {
         num_key_value_heads=2,
         vocab_size=151936,
         rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
+    "8b": dict(
+        architecture="LlamaForCausalLM",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
         tie_word_embeddings=False,
     ),
     "tiny": dict(
