@@ -51,7 +51,7 @@ def token_map_main(argv: list[str]) -> None:
     """`spectral token-map`: a hot-token map for --speculative-token-map from text files."""
     from spectral.models.resolve import model_files_dir
     from spectral.models.resolved import load_tokenizer
-    from spectral.speculative.token_map import (
+    from spectral.speculative.drafters.token_map import (
         DEFAULT_SIZE,
         build_token_map,
         corpus_texts,
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         parser.error(str(err))
     if ns.command == "serve":
-        from spectral.server.launch import launch_server
+        from spectral.launch_server import launch_server
 
         launch_server(args)
     else:

@@ -224,3 +224,32 @@ def run_under_triton_interpreter(module: str) -> str:
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
+
+
+# The files that start servers or rank processes, longest first: handed out first, they do not
+# leave one pytest-xdist worker running them alone at the end (--dist loadfile).
+LONGEST_FILES = (
+    "test_tensor_parallel.py",
+    "test_data_parallel.py",
+    "test_server.py",
+    "test_hostile.py",
+    "test_worker_process.py",
+    "test_sglang_compat.py",
+    "test_lang.py",
+    "test_gguf_native.py",
+    "test_structured_spec.py",
+    "test_parallel_layers.py",
+    "test_gpu_kit.py",
+    "test_generate_greedy.py",
+    "test_int8_serving.py",
+    "test_triton_attention.py",
+    "test_architectures.py",
+    "test_default_head.py",
+    "test_standalone.py",
+    "test_medusa.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from spectral import Engine
-from spectral.worker.factory import DEFAULT_HEAD_DIR
+from spectral.speculative.drafters.eagle import DEFAULT_HEAD_DIR
 from tests.conftest import assert_no_leaks
 
 PROMPTS = [
@@ -42,7 +42,7 @@ def test_the_default_head_is_lossless_and_accepts_drafts(engine_fp32, chat_promp
         speculative_fixed_tree=True,
         speculative_max_batch_size=4,
     ) as engine:
-        assert engine.args.spec_settings().draft_model_path == "default"
+        assert engine.args.spec.draft_model_path == "default"
         outs = engine.generate(chat_prompts, params)
         assert [o["output_ids"] for o in outs] == [p["output_ids"] for p in plain]
         rounds = sum(o["meta_info"]["spec_verify_ct"] for o in outs)

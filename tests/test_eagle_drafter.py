@@ -12,8 +12,8 @@ from spectral.attention.torch_backend import TorchAttentionBackend
 from spectral.layers.logits import LogitsHead
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
-from spectral.speculative.eagle_drafter import EagleDrafter
-from spectral.speculative.eagle_head import DraftHead, DraftHeadConfig
+from spectral.speculative.drafters.eagle import EagleDrafter
+from spectral.speculative.drafters.eagle_head import DraftHead, DraftHeadConfig
 
 HIDDEN, VOCAB = 32, 64
 

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from spectral.speculative.lookahead import LookaheadDrafter, LookaheadState
+from spectral.speculative.sources.lookahead import LookaheadDrafter, LookaheadState
 from tests.test_medusa import check_small_vocab_greedy, small_vocab_model_dir
 from tests.test_speculative import make_spec_scheduler, plain_outputs, run
 from tests.test_standalone import (

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from spectral.models.config import ModelConfig
-from spectral.speculative.medusa import (
+from spectral.speculative.drafters.medusa import (
     WEIGHTS_FILE,
     MedusaHeads,
     load_medusa_heads,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spectral.speculative.ngram import NgramDrafter, NgramState
+from spectral.speculative.sources.ngram import NgramDrafter, NgramState
 
 
 def test_a_repeated_phrase_is_proposed_as_a_chain():

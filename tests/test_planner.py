@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from spectral.core.forward import ForwardMode
-from spectral.speculative.acceptance import (
+from spectral.speculative.cost_model import CALIBRATION_BOUNDS, Calibration, CostModel, interpolate
+from spectral.speculative.registry import get as get_algorithm
+from spectral.speculative.sources.acceptance import (
     HEAD,
     NGRAM,
     SCORE_PRIOR,
@@ -22,8 +24,7 @@ from spectral.speculative.acceptance import (
     head_bucket,
     ngram_bucket,
 )
-from spectral.speculative.cost_model import CALIBRATION_BOUNDS, Calibration, CostModel, interpolate
-from spectral.speculative.planner import MIN_GAIN, PlanInput, TreePlanner
+from spectral.speculative.sources.planner import MIN_GAIN, PlanInput, TreePlanner
 from spectral.speculative.tree import select_eagle_trees
 
 # A 2-core CPU's shape: a node costs ~1/8 of a one-token forward, the head ~1/3 of one.
@@ -307,7 +308,7 @@ def test_a_draft_model_is_tried_where_a_heads_prior_would_not_be() -> None:
     record then takes over (never accepted: it stops)."""
     costly = CostModel(verify=STEEP.verify, decode_one=11.0, draft=[(1, 4.0, 4.0)])
     assert not TreePlanner(costly, 4).plan([PlanInput(HEAD, 5)]).speculate
-    planner = TreePlanner(costly, 4, draft_model=True)
+    planner = TreePlanner(costly, 4, get_algorithm("STANDALONE").acceptance_prior)
     assert planner.plan([PlanInput(HEAD, 5)]).speculate
     for _ in range(40):
         planner.observe(HEAD, 4, [], [0.9, 0.8, 0.7, 0.6])
@@ -319,7 +320,7 @@ def test_a_rank_drafted_once_does_not_set_its_gain_alone() -> None:
     weighs against the decay prior's pseudo-rounds instead of holding the rank at ~0.4, and a
     chain of two drafts is planned where the first is accepted 84% of the time."""
     costly = CostModel(verify=STEEP.verify, decode_one=11.0, draft=[(1, 2.0, 2.0)])
-    planner = TreePlanner(costly, 4, draft_model=True)
+    planner = TreePlanner(costly, 4, get_algorithm("STANDALONE").acceptance_prior)
     for i in range(114):
         planner.observe(HEAD, 1, [0] if i % 6 else [], [0.84])
     planner.observe(HEAD, 2, [], [0.84, 0.434])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from spectral.args import ServerArgs
-from spectral.speculative.acceptance import HEAD, NGRAM, family
+from spectral.speculative.sources.acceptance import HEAD, NGRAM, family
 from tests.test_medusa import (
     check_heads_sampling,
     check_small_vocab_greedy,

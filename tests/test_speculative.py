@@ -20,7 +20,7 @@ from spectral.models.resolved import resolve_model
 from spectral.sampling_params import SamplingParams
 from spectral.scheduler.config import SchedulerConfig
 from spectral.scheduler.scheduler import Scheduler
-from spectral.speculative.eagle_head import DraftHead, DraftHeadConfig
+from spectral.speculative.drafters.eagle_head import DraftHead, DraftHeadConfig
 from spectral.speculative.tree import select_eagle_trees
 from spectral.worker.factory import create_worker
 from tests.conftest import scheduler_leaks
@@ -112,7 +112,7 @@ def make_spec_scheduler(
         vocab_size=model.vocab_size,
         chunked_prefill_size=options.get("chunked_prefill_size"),
     )
-    return Scheduler(create_worker(args, model), tokenizer, limits, args.spec_settings())
+    return Scheduler(create_worker(args, model), tokenizer, limits, args.spec)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -508,7 +508,7 @@ def test_settings_refuse_what_cannot_work(tmp_path: Path, peaky_model_dir: str) 
     with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
         ServerArgs(speculative_algorithm="EAGLE")
     # The embedded default model comes with its head.
-    assert ServerArgs(speculative_algorithm="EAGLE3").spec_settings().draft_model_path == "default"
+    assert ServerArgs(speculative_algorithm="EAGLE3").spec.draft_model_path == "default"
     with pytest.raises(ValueError, match="NGRAM drafts without a model"):
         ServerArgs(speculative_algorithm="NGRAM", speculative_draft_model_path="x")
     with pytest.raises(ValueError, match="ngram_min_match_window_size <="):

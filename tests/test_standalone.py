@@ -24,7 +24,7 @@ from spectral.core.req import Req
 from spectral.models.resolved import resolve_model
 from spectral.sampling_params import SamplingParams
 from spectral.scheduler.scheduler import MIN_NEW_TOKEN_RATIO
-from spectral.speculative.draft_model import DraftModelDrafter
+from spectral.speculative.drafters.draft_model import DraftModelDrafter
 from spectral.speculative.verify import verify_greedy
 from spectral.worker.factory import create_worker
 from tests.conftest import make_tiny_model, scheduler_leaks

@@ -19,7 +19,7 @@ from spectral.models.config import ModelConfig
 from spectral.models.gguf_native import load_gguf_model
 from spectral.models.loader import build_model
 from spectral.models.resolve import default_model_file, model_files_dir
-from spectral.speculative.token_map import build_token_map, load_token_map
+from spectral.speculative.drafters.token_map import build_token_map, load_token_map
 
 
 def test_sglangs_tensor_files_and_json_lists_load_as_sorted_distinct_ids(tmp_path: Path):
@@ -89,7 +89,7 @@ def test_only_a_draft_model_takes_a_token_map(tmp_path: Path):
     with pytest.raises(ValueError, match="goes with --speculative-algorithm STANDALONE"):
         ServerArgs(
             model_path="default", speculative_algorithm="EAGLE3", speculative_token_map="m.pt"
-        ).spec_settings()
+        )
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])

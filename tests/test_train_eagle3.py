@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from spectral.models.config import ModelConfig
-from spectral.speculative.eagle_head import load_draft_head
+from spectral.speculative.drafters.eagle_head import load_draft_head
 from spectral.training.batching import collate
 from spectral.training.config import TrainConfig, resolve_device
 from spectral.training.draft_vocab import draft_vocabulary, remap_output_rows

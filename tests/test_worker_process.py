@@ -124,7 +124,7 @@ def test_a_worker_process_hands_its_cost_model_and_draft_confidence_to_the_plann
     expected_grammar = run_all(make_scheduler(peaky_model_dir), grammar_reqs())
     with started_worker(args, model) as worker:
         assert worker.cost_model == CostModel.from_dict(FLAT_COST)
-        scheduler = remote_scheduler(worker, model, args.spec_settings())
+        scheduler = remote_scheduler(worker, model, args.spec)
         reqs = fresh(mixed_prompts(6))
         assert run_all(scheduler, reqs) == expected
         assert scheduler.spec_round.planner is not None and scheduler.stats.spec_verify_ct > 0
@@ -153,7 +153,7 @@ def test_a_draft_model_speculates_through_the_worker_process(peaky_model_dir):
     model, _ = resolve_model(args)
     expected = run_all(make_scheduler(peaky_model_dir), fresh(mixed_prompts(6)))
     with started_worker(args, model) as worker:
-        scheduler = remote_scheduler(worker, model, args.spec_settings())
+        scheduler = remote_scheduler(worker, model, args.spec)
         assert run_all(scheduler, fresh(mixed_prompts(6))) == expected
         stats = scheduler.stats
         assert stats.spec_emitted_tokens > 2 * stats.spec_verify_ct > 0

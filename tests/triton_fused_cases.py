@@ -22,7 +22,7 @@ from spectral.layers.norm import RMSNorm
 from spectral.layers.rotary import RotaryEmbedding
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-ROWS = (1, 3, 17)
+ROWS = (1, 17)
 HIDDEN_SIZES = (576, 1536)
 HEAD_SHAPES = ((9, 3, 64), (4, 1, 128), (6, 2, 96))  # (q heads, KV heads, head dim)
 MAX_POSITIONS = 4096

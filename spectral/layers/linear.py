@@ -96,7 +96,7 @@ def integer_path(packed: PackedWeight, k: int, kernels: ModuleType) -> PackedWei
     """GGUF blocks (`packed`, k inputs) regrouped for the integer path: `gguf_linear` then
     quantizes each input row to 8 bits per 32 and sums the blocks in integer dot products
     (layout "<layout>+q8", with "f16" after the layout where its scales are all float16
-    values; spectral/kernels/cpu/quant_int8.cpp)."""
+    values; spectral/kernels/cpu/quant_int8_tiles.cpp)."""
     data, layout = kernels.pack_q8_layout(packed.data, packed.gguf_type, packed.n, k, True)
     return PackedWeight(data, packed.n, layout + "+q8")
 

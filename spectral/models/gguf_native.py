@@ -141,6 +141,163 @@ def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
     return rows[order]
 
 
+class GGUFWeights:
+    """The tensors of one GGUF file as a model takes them: rows read (q and k unpermuted, cut to
+    a rank's `cuts`), dequantized into parameters or packed for the kernels (`kernels`; `int8`
+    and `requantize` as in load_gguf_model), and the file's pages let go once they are."""
+
+    def __init__(
+        self,
+        reader: WeightsReader,
+        path: str | Path,
+        kernels: ModuleType | None,
+        int8: bool,
+        requantize: str | None,
+        cuts: dict[str, tuple[slice | None, slice | None]],
+        permuted: dict[str, int],
+        dtype: torch.dtype,
+    ) -> None:
+        self.reader, self.path, self.kernels = reader, path, kernels
+        self.int8, self.requantize, self.cuts, self.permuted = int8, requantize, cuts, permuted
+        self.dtype = dtype
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.dequantized: set[str] = set()  # the formats filled into dense parameters
+
+    def tensor(self, name: str) -> gguf.ReaderTensor:
+        if name not in self.tensors:
+            raise ValueError(f"{self.path}: the GGUF has no tensor {name!r}")
+        return self.tensors[name]
+
+    def rows_of(self, name: str) -> np.ndarray:
+        """The tensor's rows (blocks, or values for float formats), q and k unpermuted, cut to
+        `cuts`."""
+        parts = name.split(".")
+        kind = parts[2] if parts[0] == "blk" else parts[0]
+        heads = self.permuted.get(kind) if parts[0] == "blk" else None
+        rows = np.asarray(self.tensor(name).data)
+        rows = unpermute_rows(rows, heads) if heads else rows
+        keep, cols = self.cuts.get(kind, (None, None))
+        if keep is not None:
+            rows = rows[keep]
+        if cols is not None:
+            rows = rows[:, block_columns(self.tensor(name).tensor_type.name, cols)]
+        return rows
+
+    def stored(self, name: str, requant: bool) -> tuple[np.ndarray, str]:
+        """The tensor's rows and their format: as stored, or quantized again to `requantize`
+        where `requant` and the stored format has more bits a weight."""
+        t = self.tensor(name)
+        kind = t.tensor_type.name
+        requantize = self.requantize
+        if (
+            not requant
+            or requantize is None
+            or bits_per_weight(kind) <= bits_per_weight(requantize)
+        ):
+            return self.rows_of(name), kind
+        values = dequantize(t, self.rows_of(name)).numpy()
+        return gguf.quants.quantize(values, gguf.GGMLQuantizationType[requantize]), requantize
+
+    def fill(self, param: torch.Tensor, names: list[str]) -> None:
+        """Dequantize the tensors `names` into consecutive rows of `param`."""
+        offset = 0
+        for name in names:
+            t = self.tensor(name)
+            self.dequantized.add(t.tensor_type.name)
+            values = dequantize(t, self.rows_of(name)).reshape(-1, *param.shape[1:])
+            param.data[offset : offset + values.shape[0]].copy_(values)
+            offset += values.shape[0]
+
+    def blocks(
+        self, names: list[str], k: int, index: np.ndarray | None = None, requant: bool = False
+    ) -> PackedWeight | PackedRows | None:
+        """The tensors `names` packed for gguf_linear as one weight (in parts of one layout
+        each where their formats differ), or None where the kernels cannot serve them; with
+        `index`, only those rows of the one tensor named; with `requant`, quantized again
+        (`stored`)."""
+        if index is not None and len(names) != 1:
+            raise ValueError("rows are picked from one tensor")
+        if self.kernels is None:
+            return None
+        sources = [self.stored(n, requant) for n in names]
+        kinds = [kind for _, kind in sources]
+        layouts = [LAYOUTS.get(kind) for kind in kinds]
+        if None in layouts:
+            return None
+        if len(set(layouts)) > 1:
+            runs = itertools.groupby(zip(names, layouts), key=lambda pair: pair[1])
+            return PackedRows(
+                [self.blocks([name for name, _ in run], k, None, requant) for _, run in runs]
+            )
+        layout = layouts[0]
+        if len(set(kinds)) == 1:
+            arrays = [rows if index is None else rows[index] for rows, _ in sources]
+            return self.pack_one_format(names, arrays, kinds[0], layout, k, whole=index is None)
+        parts = [decode(torch.from_numpy(rows), kind) for rows, kind in sources]
+        joined = BlockParts.join(parts)
+        packed = PackedWeight(joined.pack(self.kernels, layout), joined.quants.shape[0], layout)
+        return integer_path(packed, k, self.kernels) if self.int8 else packed
+
+    def pack_one_format(
+        self,
+        names: list[str],
+        arrays: list[np.ndarray],
+        kind: str,
+        layout: str,
+        k: int,
+        whole: bool,
+    ) -> PackedWeight:
+        """The rows `arrays` of the tensors `names`, all of format `kind`, packed a slice of rows
+        at a time (panels never straddle one: decoding a whole LM head at once held several
+        copies of it at load); `whole` where they are all of their tensors' rows."""
+        kernels = self.kernels
+        done = None
+        if whole and not self.cuts and len(names) == 1 and not names[0].startswith("blk."):
+            # an LM head or embedding (150k rows): its file pages let go slice by slice
+            done = lambda lo, hi: self.release(names, rows=(lo, hi))  # noqa: E731
+        if not self.int8:
+            packed = pack_in_slices(
+                arrays, lambda rows: (pack_blocks(rows, kind, k, kernels), layout), done
+            )
+        else:  # float16 scales where every slice keeps them, else float32 in all
+            packed = pack_in_slices(
+                arrays, lambda rows: pack_int8(rows, kind, k, kernels), done
+            ) or pack_in_slices(
+                arrays, lambda rows: pack_int8(rows, kind, k, kernels, half=False), done
+            )
+        data, name = packed
+        return PackedWeight(data, sum(a.shape[0] for a in arrays), name)
+
+    def linear(self, module: nn.Module, names: list[str], requant: bool = False) -> bool:
+        """Serve `module` from its blocks (its dense weight emptied) or fill it; True if blocks."""
+        packed = self.blocks(names, module.in_features, None, requant)
+        if packed is not None:
+            module.packed = packed
+            module.weight = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
+        else:
+            self.fill(module.weight, names)
+        if module.bias is not None:
+            self.fill(module.bias, [n.replace(".weight", ".bias") for n in names])
+        self.release(names)
+        return packed is not None
+
+    def release(self, names: list[str], rows: tuple[int, int] | None = None) -> None:
+        """Drop from memory the file pages `names` (or their `rows` lo..hi) were read from,
+        packed or copied by now (a later read maps them again): the file is not held resident
+        beside its packing."""
+        mapped = getattr(self.reader.data, "_mmap", None)
+        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        for name in names:
+            t = self.tensor(name)
+            begin, end = t.data_offset, t.data_offset + t.n_bytes
+            if rows is not None:
+                row_bytes = t.n_bytes // t.data.shape[0]
+                begin, end = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
+            start = begin // mmap.PAGESIZE * mmap.PAGESIZE
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 def load_gguf_model(
     path: str | Path,
     model: nn.Module,
@@ -163,10 +320,9 @@ def load_gguf_model(
     its blocks, stays whole (lookups read only their rows).
     Returns how many weight matrices are served as blocks."""
     reader = WeightsReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
     cuts: dict[str, tuple[slice | None, slice | None]] = {}
     if tp is not None:
-        shares = llama_shares(config, tp, *row_parallel_units(tensors.values()))
+        shares = llama_shares(config, tp, *row_parallel_units(reader.tensors))
         shard_llama(model, shares, cut=False)
         cuts = gguf_cuts(shares)
     arch = gguf_architecture(reader, path)
@@ -174,158 +330,57 @@ def load_gguf_model(
     if arch not in PERMUTED_QK:
         permuted = {}
     dtype = next(model.parameters()).dtype
-    dequantized: set[str] = set()
-    native = 0
-
-    def tensor(name: str) -> gguf.ReaderTensor:
-        if name not in tensors:
-            raise ValueError(f"{path}: the GGUF has no tensor {name!r}")
-        return tensors[name]
-
-    def rows_of(name: str) -> np.ndarray:
-        """The tensor's rows (blocks, or values for float formats), q and k unpermuted, cut to
-        `cuts`."""
-        parts = name.split(".")
-        kind = parts[2] if parts[0] == "blk" else parts[0]
-        heads = permuted.get(kind) if parts[0] == "blk" else None
-        rows = np.asarray(tensor(name).data)
-        rows = unpermute_rows(rows, heads) if heads else rows
-        keep, cols = cuts.get(kind, (None, None))
-        if keep is not None:
-            rows = rows[keep]
-        if cols is not None:
-            rows = rows[:, block_columns(tensor(name).tensor_type.name, cols)]
-        return rows
-
-    def stored(name: str, requant: bool) -> tuple[np.ndarray, str]:
-        """The tensor's rows and their format: as stored, or quantized again to `requantize`
-        where `requant` and the stored format has more bits a weight."""
-        t = tensor(name)
-        kind = t.tensor_type.name
-        if (
-            not requant
-            or requantize is None
-            or bits_per_weight(kind) <= bits_per_weight(requantize)
-        ):
-            return rows_of(name), kind
-        values = dequantize(t, rows_of(name)).numpy()
-        return gguf.quants.quantize(values, gguf.GGMLQuantizationType[requantize]), requantize
-
-    def fill(param: torch.Tensor, names: list[str]) -> None:
-        """Dequantize the tensors `names` into consecutive rows of `param`."""
-        offset = 0
-        for name in names:
-            t = tensor(name)
-            dequantized.add(t.tensor_type.name)
-            values = dequantize(t, rows_of(name)).reshape(-1, *param.shape[1:])
-            param.data[offset : offset + values.shape[0]].copy_(values)
-            offset += values.shape[0]
-
-    def blocks(
-        names: list[str], k: int, index: np.ndarray | None = None, requant: bool = False
-    ) -> PackedWeight | PackedRows | None:
-        """The tensors `names` packed for gguf_linear as one weight (in parts of one layout
-        each where their formats differ), or None where the kernels cannot serve them; with
-        `index`, only those rows of the one tensor named; with `requant`, quantized again
-        (`stored`)."""
-        if index is not None and len(names) != 1:
-            raise ValueError("rows are picked from one tensor")
-        if kernels is None:
-            return None
-        sources = [stored(n, requant) for n in names]
-        kinds = [kind for _, kind in sources]
-        layouts = [LAYOUTS.get(kind) for kind in kinds]
-        if None in layouts:
-            return None
-        if len(set(layouts)) > 1:
-            runs = itertools.groupby(zip(names, layouts), key=lambda pair: pair[1])
-            return PackedRows(
-                [blocks([name for name, _ in run], k, None, requant) for _, run in runs]
-            )
-        layout = layouts[0]
-        if len(set(kinds)) == 1:
-            # Packed a slice of rows at a time (panels never straddle one): decoding a whole
-            # LM head at once held several copies of it at load.
-            arrays = [rows if index is None else rows[index] for rows, _ in sources]
-            done = None
-            if index is None and not cuts and len(names) == 1 and not names[0].startswith("blk."):
-                # an LM head or embedding (150k rows): its file pages let go slice by slice
-                done = lambda lo, hi: release(names, rows=(lo, hi))  # noqa: E731
-            if not int8:
-                packed = pack_in_slices(
-                    arrays, lambda rows: (pack_blocks(rows, kinds[0], k, kernels), layout), done
-                )
-            else:  # float16 scales where every slice keeps them, else float32 in all
-                packed = pack_in_slices(
-                    arrays, lambda rows: pack_int8(rows, kinds[0], k, kernels), done
-                ) or pack_in_slices(
-                    arrays, lambda rows: pack_int8(rows, kinds[0], k, kernels, half=False), done
-                )
-            data, name = packed
-            return PackedWeight(data, sum(a.shape[0] for a in arrays), name)
-        parts = [decode(torch.from_numpy(rows), kind) for rows, kind in sources]
-        joined = BlockParts.join(parts)
-        packed = PackedWeight(joined.pack(kernels, layout), joined.quants.shape[0], layout)
-        return integer_path(packed, k, kernels) if int8 else packed
-
-    def linear(module: nn.Module, names: list[str], requant: bool = False) -> bool:
-        """Serve `module` from its blocks (its dense weight emptied) or fill it; True if blocks."""
-        packed = blocks(names, module.in_features, None, requant)
-        if packed is not None:
-            module.packed = packed
-            module.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
-        else:
-            fill(module.weight, names)
-        if module.bias is not None:
-            fill(module.bias, [n.replace(".weight", ".bias") for n in names])
-        release(names)
-        return packed is not None
-
-    def release(names: list[str], rows: tuple[int, int] | None = None) -> None:
-        """Drop from memory the file pages `names` (or their `rows` lo..hi) were read from,
-        packed or copied by now (a later read maps them again): the file is not held resident
-        beside its packing."""
-        mapped = getattr(reader.data, "_mmap", None)
-        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        for name in names:
-            t = tensor(name)
-            begin, end = t.data_offset, t.data_offset + t.n_bytes
-            if rows is not None:
-                row_bytes = t.n_bytes // t.data.shape[0]
-                begin, end = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
-            start = begin // mmap.PAGESIZE * mmap.PAGESIZE
-            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
-
-    for i, layer in enumerate(model.layers):
-        for ours, theirs in LAYER_LINEARS.items():
-            names = [f"blk.{i}.{t}.weight" for t in theirs]
-            native += linear(layer.get_submodule(ours), names, requant=True)
-        for ours, theirs in LAYER_NORMS.items():
-            fill(layer.get_submodule(ours).weight, [f"blk.{i}.{theirs}.weight"])
-    fill(model.norm.weight, ["output_norm.weight"])
-
-    head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
-    if config.tie_word_embeddings:
-        model.lm_head_packed = blocks([head], config.hidden_size)
-        native += model.lm_head_packed is not None
-        release([head])
-    else:
-        native += linear(model.lm_head, [head])
-        model.lm_head_packed = model.lm_head.packed
-    if model.lm_head_packed is not None:
-        # a draft's hot vocabulary packs its rows of the head again (LogitsHead.restricted)
-        model.logits_head.pack_rows = lambda ids: blocks([head], config.hidden_size, ids)
-    # The embedding's dense table is needed only by a tied LM head not served from blocks.
-    if kernels is not None and (model.lm_head_packed is not None or not config.tie_word_embeddings):
-        model.embed_tokens = BlockEmbedding(tensor("token_embd.weight"), dtype)
-        model.vocab_start = None  # whole on every rank: no vocabulary-parallel lookup
-    else:
-        fill(model.embed_tokens.weight, ["token_embd.weight"])
-    if kernels is not None and dequantized - {"F32", "F16", "BF16"}:
+    weights = GGUFWeights(reader, path, kernels, int8, requantize, cuts, permuted, dtype)
+    native = load_layers(model, weights)
+    native += load_lm_head(model, config, weights)
+    load_embedding(model, config, weights)
+    if kernels is not None and weights.dequantized - {"F32", "F16", "BF16"}:
         logger.info(
             "GGUF formats %s are served dequantized (native: %s)",
-            ", ".join(sorted(dequantized - {"F32", "F16", "BF16"})),
+            ", ".join(sorted(weights.dequantized - {"F32", "F16", "BF16"})),
             ", ".join(NATIVE_TYPES),
         )
     return native
+
+
+def load_layers(model: nn.Module, weights: GGUFWeights) -> int:
+    """The decoder layers' Linears (quantized again where asked) and norms, and the final norm;
+    returns how many Linears are served as blocks."""
+    native = 0
+    for i, layer in enumerate(model.layers):
+        for ours, theirs in LAYER_LINEARS.items():
+            names = [f"blk.{i}.{t}.weight" for t in theirs]
+            native += weights.linear(layer.get_submodule(ours), names, requant=True)
+        for ours, theirs in LAYER_NORMS.items():
+            weights.fill(layer.get_submodule(ours).weight, [f"blk.{i}.{theirs}.weight"])
+    weights.fill(model.norm.weight, ["output_norm.weight"])
+    return native
+
+
+def load_lm_head(model: nn.Module, config: ModelConfig, weights: GGUFWeights) -> int:
+    """The LM head (the token embedding's blocks where tied), served from blocks where the
+    kernels can, and packed again by rows for a draft's hot vocabulary; 1 if from blocks."""
+    head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
+    if config.tie_word_embeddings:
+        model.lm_head_packed = weights.blocks([head], config.hidden_size)
+        native = model.lm_head_packed is not None
+        weights.release([head])
+    else:
+        native = weights.linear(model.lm_head, [head])
+        model.lm_head_packed = model.lm_head.packed
+    if model.lm_head_packed is not None:
+        # a draft's hot vocabulary packs its rows of the head again (LogitsHead.restricted)
+        model.logits_head.pack_rows = lambda ids: weights.blocks([head], config.hidden_size, ids)
+    return int(native)
+
+
+def load_embedding(model: nn.Module, config: ModelConfig, weights: GGUFWeights) -> None:
+    """The token embedding, looked up from its blocks with the kernels, unless a tied LM head
+    not served from blocks needs its dense table."""
+    if weights.kernels is not None and (
+        model.lm_head_packed is not None or not config.tie_word_embeddings
+    ):
+        model.embed_tokens = BlockEmbedding(weights.tensor("token_embd.weight"), weights.dtype)
+        model.vocab_start = None  # whole on every rank: no vocabulary-parallel lookup
+    else:
+        weights.fill(model.embed_tokens.weight, ["token_embd.weight"])

@@ -13,7 +13,7 @@ from spectral.core.worker_io import WorkerResult
 from spectral.scheduler.finish import FinishChecker
 from spectral.scheduler.kv_manager import KVManager
 from spectral.scheduler.schedule_batch import ScheduleBatch
-from spectral.speculative.round import SpecRound
+from spectral.speculative.sources.round import SpecRound
 
 
 @dataclass

@@ -24,8 +24,8 @@ from spectral.scheduler.kv_manager import KVManager
 from spectral.scheduler.output import ResultIntake, SchedulerStats
 from spectral.scheduler.prefill import PrefillAdder, fan_out_victim, order_waiting
 from spectral.scheduler.schedule_batch import ScheduleBatch
-from spectral.speculative.round import SpecRound
 from spectral.speculative.settings import SpecSettings
+from spectral.speculative.sources.round import SpecRound
 from spectral.worker.base import Worker
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class Scheduler:
             config.num_kv_slots,
             config.max_running_requests,
             config.disable_radix_cache,
-            draft_kv_shift=spec is not None and spec.is_eagle,
+            draft_kv_shift=spec is not None and spec.kv_pairs_next_token,
         )
         self.spec_round: SpecRound | None = None
         if spec is not None:
@@ -153,7 +153,7 @@ class Scheduler:
         go on. A speculative round is not rerun (the worker's draft state has moved), so
         all of its requests fail."""
         banned = self.finish.banned(batch.reqs)
-        draft_next = self.spec is not None and self.spec.is_eagle
+        draft_next = self.spec is not None and self.spec.kv_pairs_next_token
         stale = [req.table_stale_from for req in batch.reqs]
         try:
             started = time.perf_counter()
@@ -346,4 +346,4 @@ def build_scheduler(
 ) -> Scheduler:
     """The scheduler `args` describe over `worker` (the Engine's and the scheduler process's)."""
     config = SchedulerConfig.of(args, model, worker.num_kv_slots)
-    return Scheduler(worker, tokenizer, config, args.spec_settings())
+    return Scheduler(worker, tokenizer, config, args.spec)

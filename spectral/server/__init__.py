@@ -1,1 +1,2 @@
-"""The server: launch, HTTP app, tokenizer manager, detokenizer, IPC transport and messages."""
+"""The server's processes: launch, children, scheduler, model worker and detokenizer, the IPC
+transport and the messages it carries, the data- and tensor-parallel launchers."""

@@ -1,7 +1,8 @@
-"""The message types that cross process boundaries, registered with the IPC codec.
+"""Every message type that crosses a process boundary, registered with the IPC codec and
+grouped by the direction it travels (docs/internals.md, "Processes and IPC").
 
-Types defined below the server (the worker's batch and result) are registered here, so that
-nothing outside `spectral.server` needs to import it.
+Types defined below the server (the request, the worker's batch and result, the resolved
+model) are registered here too: importing this module is what makes them sendable.
 """
 
 from __future__ import annotations
@@ -16,16 +17,25 @@ from spectral.core.worker_io import RequestSampling, WorkerBatch, WorkerResult
 from spectral.sampling_params import SamplingParams
 from spectral.server.ipc import message, register_enum
 
-register_enum(ForwardMode)
-for cls in (
-    ResolvedModel,
-    SamplingParams,
-    TokenizedRequest,
-    RequestSampling,
-    WorkerBatch,
-    WorkerResult,
-):
-    message(cls)
+# ---- start-up: launcher -> each child, then child -> launcher -------------------------------
+# The launcher's first message to every child is its ResolvedModel (child.hand_model); the
+# detokenizer and the scheduler answer ProcessReady when they can serve.
+
+message(ResolvedModel)
+
+
+@message
+@dataclass
+class ProcessReady:
+    role: str
+    info: dict[str, Any]
+
+
+# ---- tokenizer manager -> scheduler ---------------------------------------------------------
+# A TokenizedRequest (with its SamplingParams) per sequence, and these:
+
+message(SamplingParams)
+message(TokenizedRequest)
 
 
 @message
@@ -43,11 +53,25 @@ class ControlReq:
     name: str
 
 
+# ---- scheduler -> detokenizer ---------------------------------------------------------------
+# BatchTokenIDOut each step with news; RequestRejected and ControlOut, which the detokenizer
+# passes on to the tokenizer manager unchanged.
+
+
 @message
 @dataclass
-class ControlOut:
-    call_id: str
-    result: dict[str, Any]
+class BatchTokenIDOut:
+    """Per request with news this step: its new output ids, and when finished the reason and
+    final counts."""
+
+    rids: list[str]
+    new_ids: list[list[int]]
+    new_logprobs: list[list[Any]]
+    finished_reasons: list[dict[str, Any] | None]
+    meta: list[dict[str, Any]]
+    # A request's sampling parameters with its first news (how to show its text, where it
+    # stops), None after.
+    params: list[SamplingParams | None]
 
 
 @message
@@ -63,24 +87,19 @@ class RequestRejected:
 
 @message
 @dataclass
-class BatchTokenIDOut:
-    """Per request with news this step: its new output ids, and when finished the reason and
-    final counts. Sent by the scheduler to the detokenizer."""
+class ControlOut:
+    call_id: str
+    result: dict[str, Any]
 
-    rids: list[str]
-    new_ids: list[list[int]]
-    new_logprobs: list[list[Any]]
-    finished_reasons: list[dict[str, Any] | None]
-    meta: list[dict[str, Any]]
-    # A request's sampling parameters with its first news (how to show its text, where it
-    # stops), None after.
-    params: list[SamplingParams | None]
+
+# ---- detokenizer -> tokenizer manager -------------------------------------------------------
+# BatchStrOut, and the RequestRejected and ControlOut it passes on.
 
 
 @message
 @dataclass
 class BatchStrOut:
-    """The same, with text deltas. Sent by the detokenizer to the tokenizer manager."""
+    """BatchTokenIDOut with each request's text delta."""
 
     rids: list[str]
     text_deltas: list[str]
@@ -90,8 +109,44 @@ class BatchStrOut:
     meta: list[dict[str, Any]]
 
 
+# ---- scheduler <-> model worker -------------------------------------------------------------
+# One WorkerBatch in, one WorkerResult (or StepFailed) out per step; WorkerReady or
+# WorkerFailed once, at start-up. With tensor parallelism rank 0 publishes every WorkerBatch
+# to the other ranks, and a Heartbeat while it has none for them.
+
+register_enum(ForwardMode)
+message(RequestSampling)
+message(WorkerBatch)
+message(WorkerResult)
+
+
 @message
 @dataclass
-class ProcessReady:
-    role: str
-    info: dict[str, Any]
+class WorkerReady:
+    num_kv_slots: int
+    # What speculative rounds cost there (CostModel.to_dict), for the scheduler's tree planner
+    cost_model: dict | None = None
+    # The graph runner's summary (ModelWorker.graph_info), for /get_server_info
+    graphs: dict | None = None
+
+
+@message
+@dataclass
+class WorkerFailed:
+    """The worker could not start (the message says why)."""
+
+    error: str
+
+
+@message
+@dataclass
+class StepFailed:
+    """The worker raised on one batch (the message says what); it goes on serving."""
+
+    error: str
+
+
+@message
+@dataclass
+class Heartbeat:
+    """Rank 0 is alive (sent to the ranks on other machines while it has no batch for them)."""

@@ -21,13 +21,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 import zmq
 
 from spectral.args import ServerArgs
 from spectral.server.child import hand_model, spawn_child, stop_children, wait_for_work
-from spectral.server.ipc import message, recv_message, send_message
+from spectral.server.ipc import recv_message, send_message
+from spectral.server.messages import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +37,6 @@ TP_TIMEOUT_S = 60  # a collective (or rank 0's wait for the ranks) that waits lo
 HEARTBEAT_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0
 WORKER_MODULE = "spectral.server.worker_process"
-
-
-@message
-@dataclass
-class Heartbeat:
-    """Rank 0 is alive (sent to the ranks while it has no batch for them)."""
 
 
 TOPIC = b"\xffrank"  # + the rank's number: a topic never published, naming a subscriber

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 import zmq
 
@@ -18,7 +17,6 @@ from spectral.args import ServerArgs
 from spectral.core.model import ResolvedModel
 from spectral.core.worker_io import WorkerBatch, WorkerResult
 from spectral.faults import RemoteError, WorkerLostError
-from spectral.server import messages  # noqa: F401  (registers the message types)
 from spectral.server.child import (
     hand_model,
     parse_child_args,
@@ -26,39 +24,14 @@ from spectral.server.child import (
     spawn_child,
     wait_for_work,
 )
-from spectral.server.ipc import message, recv_message, send_message
+from spectral.server.ipc import recv_message, send_message
+from spectral.server.messages import StepFailed, WorkerFailed, WorkerReady
 from spectral.server.tp_group import TP_RANK_ENV, WORKER_MODULE, RankFanout, join_group, rank_main
 from spectral.speculative.cost_model import CostModel
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600
-
-
-@message
-@dataclass
-class WorkerReady:
-    num_kv_slots: int
-    # What speculative rounds cost there (CostModel.to_dict), for the scheduler's tree planner
-    cost_model: dict | None = None
-    # The graph runner's summary (ModelWorker.graph_info), for /get_server_info
-    graphs: dict | None = None
-
-
-@message
-@dataclass
-class WorkerFailed:
-    """The worker could not start (the message says why)."""
-
-    error: str
-
-
-@message
-@dataclass
-class StepFailed:
-    """The worker raised on one batch (the message says what); it goes on serving."""
-
-    error: str
 
 
 class WorkerDiedError(WorkerLostError):

@@ -5,20 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "MEDUSA", "NGRAM", "LOOKAHEAD")
-# The algorithms that draft without a model (in the scheduler, from the text itself).
-MODEL_FREE = ("NGRAM", "LOOKAHEAD")
+from spectral.speculative import registry
+from spectral.speculative.registry import Algorithm
 
-# Defaults for the embedded model on a CPU: (num_steps, topk, num_draft_tokens), tuned with
-# bench/spec_tune.py (docs/speculative.md, "Batch sizes and tree shapes").
-DEFAULTS = {
-    "EAGLE": (3, 2, 4),
-    "EAGLE3": (3, 2, 4),
-    "STANDALONE": (4, 2, 6),
-    "MEDUSA": (3, 2, 4),
-    "NGRAM": (3, 1, 4),
-    "LOOKAHEAD": (3, 1, 6),
-}
 # LOOKAHEAD: window W, n-gram size N, guesses G (LADE's names), sized for a CPU where a verify
 # forward's extra tokens are not free.
 DEFAULT_LOOKAHEAD = (3, 3, 2)
@@ -61,7 +50,7 @@ class SpecSettings:
     # GGUF block type the draft's matmul weights are quantized to for the CPU kernels (a
     # head's all, a draft model's stored in more bits a weight), or None
     draft_quantization: str | None = "Q8_0"
-    # STANDALONE: a file of the token ids the draft model drafts from (speculative.token_map)
+    # STANDALONE: a file of the token ids the draft model drafts from (drafters.token_map)
     token_map: str | None = None
     # LOOKAHEAD: (window W, n-gram size N, guesses G)
     lookahead: tuple[int, int, int] = DEFAULT_LOOKAHEAD
@@ -69,25 +58,28 @@ class SpecSettings:
     hybrid_lookahead: bool = False
 
     @property
-    def uses_draft_head(self) -> bool:
-        """A drafter runs in the worker: an EAGLE head, a draft model (STANDALONE) or Medusa
-        heads."""
-        return self.algorithm not in MODEL_FREE
+    def entry(self) -> Algorithm:
+        """The algorithm's registry entry."""
+        return registry.get(self.algorithm)
 
     @property
-    def is_eagle(self) -> bool:
-        """The drafter is an EAGLE head: its KV at position p pairs the target's feature there
-        with token p + 1."""
-        return self.algorithm in ("EAGLE", "EAGLE3")
+    def has_drafter(self) -> bool:
+        """A drafter runs in the worker (an EAGLE head, a draft model, Medusa heads, ...)."""
+        return not self.entry.model_free
+
+    @property
+    def kv_pairs_next_token(self) -> bool:
+        """The drafter's KV at position p pairs the target's feature there with token p + 1."""
+        return self.entry.kv_pairs_next_token
 
     @property
     def uses_lookahead(self) -> bool:
         """LOOKAHEAD's window and pool draft (alone, or beside a drafter's trees)."""
-        return self.algorithm == "LOOKAHEAD" or self.hybrid_lookahead
+        return self.entry.lookahead or self.hybrid_lookahead
 
     @property
     def uses_ngram(self) -> bool:
-        return self.algorithm in MODEL_FREE or self.hybrid_ngram > 0
+        return self.entry.model_free or self.hybrid_ngram > 0
 
     @property
     def ngram_tree_shape(self) -> tuple[int, int]:
@@ -101,55 +93,8 @@ class SpecSettings:
     def from_args(cls, args: Any) -> SpecSettings:
         """The settings of a ServerArgs' speculative_* flags (read by name), checked; ValueError
         names the flag that is wrong and what is allowed."""
-        algo = (args.speculative_algorithm or "").upper()
-        if algo not in ALGORITHMS:
-            raise ValueError(
-                f"speculative_algorithm must be one of {', '.join(ALGORITHMS)} "
-                f"(got {args.speculative_algorithm!r})"
-            )
-        steps, topk, tokens = DEFAULTS[algo]
-        steps = args.speculative_num_steps or steps
-        topk = args.speculative_eagle_topk or topk
-        tokens = args.speculative_num_draft_tokens or tokens
-        path = args.speculative_draft_model_path
-        if algo == "EAGLE3" and not path and args.model_path == "default":
-            path = "default"  # the head shipped for the embedded default model
-        if algo in ("EAGLE", "EAGLE3") and not path:
-            raise ValueError(
-                f"--speculative-algorithm {algo} needs --speculative-draft-model-path "
-                "(a head directory, or 'default' for the head shipped for the default model)"
-            )
-        if algo == "STANDALONE" and not path:
-            raise ValueError(
-                "--speculative-algorithm STANDALONE needs --speculative-draft-model-path: a "
-                "small LM with the target's tokenizer (a GGUF file or a HF model directory)"
-            )
-        if algo == "MEDUSA" and not path:
-            raise ValueError(
-                "--speculative-algorithm MEDUSA needs --speculative-draft-model-path: a Medusa "
-                "head directory (config.json with medusa_num_heads, medusa_lm_head.safetensors; "
-                "`spectral train-medusa` writes one)"
-            )
-        if algo in MODEL_FREE and path:
-            raise ValueError(f"{algo} drafts without a model; drop --speculative-draft-model-path")
-        for name, value in (
-            ("num_steps", steps),
-            ("eagle_topk", topk),
-            ("num_draft_tokens", tokens),
-        ):
-            if value < 1:
-                raise ValueError(f"speculative_{name} must be >= 1 (got {value})")
-        if tokens < 2:
-            raise ValueError(
-                f"speculative_num_draft_tokens counts the root too and must be >= 2 (got {tokens})"
-            )
-        if algo not in MODEL_FREE:
-            most = 1 + topk + (steps - 1) * topk * topk
-            if tokens > most:
-                raise ValueError(
-                    f"speculative_num_draft_tokens {tokens} exceeds what {steps} steps of "
-                    f"top-{topk} can draft ({most} with the root)"
-                )
+        entry = registry.get(args.speculative_algorithm)
+        steps, topk, tokens = tree_settings(entry, args)
         # Merged trees are sized by hand: the planner learns acceptance of one drafter's tree.
         fixed = args.speculative_fixed_tree or args.speculative_hybrid_merge
         max_batch = args.speculative_max_batch_size
@@ -157,81 +102,147 @@ class SpecSettings:
             max_batch = DEFAULT_FIXED_MAX_BATCH_SIZE if fixed else NO_LIMIT
         if max_batch < 0:
             raise ValueError(f"speculative_max_batch_size must be >= 0 (got {max_batch})")
-        ngram_min = args.speculative_ngram_min_match_window_size or DEFAULT_NGRAM_MIN_MATCH
-        ngram_max = args.speculative_ngram_max_match_window_size or max(
-            DEFAULT_NGRAM_MAX_MATCH, ngram_min
-        )
-        if not 1 <= ngram_min <= ngram_max:
-            raise ValueError(
-                "need 1 <= speculative_ngram_min_match_window_size <= "
-                f"speculative_ngram_max_match_window_size (got {ngram_min} and {ngram_max})"
-            )
-        hybrid = args.speculative_hybrid_ngram
-        if hybrid is None:
-            hybrid = DEFAULT_HYBRID_NGRAM if algo not in MODEL_FREE else 0
-        if hybrid and algo in MODEL_FREE:
-            raise ValueError(
-                "--speculative-hybrid-ngram pairs n-gram drafts with a drafter's "
-                f"(EAGLE, EAGLE3, STANDALONE or MEDUSA); {algo} drafts without one"
-            )
-        if hybrid == 1 or hybrid < 0:
-            raise ValueError(
-                "speculative_hybrid_ngram is the n-gram tree size, root included: >= 2, or "
-                f"0 for none (got {hybrid})"
-            )
-        merge = args.speculative_hybrid_merge
-        if merge and not hybrid:
-            raise ValueError(
-                "--speculative-hybrid-merge joins n-gram trees to the head's: it needs "
-                "EAGLE or EAGLE3 with --speculative-hybrid-ngram >= 2"
-            )
-        hybrid_lookahead = args.speculative_hybrid_lookahead
-        if hybrid_lookahead and not hybrid:
-            raise ValueError(
-                "--speculative-hybrid-lookahead adds LOOKAHEAD's window and pool to a drafter's "
-                "n-gram trees: it needs EAGLE, EAGLE3, STANDALONE or MEDUSA with "
-                "--speculative-hybrid-ngram >= 2 (LOOKAHEAD alone: --speculative-algorithm "
-                "LOOKAHEAD)"
-            )
         cost_path = args.speculative_cost_model
         if cost_path is not None and fixed:
             raise ValueError(
                 "--speculative-cost-model sizes trees by the planner; it does not go with "
                 "--speculative-fixed-tree or --speculative-hybrid-merge (sized by hand)"
             )
-        quant = (args.speculative_draft_quantization or "none").lower()
-        if quant not in DRAFT_QUANTIZATIONS:
-            raise ValueError(
-                f"speculative_draft_quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)} "
-                f"(got {quant!r})"
-            )
-        if quant == "auto":  # a head's float weights to 8 bits; a draft model's as stored
-            quant = "none" if algo == "STANDALONE" else "q8_0"
-        token_map = args.speculative_token_map
-        if token_map is not None and algo != "STANDALONE":
-            raise ValueError(
-                "--speculative-token-map restricts a draft model's vocabulary: it goes with "
-                f"--speculative-algorithm STANDALONE (got {algo})"
-            )
+        hybrid, merge, hybrid_lookahead = hybrid_settings(entry, args)
         return cls(
-            algo,
+            entry.name,
             steps,
             topk,
             tokens,
-            path,
+            draft_path(entry, args),
             max_batch,
-            ngram_min,
-            ngram_max,
+            *ngram_match(args),
             hybrid,
             merge,
             fixed,
             cost_path,
             grammar_drafts=not args.speculative_disable_grammar_drafts,
-            draft_quantization=None if quant == "none" else quant.upper(),
-            token_map=token_map,
+            draft_quantization=draft_quantization(entry, args),
+            token_map=token_map(entry, args),
             lookahead=lookahead_settings(args),
             hybrid_lookahead=hybrid_lookahead,
         )
+
+
+def tree_settings(entry: Algorithm, args: Any) -> tuple[int, int, int]:
+    """(num_steps, topk, num_draft_tokens): the flags, else the algorithm's defaults."""
+    steps, topk, tokens = entry.defaults
+    steps = args.speculative_num_steps or steps
+    topk = args.speculative_eagle_topk or topk
+    tokens = args.speculative_num_draft_tokens or tokens
+    for name, value in (("num_steps", steps), ("eagle_topk", topk), ("num_draft_tokens", tokens)):
+        if value < 1:
+            raise ValueError(f"speculative_{name} must be >= 1 (got {value})")
+    if tokens < 2:
+        raise ValueError(
+            f"speculative_num_draft_tokens counts the root too and must be >= 2 (got {tokens})"
+        )
+    most = 1 + topk + (steps - 1) * topk * topk
+    if not entry.model_free and tokens > most:
+        raise ValueError(
+            f"speculative_num_draft_tokens {tokens} exceeds what {steps} steps of "
+            f"top-{topk} can draft ({most} with the root)"
+        )
+    return steps, topk, tokens
+
+
+def draft_path(entry: Algorithm, args: Any) -> str | None:
+    """--speculative-draft-model-path, or the algorithm's default for the embedded model;
+    refused where the algorithm takes none, asked for where it needs one."""
+    path = args.speculative_draft_model_path
+    if not path and args.model_path == "default":
+        path = entry.default_draft_path  # shipped for the embedded default model
+    if entry.draft_path and not path:
+        raise ValueError(
+            f"--speculative-algorithm {entry.name} needs --speculative-draft-model-path: "
+            f"{entry.draft_path}"
+        )
+    if entry.draft_path is None and path:
+        raise ValueError(
+            f"{entry.name} drafts without a model; drop --speculative-draft-model-path"
+        )
+    return path
+
+
+def ngram_match(args: Any) -> tuple[int, int]:
+    """(shortest, longest) suffix an n-gram source matches."""
+    ngram_min = args.speculative_ngram_min_match_window_size or DEFAULT_NGRAM_MIN_MATCH
+    ngram_max = args.speculative_ngram_max_match_window_size or max(
+        DEFAULT_NGRAM_MAX_MATCH, ngram_min
+    )
+    if not 1 <= ngram_min <= ngram_max:
+        raise ValueError(
+            "need 1 <= speculative_ngram_min_match_window_size <= "
+            f"speculative_ngram_max_match_window_size (got {ngram_min} and {ngram_max})"
+        )
+    return ngram_min, ngram_max
+
+
+def hybrid_settings(entry: Algorithm, args: Any) -> tuple[int, bool, bool]:
+    """(n-gram tree size beside a drafter, merged with its trees, LOOKAHEAD beside it)."""
+    hybrid = args.speculative_hybrid_ngram
+    if hybrid is None:
+        hybrid = 0 if entry.model_free else DEFAULT_HYBRID_NGRAM
+    if hybrid and entry.model_free:
+        raise ValueError(
+            "--speculative-hybrid-ngram pairs n-gram drafts with a drafter's "
+            f"({', '.join(drafter_algorithms())}); {entry.name} drafts without one"
+        )
+    if hybrid == 1 or hybrid < 0:
+        raise ValueError(
+            "speculative_hybrid_ngram is the n-gram tree size, root included: >= 2, or "
+            f"0 for none (got {hybrid})"
+        )
+    merge = args.speculative_hybrid_merge
+    if merge and not hybrid:
+        raise ValueError(
+            "--speculative-hybrid-merge joins n-gram trees to the head's: it needs "
+            "EAGLE or EAGLE3 with --speculative-hybrid-ngram >= 2"
+        )
+    hybrid_lookahead = args.speculative_hybrid_lookahead
+    if hybrid_lookahead and not hybrid:
+        raise ValueError(
+            "--speculative-hybrid-lookahead adds LOOKAHEAD's window and pool to a drafter's "
+            f"n-gram trees: it needs {', '.join(drafter_algorithms())} with "
+            "--speculative-hybrid-ngram >= 2 (LOOKAHEAD alone: --speculative-algorithm "
+            "LOOKAHEAD)"
+        )
+    return hybrid, merge, hybrid_lookahead
+
+
+def draft_quantization(entry: Algorithm, args: Any) -> str | None:
+    """The GGUF block type of the draft's matmul weights, or None (as stored)."""
+    quant = (args.speculative_draft_quantization or "none").lower()
+    if quant not in DRAFT_QUANTIZATIONS:
+        raise ValueError(
+            f"speculative_draft_quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)} "
+            f"(got {quant!r})"
+        )
+    if quant == "auto":  # a head's float weights to 8 bits; a draft model's as stored
+        quant = entry.auto_quantization
+    return None if quant == "none" else quant.upper()
+
+
+def token_map(entry: Algorithm, args: Any) -> str | None:
+    """--speculative-token-map, where the algorithm takes one."""
+    path = args.speculative_token_map
+    if path is not None and not entry.token_map:
+        takes = " or ".join(a.name for a in map(registry.get, registry.names()) if a.token_map)
+        raise ValueError(
+            "--speculative-token-map restricts a draft model's vocabulary: it goes with "
+            f"--speculative-algorithm {takes} (got {entry.name})"
+        )
+    return path
+
+
+def drafter_algorithms() -> list[str]:
+    """The algorithms whose drafter runs in the worker."""
+    return [name for name in registry.names() if not registry.get(name).model_free]
 
 
 def lookahead_settings(args: Any) -> tuple[int, int, int]:

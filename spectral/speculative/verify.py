@@ -82,12 +82,42 @@ def verify_sampling(
     uses_own = torch.zeros(B, dtype=torch.bool)
     uses_own[[b for b, _ in own]] = True
     shared = torch.arange(B)[~uses_own]
-    width = max(n - 1, 1)
+    uniforms = _uniforms(B, max(n - 1, 1), shared, own, generator)
+    path, path_len, residual = _walk(trees, probs, uniforms)
+    if (residual.sum(dim=-1) <= 0).any():
+        raise ValueError("probs has a row without mass at a node the walk reached")
+    final = torch.empty(B, dtype=torch.int64)
+    if shared.numel():
+        final[shared] = torch.multinomial(residual[shared], 1, generator=generator)[:, 0]
+    for b, g in own:
+        final[b] = torch.multinomial(residual[b], 1, generator=g)[0]
+    return _path_result(trees, path, path_len, final)
+
+
+def _uniforms(
+    B: int,
+    width: int,
+    shared: torch.Tensor,
+    own: list[tuple[int, torch.Generator]],
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """[B, width] float64 uniforms: the rows `shared` from `generator` in one draw, then each
+    request of `own` (index, generator) from its own generator."""
     uniforms = torch.empty((B, width), dtype=torch.float64)
     uniforms[shared] = torch.rand((shared.numel(), width), dtype=torch.float64, generator=generator)
     for b, g in own:
         uniforms[b] = torch.rand(width, dtype=torch.float64, generator=g)
+    return uniforms
 
+
+def _walk(
+    trees: DraftTrees, probs: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Walk every tree from the root, testing children in sibling order with `uniforms` (one a
+    test, in order): an accepted child moves the walk to its distribution, a rejected one's
+    token leaves the residual. Returns (path [B, n] padded with -1, its lengths [B], the
+    residual distribution [B, V] the last token is drawn from)."""
+    B, n = trees.tokens.shape
     batch = torch.arange(B)
     child = trees.next_token[:, 0].clone()
     draws = torch.zeros(B, dtype=torch.int64)  # uniforms used so far
@@ -120,15 +150,15 @@ def verify_sampling(
         down = rows[~accept]
         residual[down, token[~accept]] = 0
         child[down] = trees.next_sibling[down, node[~accept]]
+    return path, path_len, residual
 
-    if (residual.sum(dim=-1) <= 0).any():
-        raise ValueError("probs has a row without mass at a node the walk reached")
-    final = torch.empty(B, dtype=torch.int64)
-    if shared.numel():
-        final[shared] = torch.multinomial(residual[shared], 1, generator=generator)[:, 0]
-    for b, g in own:
-        final[b] = torch.multinomial(residual[b], 1, generator=g)[0]
 
+def _path_result(
+    trees: DraftTrees, path: torch.Tensor, path_len: torch.Tensor, final: torch.Tensor
+) -> VerifyResult:
+    """The accepted paths (`path` [B, n] cut to `path_len`) and their emitted tokens: the
+    drafted tokens after the root, then each request's `final` token."""
+    B = path.shape[0]
     longest = int(path_len.max()) if B else 0
     path = path[:, :longest]
     path_tokens = trees.tokens.gather(1, path.clamp(min=0))

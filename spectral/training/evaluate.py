@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from spectral.speculative.eagle_head import DraftHead
+from spectral.speculative.drafters.eagle_head import DraftHead
 from spectral.training.batching import batches, collate
 from spectral.training.draft_vocab import index_of
 from spectral.training.teacher import TeacherCache

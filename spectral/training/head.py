@@ -8,7 +8,7 @@ import logging
 import torch
 
 from spectral.models.config import ModelConfig
-from spectral.speculative.eagle_head import DraftHead, DraftHeadConfig, load_draft_head
+from spectral.speculative.drafters.eagle_head import DraftHead, DraftHeadConfig, load_draft_head
 from spectral.training.config import TrainConfig
 from spectral.training.draft_vocab import remap_output_rows
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spectral.speculative.medusa import MedusaHeads, save_medusa_heads
+from spectral.speculative.drafters.medusa import MedusaHeads, save_medusa_heads
 from spectral.training.batching import batches, collate
 from spectral.training.config import TrainConfig, config_parser
 from spectral.training.train import RunSetup, learning_rate

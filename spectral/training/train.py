@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from spectral.models.config import ModelConfig
-from spectral.speculative.eagle_head import DraftHead
+from spectral.speculative.drafters.eagle_head import DraftHead
 from spectral.training.batching import batches, collate
 from spectral.training.config import TrainConfig, config_parser, resolve_device
 from spectral.training.draft_vocab import draft_vocabulary, vocabulary_coverage
@@ -118,18 +118,12 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
-def train(cfg: TrainConfig) -> DraftHead:
-    """Train the head `cfg` describes, resuming work_dir's checkpoint when there is one; at
-    every save, score the held-out samples, checkpoint, and export to `cfg.out`."""
-    if cfg.rebuild_vocab and not cfg.init_from:
-        raise SystemExit("--rebuild-vocab moves an --init-from head to a new vocabulary")
-    run = RunSetup.of(cfg)
-    device, work, model_dir, target_config = run.device, run.work, run.model_dir, run.target_config
-    samples, held_out = run.samples, run.held_out
-
-    head = new_head(target_config, cfg)
-    teacher = Teacher(model_dir, head.cfg.aux_layers, torch.bfloat16, device)
-    checkpoint = work / "checkpoint.pt"
+def start_head(
+    head: DraftHead, cfg: TrainConfig, run: RunSetup, teacher: Teacher, checkpoint: Path
+) -> tuple[dict | None, int]:
+    """Start `head` on the run's device from `checkpoint` where work_dir has one, else as
+    `init_head` does; log how much of the samples' answers its draft vocabulary covers.
+    Returns (the checkpoint's state or None, the step to go on from)."""
     state = (
         torch.load(checkpoint, map_location="cpu", weights_only=False)
         if checkpoint.exists()
@@ -141,25 +135,70 @@ def train(cfg: TrainConfig) -> DraftHead:
         step = state["step"]
         logger.info("resuming from %s at step %d", checkpoint, step)
     else:
-        init_head(head, cfg, samples, target_config, teacher)
-    head.to(device)
-    coverage = vocabulary_coverage(samples, head.t2d.cpu())
+        init_head(head, cfg, run.samples, run.target_config, teacher)
+    head.to(run.device)
+    coverage = vocabulary_coverage(run.samples, head.t2d.cpu())
     logger.info(
         "%d samples, %d answer tokens; the draft vocabulary covers %.1f%% of them",
-        len(samples),
-        sum(sum(s.loss_mask) for s in samples),
+        len(run.samples),
+        sum(sum(s.loss_mask) for s in run.samples),
         100 * coverage,
     )
-    used = torch.arange(cfg.draft_vocab_size, device=device) + head.d2t
-    train_teacher = TeacherCache(teacher, open_store(cfg, teacher, model_dir))
-    eval_teacher = TeacherCache(teacher, MemoryStore()) if held_out else None
-    head.set_target(teacher.embed_weight.detach().float(), None)
+    return state, step
+
+
+def new_optimizer(
+    head: DraftHead, cfg: TrainConfig, state: dict | None
+) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:
+    """(the head's parameters, made trainable; AdamW over them, resumed from `state`'s)."""
     trainable = [p for n, p in head.named_parameters()]
     for p in trainable:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
+    return trainable, optimizer
+
+
+def save_checkpoint(
+    checkpoint: Path,
+    head: DraftHead,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    cfg: TrainConfig,
+) -> None:
+    """Write the head, its optimizer and step to `checkpoint` (what a rerun resumes from), and
+    export the head to `cfg.out` where given."""
+    torch.save(
+        {
+            "head": head.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "config": asdict(cfg),
+        },
+        checkpoint,
+    )
+    if cfg.out:
+        export(head, cfg.out, getattr(torch, cfg.export_dtype))
+
+
+def train(cfg: TrainConfig) -> DraftHead:
+    """Train the head `cfg` describes, resuming work_dir's checkpoint when there is one; at
+    every save, score the held-out samples, checkpoint, and export to `cfg.out`."""
+    if cfg.rebuild_vocab and not cfg.init_from:
+        raise SystemExit("--rebuild-vocab moves an --init-from head to a new vocabulary")
+    run = RunSetup.of(cfg)
+    device, held_out = run.device, run.held_out
+
+    head = new_head(run.target_config, cfg)
+    teacher = Teacher(run.model_dir, head.cfg.aux_layers, torch.bfloat16, device)
+    checkpoint = run.work / "checkpoint.pt"
+    state, step = start_head(head, cfg, run, teacher, checkpoint)
+    used = torch.arange(cfg.draft_vocab_size, device=device) + head.d2t
+    train_teacher = TeacherCache(teacher, open_store(cfg, teacher, run.model_dir))
+    eval_teacher = TeacherCache(teacher, MemoryStore()) if held_out else None
+    head.set_target(teacher.embed_weight.detach().float(), None)
+    trainable, optimizer = new_optimizer(head, cfg, state)
 
     saved_at = -1
 
@@ -175,17 +214,7 @@ def train(cfg: TrainConfig) -> DraftHead:
                 "/".join(f"{a:.3f}" for a in accs),
                 chain_accept_length(accs),
             )
-        torch.save(
-            {
-                "head": head.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "step": step,
-                "config": asdict(cfg),
-            },
-            checkpoint,
-        )
-        if cfg.out:
-            export(head, cfg.out, getattr(torch, cfg.export_dtype))
+        save_checkpoint(checkpoint, head, optimizer, step, cfg)
 
     from tqdm import tqdm
 
@@ -196,7 +225,7 @@ def train(cfg: TrainConfig) -> DraftHead:
     head.train()
     while step < cfg.max_steps:
         if not plan:
-            plan = batches(samples, cfg.batch_tokens, epoch_rng)
+            plan = batches(run.samples, cfg.batch_tokens, epoch_rng)
         batch = plan.pop()
         ids, pad, mask = collate(batch, device)
         features, logits = train_teacher(batch, ids, pad, used)

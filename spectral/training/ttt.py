@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from spectral.speculative.eagle_head import DraftHead
+from spectral.speculative.drafters.eagle_head import DraftHead
 
 STEP_WEIGHT = 0.8
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 
@@ -82,33 +83,16 @@ class ModelWorker:
         kernels = load_cpu_kernels() if device == "cpu" and use_cpu_kernels else None
         self.config = ModelConfig.from_pretrained(model_dir)  # what the model is built from
         with eager_release():  # the load's temporaries go back to the system as freed
-            if dummy_weights:
-                self.model = dummy_model(self.config, dtype, device)
-            elif gguf_file is None:
-                self.model = load_model(model_dir, self.config, dtype, device)
-            else:
-                self.model = build_model(self.config, dtype, "cpu")
-                native = gguf_native and dtype in (torch.float32, torch.bfloat16)
-                if native and kernels is None:
-                    logger.info("GGUF weights served dequantized (no CPU kernels on %s)", device)
-                # with tensor_parallel, cut as it loads: each rank reads only its blocks
-                served = load_gguf_model(
-                    gguf_file,
-                    self.model,
-                    self.config,
-                    kernels if native else None,
-                    gguf_int8,
-                    requantize=quantize,
-                    tp=tensor_parallel,
-                )
-                logger.info("GGUF blocks served as they are for %d weight matrices", served)
-                self.model.to(device)
-            if tensor_parallel is not None and gguf_file is None:  # this rank's share
-                shard_llama(self.model, llama_shares(self.config, tensor_parallel))
-            if quantize is not None and kernels is not None:
-                for layer in self.model.layers:  # dense layers quantized (GGUF blocks stay)
-                    route_to_cpu_kernels(layer, kernels, quantize)
-            self.model.set_cpu_kernels(kernels)  # packs only what has no GGUF blocks
+            self.model = self._load(
+                model_dir,
+                kernels,
+                gguf_file,
+                gguf_native,
+                gguf_int8,
+                dummy_weights,
+                tensor_parallel,
+                quantize,
+            )
         # what this process's layers and KV pool hold
         shares = self.model.shares
         cfg: ModelConfig = shares.config(self.config) if shares is not None else self.config
@@ -145,6 +129,49 @@ class ModelWorker:
             kernels,
             num_heads=cfg.num_heads,
         )
+
+    def _load(
+        self,
+        model_dir: str,
+        kernels: ModuleType | None,
+        gguf_file: str | None,
+        gguf_native: bool,
+        gguf_int8: bool,
+        dummy_weights: bool,
+        tensor_parallel: TensorParallel | None,
+        quantize: str | None,
+    ) -> torch.nn.Module:
+        """The model as `__init__`'s arguments say, on this worker's device, its matmuls
+        routed through `kernels` where given."""
+        dtype, device = self.dtype, self.device
+        if dummy_weights:
+            model = dummy_model(self.config, dtype, device)
+        elif gguf_file is None:
+            model = load_model(model_dir, self.config, dtype, device)
+        else:
+            model = build_model(self.config, dtype, "cpu")
+            native = gguf_native and dtype in (torch.float32, torch.bfloat16)
+            if native and kernels is None:
+                logger.info("GGUF weights served dequantized (no CPU kernels on %s)", device)
+            # with tensor_parallel, cut as it loads: each rank reads only its blocks
+            served = load_gguf_model(
+                gguf_file,
+                model,
+                self.config,
+                kernels if native else None,
+                gguf_int8,
+                requantize=quantize,
+                tp=tensor_parallel,
+            )
+            logger.info("GGUF blocks served as they are for %d weight matrices", served)
+            model.to(device)
+        if tensor_parallel is not None and gguf_file is None:  # this rank's share
+            shard_llama(model, llama_shares(self.config, tensor_parallel))
+        if quantize is not None and kernels is not None:
+            for layer in model.layers:  # dense layers quantized (GGUF blocks stay)
+                route_to_cpu_kernels(layer, kernels, quantize)
+        model.set_cpu_kernels(kernels)  # packs only what has no GGUF blocks
+        return model
 
     def to_forward_batch(self, wb: WorkerBatch) -> ForwardBatch:
         """Record the batch's slots in the req-to-token table and build the tensors, with one

@@ -14,10 +14,9 @@ import torch
 from spectral.constrained import GrammarFollower, apply_bitmask
 from spectral.core.forward import ForwardMode
 from spectral.core.worker_io import RequestSampling, WorkerBatch, WorkerResult
-from spectral.speculative.acceptance import probabilities
 from spectral.speculative.cost_model import CostModel
-from spectral.speculative.draft_model import DraftModelDrafter
-from spectral.speculative.eagle_drafter import EagleDrafter
+from spectral.speculative.drafters.base import Drafter
+from spectral.speculative.sources.acceptance import probabilities
 from spectral.speculative.tree import (
     DraftTrees,
     merge_tree_nodes,
@@ -33,7 +32,7 @@ class SpeculativeWorker:
     def __init__(
         self,
         target: ModelWorker,
-        drafter: EagleDrafter | DraftModelDrafter | None,
+        drafter: Drafter | None,
         head_tree_size: int | None = None,
         merge_given_trees: bool = False,
         grammars: GrammarFollower | None = None,

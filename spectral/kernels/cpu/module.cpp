@@ -8,6 +8,8 @@
 
 #include "packed_linear.cpp"
 #include "quant_linear.cpp"
+#include "quant_int8_tiles.cpp"
+#include "quant_int8_pack.cpp"
 #include "quant_int8.cpp"
 #include "fused_ops.cpp"
 #if !defined(SPECTRAL_TEST_BUILD)  // a test build of the kernels, without the fused layer

@@ -27,6 +27,64 @@ MASKED = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b, in full float32 precision where IEEE (float32 inputs), else tl.dot's default."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _masked_scores(
+    q,
+    k,
+    scale,
+    m,
+    m_ok,
+    n,
+    n_ok,
+    prefix,
+    num_new,
+    mask_row,
+    CUSTOM_MASK: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Scaled float32 scores of queries m (new tokens) against keys n (table positions), -inf
+    where a key is not visible: past the block's end, or a new token after m (causal) or not
+    set in m's row of the request's mask bits `mask_row` (custom); prefix keys are visible to
+    all."""
+    scores = _dot(q, tl.trans(k), IEEE).to(tl.float32) * scale
+    j = n - prefix  # index among the new tokens (negative in the prefix)
+    if CUSTOM_MASK:
+        among_new = j >= 0
+        bits = tl.load(
+            mask_row + m[:, None] * num_new + j[None, :],
+            mask=m_ok[:, None] & among_new[None, :] & n_ok[None, :],
+            other=0,
+        )
+        visible = (~among_new[None, :] | (bits != 0)) & n_ok[None, :]
+    else:
+        visible = (j[None, :] <= m[:, None]) & n_ok[None, :]
+    return tl.where(visible, scores, float("-inf"))
+
+
+@triton.jit
+def _online_softmax_step(scores, v_ptrs, kv_ok, acc, total, best, IEEE: tl.constexpr):
+    """One key block's step of the online softmax: the row maxima `best`, the sums of weights
+    `total` and the weighted values `acc` rescaled to the new maxima, then the block's values
+    (loaded from `v_ptrs`) added. Returns (acc, total, best)."""
+    new_best = tl.maximum(best, tl.max(scores, axis=1))
+    weights = tl.exp(scores - new_best[:, None])
+    rescale = tl.exp(best - new_best)
+    v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+    total = total * rescale + tl.sum(weights, axis=1)
+    update = _dot(weights.to(v.dtype), v, IEEE)
+    acc = acc * rescale[:, None] + update.to(tl.float32)
+    return acc, total, new_best
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr,
     k_ptr,
@@ -82,9 +140,10 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if CUSTOM_MASK:
         end = prefix + num_new
-        mask_start = tl.load(mask_start_ptr + req)
+        mask_row = mask_ptr + tl.load(mask_start_ptr + req)  # the request's mask bits
     else:
         end = tl.minimum(prefix + num_new, prefix + (block + 1) * BLOCK_M)
+        mask_row = mask_ptr  # not read
     for start in range(0, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < end
@@ -95,38 +154,11 @@ def _extend_kernel(
             mask=kv_ok,
             other=0.0,
         )
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = scores.to(tl.float32) * scale
-        j = n - prefix  # index among the new tokens (negative in the prefix)
-        if CUSTOM_MASK:
-            among_new = j >= 0
-            bits = tl.load(
-                mask_ptr + mask_start + m[:, None] * num_new + j[None, :],
-                mask=m_ok[:, None] & among_new[None, :] & n_ok[None, :],
-                other=0,
-            )
-            visible = (~among_new[None, :] | (bits != 0)) & n_ok[None, :]
-        else:
-            visible = (j[None, :] <= m[:, None]) & n_ok[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, axis=1))
-        weights = tl.exp(scores - new_best[:, None])
-        rescale = tl.exp(best - new_best)
-        v = tl.load(
-            v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-            mask=kv_ok,
-            other=0.0,
+        scores = _masked_scores(
+            q, k, scale, m, m_ok, n, n_ok, prefix, num_new, mask_row, CUSTOM_MASK, IEEE
         )
-        total = total * rescale + tl.sum(weights, axis=1)
-        if IEEE:
-            update = tl.dot(weights.to(v.dtype), v, input_precision="ieee")
-        else:
-            update = tl.dot(weights.to(v.dtype), v)
-        acc = acc * rescale[:, None] + update.to(tl.float32)
-        best = new_best
+        v_ptrs = v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
+        acc, total, best = _online_softmax_step(scores, v_ptrs, kv_ok, acc, total, best, IEEE)
     out = acc / tl.where(total > 0, total, 1.0)[:, None]  # padding rows may see no key
     tl.store(
         out_ptr + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :],

@@ -22,10 +22,6 @@ SCORE_SAMPLES_PRIOR = 4.0
 # n-gram prior: the first node of a matched continuation, then each next one (optimistic: a
 # rank is learnt only once verified); a head's too, until its scores are calibrated
 NGRAM_FIRST, NGRAM_DECAY = 0.6, 0.85
-# A draft model's prior: a small LM of the target's family agrees with it on most tokens (with
-# the head's prior, a draft costing a fair share of a target step would never be tried, and
-# so never measured).
-DRAFT_MODEL_FIRST, DRAFT_MODEL_DECAY = 0.8, 0.9
 
 
 def head_bucket(top1: float | None) -> str:

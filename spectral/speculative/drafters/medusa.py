@@ -25,7 +25,8 @@ from torch import nn
 from spectral.core.forward import ForwardBatch
 from spectral.layers.linear import Linear
 from spectral.layers.routing import route_to_cpu_kernels
-from spectral.speculative.expansion import TreeExpansion
+from spectral.speculative.drafters.base import DrafterContext, file_stamp
+from spectral.speculative.drafters.expansion import TreeExpansion
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
@@ -220,3 +221,26 @@ class MedusaDrafter:
             if step < steps - 1:
                 levels.advance()
         return levels.result()
+
+
+def build(ctx: DrafterContext) -> MedusaDrafter:
+    """Medusa heads at --speculative-draft-model-path over the target's last hidden state."""
+    spec, target = ctx.spec, ctx.target
+    heads = load_medusa_heads(
+        spec.draft_model_path,
+        target.config.hidden_size,
+        target.config.vocab_size,
+        target.dtype,
+        target.device,
+    )
+    heads.set_cpu_kernels(target.model.kernels, spec.draft_quantization)
+    drafter = MedusaDrafter(
+        heads,
+        target.req_to_token.max_requests,
+        spec.topk,
+        spec.num_steps,
+        target.dtype,
+        target.device,
+    )
+    drafter.cost_key = file_stamp(spec.draft_model_path)
+    return drafter

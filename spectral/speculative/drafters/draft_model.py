@@ -31,8 +31,9 @@ import torch
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
-from spectral.speculative.expansion import TreeExpansion
-from spectral.speculative.token_map import load_token_map
+from spectral.speculative.drafters.base import DrafterContext, file_stamp
+from spectral.speculative.drafters.expansion import TreeExpansion
+from spectral.speculative.drafters.token_map import load_token_map
 
 # Requests drafted in one pass (the scratch rows are this times top-k).
 DRAFT_CHUNK = 16
@@ -322,3 +323,41 @@ class _Drafted:
             node = nodes[j]
             found.append(scratch_slot0 + (self.b * k + j) * self.steps + depth)
         return found
+
+
+def build(ctx: DrafterContext) -> DraftModelDrafter:
+    """STANDALONE: the draft LM at --speculative-draft-model-path loaded as the target is (its
+    layers quantized again by --speculative-draft-quantization where given), its KV pool
+    indexed by the target's slots plus scratch for the tree levels, drafting from
+    --speculative-token-map's ids where given. A draft whose tokenizer differs from the
+    target's is refused, naming both (their model vocabularies may be padded to different
+    sizes)."""
+    spec, target, model = ctx.spec, ctx.target, ctx.model
+    path = spec.draft_model_path
+    rows, slots = scratch_sizes(spec.topk, spec.num_steps)
+    worker, draft_vocab = ctx.load_lm(
+        path,
+        target.num_kv_slots + 1 + slots,
+        rows,
+        model.context_len + spec.num_steps + 1,
+        spec.draft_quantization,
+    )
+    target_vocab = ctx.target_vocab()
+    if target_vocab != draft_vocab:
+        differ = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=str)[:3]
+        raise ValueError(
+            f"the draft model {path} has another tokenizer than the target "
+            f"{ctx.args.model_path} ({len(draft_vocab)} against {len(target_vocab)} tokens; "
+            f"e.g. {differ}): a draft model must share the target's tokenizer"
+        )
+    drafter = DraftModelDrafter(
+        worker,
+        target.req_to_token,
+        target.num_kv_slots,
+        model.vocab_size,
+        spec.topk,
+        spec.num_steps,
+        spec.token_map,
+    )
+    drafter.cost_key = file_stamp(path)
+    return drafter

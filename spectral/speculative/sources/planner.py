@@ -11,16 +11,14 @@ import math
 from dataclasses import dataclass
 
 from spectral.core.forward import ForwardMode
-from spectral.speculative.acceptance import (
-    DRAFT_MODEL_DECAY,
-    DRAFT_MODEL_FIRST,
+from spectral.speculative.cost_model import Calibration, CostModel
+from spectral.speculative.sources.acceptance import (
     HEAD,
     NGRAM_DECAY,
     NGRAM_FIRST,
     RankStats,
     family,
 )
-from spectral.speculative.cost_model import Calibration, CostModel
 
 # A request's own record: pseudo-tokens behind its scale factor, and the factor's bounds (a
 # strong prior: a few lucky rounds must not buy a request large trees).
@@ -115,15 +113,17 @@ class Record:
 
 class TreePlanner:
     def __init__(
-        self, cost: CostModel, max_levels: int = 1 << 30, draft_model: bool = False
+        self,
+        cost: CostModel,
+        max_levels: int = 1 << 30,
+        head_prior: tuple[float, float] | None = None,
     ) -> None:
-        """`max_levels`: the deepest draft the head makes (its steps per round); `draft_model`:
-        the worker's drafter is a draft LM (STANDALONE), with a prior of its own."""
+        """`max_levels`: the deepest draft the head makes (its steps per round); `head_prior`:
+        (first-rank acceptance, decay by rank) of the worker drafter's trees before any is
+        verified (its registry entry's; None: the n-gram prior)."""
         self.cost = cost
         self.max_levels = max_levels
-        self.head_prior = (
-            (DRAFT_MODEL_FIRST, DRAFT_MODEL_DECAY) if draft_model else (NGRAM_FIRST, NGRAM_DECAY)
-        )
+        self.head_prior = head_prior or (NGRAM_FIRST, NGRAM_DECAY)
         self.stats: dict[str, RankStats] = {}
         self._verify_ms: dict[int, float] = {}  # the cost model's curves, memoised
         self._draft_ms: dict[tuple[int, int], float] = {}

@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from spectral.core.req import TokenizedRequest, check_request
+from spectral.http.metrics import Metrics
 from spectral.logprobs import logprob_meta
 from spectral.sampling_params import InvalidRequestError, SamplingParams
 from spectral.server.ipc import arecv_message, asend_message
@@ -27,7 +28,6 @@ from spectral.server.messages import (
     ControlReq,
     RequestRejected,
 )
-from spectral.server.metrics import Metrics
 
 # Threads that tokenize (off the event loop, so that a long prompt stalls no other request).
 TOKENIZER_THREADS = 2

@@ -9,6 +9,7 @@ and dies with its target KV. Tree nodes' draft KV is scratch, held for one `draf
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +18,9 @@ from spectral.attention.registry import create_attention_backend
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
-from spectral.speculative.eagle_head import DraftHead
-from spectral.speculative.expansion import TreeExpansion
+from spectral.speculative.drafters.base import DrafterContext, file_stamp
+from spectral.speculative.drafters.eagle_head import DraftHead, load_draft_head
+from spectral.speculative.drafters.expansion import TreeExpansion
 
 # write_kv computes its queued positions once this many wait.
 FLUSH_TOKENS = 64
@@ -321,3 +323,52 @@ def shifted_draft_batch(
         prefix_lens=batch.prefix_lens,
         extend_lens=batch.extend_lens,
     )
+
+
+DEFAULT_HEAD_DIR = Path(__file__).resolve().parents[2] / "assets" / "eagle3-smollm2-135m"
+
+
+def resolve_draft_path(path: str) -> str:
+    """A head directory; 'default' is the head shipped for the default model."""
+    if path == "default":
+        if not (DEFAULT_HEAD_DIR / "config.json").exists():
+            raise FileNotFoundError(
+                "no default draft head is installed with this build; pass a head directory"
+            )
+        return str(DEFAULT_HEAD_DIR)
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"draft head directory {path!r} does not exist")
+    return path
+
+
+def build(ctx: DrafterContext) -> EagleDrafter:
+    """EAGLE and EAGLE3: the head at --speculative-draft-model-path (its kind the algorithm's
+    name), reading the target's embedding and LM head, its matmuls quantized as
+    --speculative-draft-quantization says."""
+    spec, target = ctx.spec, ctx.target
+    cfg = target.config
+    path = resolve_draft_path(spec.draft_model_path)
+    head = load_draft_head(
+        path,
+        kind=spec.algorithm.lower(),
+        target_hidden_size=cfg.hidden_size,
+        target_vocab_size=cfg.vocab_size,
+        target_num_layers=cfg.num_layers,
+        max_positions=ctx.model.context_len + spec.num_steps + 1,
+        dtype=target.dtype,
+        device=target.device,
+    )
+    head.set_target(target.model.embed, target.model.compute_logits)
+    head.set_cpu_kernels(target.model.kernels, spec.draft_quantization)
+    drafter = EagleDrafter(
+        head,
+        target.num_kv_slots,
+        target.req_to_token,
+        spec.topk,
+        spec.num_steps,
+        target.dtype,
+        target.device,
+        attention_backend=ctx.args.attention_backend,
+    )
+    drafter.cost_key = file_stamp(path)
+    return drafter

@@ -12,9 +12,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
+from spectral.http.protocol import error_body
+from spectral.http.tokenizer_manager import ReqState, RequestFailedError
 from spectral.sampling_params import InvalidRequestError
-from spectral.server.protocol import error_body
-from spectral.server.tokenizer_manager import ReqState, RequestFailedError
 
 
 class ORJSONResponse(JSONResponse):

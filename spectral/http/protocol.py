@@ -341,6 +341,14 @@ SSE: dict[str, Any] = {
 }
 
 
+# What every route that takes a request may answer besides its success.
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "the request is invalid (the message says how)"},
+    413: {"model": ErrorResponse, "description": "the request body is too large"},
+    500: {"model": ErrorResponse, "description": "serving the request failed"},
+}
+
+
 def error_body(message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 401:

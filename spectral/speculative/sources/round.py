@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from spectral.core.forward import ForwardMode
 from spectral.core.req import FinishReason, Req
-from spectral.speculative.acceptance import head_bucket, ngram_bucket
 from spectral.speculative.cost_model import CostModel
-from spectral.speculative.lookahead import LookaheadDrafter, LookaheadState
-from spectral.speculative.ngram import NgramDrafter, NgramState
-from spectral.speculative.planner import Plan, PlanInput, TreePlanner
 from spectral.speculative.settings import SpecSettings
+from spectral.speculative.sources.acceptance import head_bucket, ngram_bucket
+from spectral.speculative.sources.lookahead import LookaheadDrafter, LookaheadState
+from spectral.speculative.sources.ngram import NgramDrafter, NgramState
+from spectral.speculative.sources.planner import Plan, PlanInput, TreePlanner
 from spectral.speculative.tree import merge_tree_nodes
 
 if TYPE_CHECKING:
@@ -50,9 +50,7 @@ class SpecRound:
             self.lookahead = LookaheadDrafter(*spec.lookahead)
         self.planner: TreePlanner | None = None
         if cost_model is not None and not spec.fixed_tree:
-            self.planner = TreePlanner(
-                cost_model, spec.num_steps, draft_model=spec.algorithm == "STANDALONE"
-            )
+            self.planner = TreePlanner(cost_model, spec.num_steps, spec.entry.acceptance_prior)
         self._plan: Plan | None = None
 
     def plan(self, running: list[Req]) -> list[int] | None:
@@ -72,7 +70,7 @@ class SpecRound:
                 inputs.append(PlanInput(*head, req.spec.accepted_tokens, req.spec.expected_drafts))
             else:
                 size = (spec.num_draft_tokens if spec.hybrid_merge else 1) + len(tree[0])
-                others = (head,) if spec.uses_draft_head and not spec.hybrid_merge else ()
+                others = (head,) if spec.has_drafter and not spec.hybrid_merge else ()
                 inputs.append(
                     PlanInput(
                         kind,
@@ -89,7 +87,7 @@ class SpecRound:
         else:
             self._plan, sizes, sources = None, [p.max_nodes for p in inputs], None
         if (self._plan is not None and not self._plan.speculate) or (
-            not spec.uses_draft_head and all(size == 1 for size in sizes)
+            not spec.has_drafter and all(size == 1 for size in sizes)
         ):
             for req in running:
                 req.spec.draft_tokens = req.spec.draft_parents = None
@@ -117,7 +115,7 @@ class SpecRound:
             if req.spec.ngram is None:
                 req.spec.ngram = NgramState()
             tokens, parents = self.ngram.propose(req.all_ids, req.spec.ngram)
-            if tokens or not self.spec.uses_draft_head:
+            if tokens or not self.spec.has_drafter:
                 tree, kind = (tokens, parents), ngram_bucket(req.spec.ngram.match_len)
         if self.lookahead is not None:
             if req.spec.lookahead is None:
