@@ -23,11 +23,15 @@ class ReqToTokenPool:
         """Record the slots of positions start, start+1, ... of request `row`."""
         values = torch.as_tensor(slots, dtype=torch.int64)
         end = start + values.numel()
+        self.check_fits(end)
+        self.table[row, start:end] = values.to(self.table.device)
+
+    def check_fits(self, end: int) -> None:
+        """ValueError where positions up to `end` (exclusive) do not fit a row."""
         if end > self.max_context_len:
             raise ValueError(
                 f"position {end - 1} exceeds the context length {self.max_context_len}"
             )
-        self.table[row, start:end] = values.to(self.table.device)
 
     def read(self, row: int, length: int) -> list[int]:
         """The slots of the first `length` positions of request `row`."""

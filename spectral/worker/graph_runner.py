@@ -155,6 +155,10 @@ class GraphRunner:
         for b in self.buckets:
             self._sizes.setdefault(b.tokens, []).append(b.requests)
         self._tree_sizes = sorted(self._sizes)
+        # per tree size, the mask of nodes that see only themselves (padding), made once
+        self._self_only = {
+            n: torch.eye(n, dtype=torch.bool, device=device) for n in self._tree_sizes if n > 1
+        }
         self.graphs: dict[Bucket, Captured] = {}
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
@@ -313,7 +317,7 @@ class GraphRunner:
             if "mask_places" not in staged:
                 mask.copy_(batch.custom_mask)
             else:  # padding nodes see only themselves
-                mask.view(bs, n, n).copy_(torch.eye(n, dtype=torch.bool, device=self.device))
+                mask.view(bs, n, n).copy_(self._self_only[n])
                 mask.index_copy_(0, staged["mask_places"], batch.custom_mask)
         return rows
 
@@ -326,8 +330,7 @@ class GraphRunner:
         inputs.req_pool_indices[:bs].fill_(self.req_to_token.dummy_row)
         inputs.seq_lens[:bs].fill_(n)
         if bucket.mode == ForwardMode.TARGET_VERIFY:
-            eye = torch.eye(n, dtype=torch.bool, device=self.device)
-            inputs.custom_mask[: bs * n * n].view(bs, n, n).copy_(eye)
+            inputs.custom_mask[: bs * n * n].view(bs, n, n).copy_(self._self_only[n])
 
 
 def _mask_places(sizes: list[int], n: int) -> np.ndarray:

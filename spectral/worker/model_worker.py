@@ -28,11 +28,6 @@ from spectral.worker.sampler import sample
 logger = logging.getLogger(__name__)
 
 
-def _check_context(end: int, width: int) -> None:
-    if end > width:
-        raise ValueError(f"position {end - 1} exceeds the context length {width}")
-
-
 def free_memory_bytes(device: str) -> int:
     """Free accelerator memory, or the system's available memory for the CPU."""
     if device.startswith("cuda"):
@@ -180,12 +175,12 @@ class ModelWorker:
         prefix_places: list[int] = []
         prefix_slots: list[int] = []
         for row, start, slots in wb.table_writes:
-            _check_context(start + len(slots), width)
+            self.req_to_token.check_fits(start + len(slots))
             prefix_places.extend(range(row * width + start, row * width + start + len(slots)))
             prefix_slots.extend(slots)
         new_places: list[int] = []
         for row, prefix, ext in zip(wb.req_pool_indices, wb.prefix_lens, wb.extend_lens):
-            _check_context(prefix + ext, width)
+            self.req_to_token.check_fits(prefix + ext)
             new_places.extend(range(row * width + prefix, row * width + prefix + ext))
         staged = stage(
             {

@@ -10,7 +10,6 @@ keep PyTorch's roundings."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
 
@@ -27,17 +26,11 @@ from spectral.models.llama import LlamaMLP
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none on this machine)"
 )
-NEEDS_TRITON = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed"
-)
-NEEDS_FLASHINFER = pytest.mark.skipif(
-    importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed"
-)
 # (provider, dtype): each provider in each dtype it serves
 SERVED = [
-    pytest.param("triton", torch.float32, marks=NEEDS_TRITON),
-    pytest.param("triton", torch.bfloat16, marks=NEEDS_TRITON),
-    pytest.param("flashinfer", torch.bfloat16, marks=NEEDS_FLASHINFER),
+    pytest.param("triton", torch.float32),
+    pytest.param("triton", torch.bfloat16),
+    pytest.param("flashinfer", torch.bfloat16),
 ]
 # Largest difference from PyTorch in ulp, per (provider, dtype, kernel). Triton's float32 norm
 # sums in another order; its float32 SiLU takes exp from ex2.approx (error growing with |x|).
@@ -189,7 +182,6 @@ def test_llama_mlp_runs_through_the_fused_silu(provider, dtype):
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance * scale)
 
 
-@NEEDS_FLASHINFER
 def test_float32_is_never_given_to_flashinfer():
     x = random(3, 576, dtype=torch.float32)
     weight = torch.ones(576, device="cuda")

@@ -9,7 +9,6 @@ bench/shapes.py writes."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import warnings
 
@@ -29,9 +28,6 @@ MODES = CASES + [
     (ForwardMode.DRAFT_EXTEND, [5, 0, 30], [2, 4, 1]),
     (ForwardMode.DRAFT_DECODE, [3, 20, 8], [4, 1, 7]),
 ]
-NEEDS_FLASHINFER = pytest.mark.skipif(
-    importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed"
-)
 TRITON = [
     ("triton", torch.float32, 1e-4),
     ("triton", torch.bfloat16, 3e-2),
@@ -40,9 +36,8 @@ TRITON = [
 # FlashInfer compiles one JIT module per dtype and head dim (~30 s of nvcc on 16 cores): the
 # head dims of the models measured (64: the default's; 128: Qwen2.5-1.5B's), float16 at one.
 FLASHINFER = [
-    pytest.param("flashinfer", torch.bfloat16, 3e-2, shape, marks=NEEDS_FLASHINFER)
-    for shape in ((9, 3, 64), (12, 2, 128))
-] + [pytest.param("flashinfer", torch.float16, 1e-2, (12, 2, 128), marks=NEEDS_FLASHINFER)]
+    pytest.param("flashinfer", torch.bfloat16, 3e-2, shape) for shape in ((9, 3, 64), (12, 2, 128))
+] + [pytest.param("flashinfer", torch.float16, 1e-2, (12, 2, 128))]
 CASES_BY_BACKEND = [
     (*backend, shape) for backend in TRITON for shape in SHAPES + [(32, 8, 128)]
 ] + FLASHINFER
@@ -209,7 +204,7 @@ def _graph_engines(tiny_model, backend: str, spec: dict, graphs: bool):
     [
         ("triton", None),
         ("triton", "EAGLE3"),
-        pytest.param("flashinfer", None, marks=NEEDS_FLASHINFER),
+        pytest.param("flashinfer", None),
     ],
 )
 def test_graph_replay_gives_the_eager_tokens(tiny_model, backend, algorithm):
