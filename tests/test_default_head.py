@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from spectral import Engine
-from spectral.speculative.drafters.eagle import DEFAULT_HEAD_DIR
+from spectral.speculative.drafters.eagle_head import DEFAULT_HEAD_DIR
 from tests.conftest import assert_no_leaks
 
 PROMPTS = [

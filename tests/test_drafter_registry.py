@@ -35,6 +35,9 @@ class RepeatDrafter:
     def observe_round(self, batch, prefix_lens, accepted, emitted, slots, features, drafted=True):
         pass
 
+    def use_graphs(self, batch_sizes: list[int]) -> dict | None:
+        return None
+
     def top1(self, rows: list[int]) -> list[float | None]:
         return [None] * len(rows)
 

@@ -192,6 +192,9 @@ def _generate(model_dir: str, prompts, params, repeat: bool = False, **options):
         rounds = engine.scheduler.stats.spec_verify_ct
         assert scheduler_leaks(engine.scheduler) == []
         info = engine.worker.graph_info() if options.get("cuda_graph_bs") else None
+        graphs = getattr(getattr(engine.worker, "drafter", None), "graphs", None)
+        if info is not None and graphs is not None:
+            info["draft_static_runs"] = graphs.static_runs
     finally:
         engine.shutdown()
     return [o["output_ids"] for o in outs], rounds, info
@@ -235,6 +238,8 @@ def test_eagle3_engine_through_the_buckets_gives_plain_tokens(peaky_model_dir, t
     assert spec == plain
     assert rounds > 10
     assert info["verify_tree_sizes"] == [2, 4, 6]
+    # the head drafted through its static buffers too (batches of up to 4 requests)
+    assert info["draft"]["batch_sizes"] == [1, 2, 4] and info["draft_static_runs"] > 5
 
 
 def test_ngram_trees_of_many_sizes_give_plain_tokens(peaky_model_dir):

@@ -109,15 +109,23 @@ def launches(dtype: torch.dtype, monkeypatch) -> list:
         backend = TritonAttentionBackend(case.pool, case.table, case.scaling)
         backend.init_forward_metadata(case.batch)
         backend.forward(case.q, case.k, case.v, 0, case.batch)
+    # a draft tree level's rows: each over its table row, then its ancestors' slots
+    k_pool = v_pool = torch.zeros(40, 2, 64, dtype=dtype)
+    rows, tail = torch.zeros(6, dtype=torch.int64), torch.ones((6, 3), dtype=torch.int64)
+    table = torch.ones((2, 16), dtype=torch.int64)
+    q = torch.zeros(6, 8, 64, dtype=dtype)
+    attention.row_attention(q, k_pool, v_pool, table, rows + 4, 1.0, rows, tail)
     return recorded
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_every_triton_launch_compiles_for_hopper(dtype, monkeypatch):
-    """Decode rows, causal extend and tree verification (custom mask): each distinct launch
-    compiles to a cubin for sm_90."""
+    """Decode rows (with and without a draft level's tail), causal extend and tree
+    verification (custom mask): each distinct launch compiles to a cubin for sm_90."""
     seen = compile_each(launches(dtype, monkeypatch))
     assert {k[0] for k in seen} == {"_row_attention_kernel", "_extend_kernel"}
+    tails = {dict(k[2])["TAIL"] for k in seen if k[0] == "_row_attention_kernel"}
+    assert tails == {0, 3}, "the row kernel compiled without and with a tail"
     masked = {k[2] for k in seen if k[0] == "_extend_kernel"}
     assert len(masked) == 2, "the extend kernel compiled with and without the tree mask"
 

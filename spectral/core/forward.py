@@ -58,6 +58,13 @@ class ForwardBatch:
     # The device copy of `seq_lens` where the batch lives in static buffers (a CUDA graph's,
     # spectral.worker.graph_runner): backends build their metadata from it inside the graph.
     seq_lens_tensor: torch.Tensor | None = None
+    # `req_pool_indices` on the host, where whoever built the batch knew them (read there
+    # without waiting for the device).
+    rows_host: list[int] | None = None
+
+    def host_rows(self) -> list[int]:
+        """The table rows on the host (a device read where the builder did not give them)."""
+        return self.rows_host if self.rows_host is not None else self.req_pool_indices.tolist()
 
     @property
     def batch_size(self) -> int:

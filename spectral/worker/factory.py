@@ -59,6 +59,10 @@ def create_worker(
             spec.max_batch_size or None,
             drafter.capture_layers if drafter is not None else (),
         )
+        if drafter is not None:  # the batch sizes speculation runs at, as verification's
+            cap = spec.max_batch_size or max(graph_sizes)
+            sizes = [bs for bs in graph_sizes if bs <= cap] or [min(graph_sizes)]
+            spec_worker.draft_graphs = drafter.use_graphs(sizes)
     if not spec.fixed_tree:
         from spectral.worker.cost_measure import load_or_measure
 

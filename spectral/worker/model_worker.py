@@ -211,6 +211,7 @@ class ModelWorker:
             extend_lens=list(wb.extend_lens),
             custom_mask=custom,
             logits_rows="all" if wb.mode == ForwardMode.TARGET_VERIFY else "last",
+            rows_host=list(wb.req_pool_indices),
         )
 
     @torch.inference_mode()

@@ -54,9 +54,16 @@ class SpeculativeWorker:
         # What rounds cost here (the factory measures it, or reads it from the cache); the
         # scheduler's tree planner sizes trees by it. None: trees of fixed size.
         self.cost_model: CostModel | None = None
+        # The drafter's static path's summary (Drafter.use_graphs), where the factory set one.
+        self.draft_graphs: dict | None = None
 
     def graph_info(self) -> dict | None:
-        return self.target.graph_info()
+        """The target's graph runner's summary, with the drafter's under `draft` (None where
+        the drafter has no static path)."""
+        info = self.target.graph_info()
+        if info is not None and self.drafter is not None:
+            info = info | {"draft": self.draft_graphs}
+        return info
 
     def forward(self, wb: WorkerBatch) -> WorkerResult:
         if wb.mode == ForwardMode.TARGET_VERIFY:

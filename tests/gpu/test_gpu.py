@@ -208,8 +208,8 @@ def _graph_engines(tiny_model, backend: str, spec: dict, graphs: bool):
     ],
 )
 def test_graph_replay_gives_the_eager_tokens(tiny_model, backend, algorithm):
-    """Greedy decoding (and EAGLE3 tree verification) replaying CUDA graphs gives the eager
-    forwards' tokens at batches 1, 3 and 16, requests finishing mid-run; the pool is empty
+    """Greedy decoding (and EAGLE3 drafting and tree verification) replaying CUDA graphs gives
+    the eager forwards' tokens at batches 1, 3 and 16, requests finishing mid-run; the pool is empty
     after."""
     from tests.conftest import scheduler_leaks
 
@@ -242,6 +242,9 @@ def test_graph_replay_gives_the_eager_tokens(tiny_model, backend, algorithm):
             assert scheduler_leaks(engine.scheduler) == []
             info = engine.worker.graph_info()
             assert bool(info and info["captured"]) == graphs
+            if algorithm and graphs:  # the head's tree levels replayed graphs too
+                assert info["draft"]["captured"]
+                assert engine.worker.drafter.graphs.static_runs > 0
         finally:
             engine.shutdown()
         runs[graphs] = outputs

@@ -72,6 +72,12 @@ class Drafter(Protocol):
         (None where not known): the confidence the planner sizes its next tree by."""
         ...
 
+    def use_graphs(self, batch_sizes: list[int]) -> dict | None:
+        """Draft batches of up to max(batch_sizes) requests through static buffers (CUDA
+        graphs where the drafter runs on a GPU); returns their summary for /get_server_info,
+        or None where this drafter has no static path (it drafts eagerly)."""
+        ...
+
     def draft(
         self,
         rows: torch.Tensor,

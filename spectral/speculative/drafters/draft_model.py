@@ -159,6 +159,11 @@ class DraftModelDrafter:
         """The draft's confidence is known only once it drafts (it reads the root first)."""
         return [None] * len(rows)
 
+    def use_graphs(self, batch_sizes: list[int]) -> dict | None:
+        """No static path yet: a draft model's levels run eagerly (they read their roots'
+        scratch bookkeeping on the host)."""
+        return None
+
     # ---- drafting ----------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -3,24 +3,30 @@ tokens, and the EAGLE-2 expansion of a draft tree.
 
 KV slots: the head's one-layer pool is indexed by the target's slot ids through the same
 req-to-token rows, so the drafter never allocates or frees a slot: a request's draft KV lives
-and dies with its target KV. Tree nodes' draft KV is scratch, held for one `draft` call.
+and dies with its target KV. Tree nodes' draft KV is scratch: slots past the target's, a fixed
+range per table row and tree level, rewritten by every `draft` call.
+
+A draft's tree levels (`expand`) read nothing on the host: each level's k nodes a request
+attend to the request's table row and their own ancestors' scratch slots (attention.rows), so
+the whole expansion is one CUDA graph per batch size and depth (`use_graphs`).
 """
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
+from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from spectral.attention.registry import create_attention_backend
+from spectral.attention.rows import rows_attention
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.speculative.drafters.base import DrafterContext, file_stamp
-from spectral.speculative.drafters.eagle_head import DraftHead, load_draft_head
+from spectral.speculative.drafters.eagle_head import DraftHead, load_draft_head, resolve_draft_path
 from spectral.speculative.drafters.expansion import TreeExpansion
+from spectral.speculative.drafters.graphs import DraftGraphs, expand_through
 
 # write_kv computes its queued positions once this many wait.
 FLUSH_TOKENS = 64
@@ -43,21 +49,27 @@ class EagleDrafter:
         dtype: torch.dtype,
         device: str,
         attention_backend: str = "torch",
+        kernels: ModuleType | None = None,
     ) -> None:
         """`attention_backend` names the backend of the head's extend (`auto`, `torch`,
         `triton`, `flashinfer`), resolved by the registry as the target's is, over the head's
-        KV pool of `dtype`: a backend that refuses the dtype refuses here with the same error."""
+        KV pool of `dtype`: a backend that refuses the dtype refuses here with the same error.
+        `kernels`: spectral's CPU kernels (the tree levels' attention on a CPU), if loaded."""
         cfg = head.cfg
         self.head = head
         self.topk = topk
         self.num_steps = num_steps
         self.req_to_token = req_to_token
-        self.kv_pool = KVPool(num_slots, 1, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.kernels = kernels
+        # every table row (the dummy row too) has (num_steps - 1) levels of topk scratch slots
+        rows = req_to_token.max_requests + 1
+        self.scratch_base = num_slots + 1
+        scratch = rows * max(num_steps - 1, 0) * topk
+        self.kv_pool = KVPool(num_slots + scratch, 1, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.scaling = cfg.head_dim**-0.5
         self.backend = create_attention_backend(
             attention_backend, self.kv_pool, req_to_token, self.scaling, device
         )
-        rows = req_to_token.max_requests
         self.topk_logprobs = torch.zeros((rows, topk), dtype=torch.float32, device=device)
         self.topk_ids = torch.zeros((rows, topk), dtype=torch.int64, device=device)
         self.last_hidden = torch.zeros((rows, cfg.hidden_size), dtype=dtype, device=device)
@@ -69,6 +81,10 @@ class EagleDrafter:
         self.stale_feature = torch.zeros((rows, cfg.feature_size), dtype=dtype, device=device)
         # write_kv's queue: (input ids, features, positions, slots) per call.
         self._pending: list[tuple[torch.Tensor, ...]] = []
+        # The rows of `stale` that are set and their last positions, kept on the host too:
+        # `draft` reads them there.
+        self._stale_rows: dict[int, int] = {}
+        self.graphs: DraftGraphs | None = None
 
     needs_features = True
 
@@ -112,6 +128,7 @@ class EagleDrafter:
                 req_pool_indices=batch.req_pool_indices,
                 prefix_lens=list(prefix_lens),
                 extend_lens=accepted_lens,
+                rows_host=batch.rows_host,
             ),
             features,
         )
@@ -145,6 +162,9 @@ class EagleDrafter:
         self.topk_ids[rows] = self.head.to_target_ids(ids)
         self.last_hidden[rows] = last
         self.stale[rows] = False
+        if self._stale_rows:
+            for row in batch.host_rows():
+                self._stale_rows.pop(row, None)
 
     @torch.inference_mode()
     def write_kv(self, batch: ForwardBatch, features: torch.Tensor) -> None:
@@ -162,45 +182,46 @@ class EagleDrafter:
         self.stale_position[rows] = batch.positions[ends]
         self.stale_slot[rows] = batch.out_cache_loc[ends]
         self.stale_feature[rows] = features[ends]
+        for row, start, n in zip(batch.host_rows(), batch.prefix_lens, batch.extend_lens):
+            self._stale_rows[row] = start + n - 1  # the row's last position
 
     @torch.inference_mode()
     def flush(self) -> None:
-        """Compute and write the queued positions' KV (a slot queued twice takes its newest)."""
+        """Compute and write the queued positions' KV. A slot queued twice takes its newest:
+        the older writes go to the dummy slot 0 (nothing here waits for the device)."""
         if not self._pending:
             return
         ids, features, positions, slots = (torch.cat(parts) for parts in zip(*self._pending))
         self._pending.clear()
-        order = torch.arange(slots.shape[0], device=slots.device)
-        newest = torch.full((int(slots.max()) + 1,), -1, dtype=torch.int64, device=slots.device)
-        newest.scatter_reduce_(0, slots, order, reduce="amax")
-        keep = newest[slots] == order
-        if not bool(keep.all()):
-            ids, features, positions, slots = (
-                ids[keep],
-                features[keep],
-                positions[keep],
-                slots[keep],
-            )
+        ordered, order = torch.sort(slots, stable=True)
+        last_of_slot = torch.ones_like(ordered, dtype=torch.bool)
+        last_of_slot[:-1] = ordered[1:] != ordered[:-1]
+        newest = torch.empty_like(last_of_slot).scatter_(0, order, last_of_slot)
         k, v = self.head.kv(ids, features, positions)
-        self.kv_pool.write(0, slots, k, v)
+        self.kv_pool.write(0, torch.where(newest, slots, 0), k, v)
 
     def _refresh(self, rows: torch.Tensor) -> None:
-        """Run the full head at the last position of `rows` whose top-k is stale."""
-        stale = rows[self.stale[rows]]
-        if stale.numel() == 0:
+        """Run the full head at the last position of `rows` whose top-k is stale (the rows
+        are read on the host only where some row is stale)."""
+        if not self._stale_rows:
             return
-        positions = self.stale_position[stale]
+        stale = [row for row in rows.tolist() if row in self._stale_rows]
+        if not stale:
+            return
+        prefix_lens = [self._stale_rows[row] for row in stale]  # one new token at p: p before
+        index = torch.tensor(stale, device=rows.device)
         self.extend(
             ForwardBatch(
                 mode=ForwardMode.DRAFT_EXTEND,
-                input_ids=self.stale_token[stale],
-                positions=positions,
-                out_cache_loc=self.stale_slot[stale],
-                req_pool_indices=stale,
-                prefix_lens=positions.tolist(),  # one new token at position p: p before it
-                extend_lens=[1] * stale.numel(),
+                input_ids=self.stale_token[index],
+                positions=self.stale_position[index],
+                out_cache_loc=self.stale_slot[index],
+                req_pool_indices=index,
+                prefix_lens=prefix_lens,
+                extend_lens=[1] * len(stale),
+                rows_host=stale,
             ),
-            self.stale_feature[stale],
+            self.stale_feature[index],
         )
 
     @torch.inference_mode()
@@ -222,85 +243,89 @@ class EagleDrafter:
         self._refresh(rows)
         self.flush()
         steps = self.num_steps if num_steps is None else max(1, min(num_steps, self.num_steps))
+        return expand_through(self.graphs, self.expand, rows, seq_lens, steps)
+
+    def expand(
+        self, rows: torch.Tensor, seq_lens: torch.Tensor, steps: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`draft`'s tree levels from the rows' last extends, reading nothing on the host:
+        the part a CUDA graph holds. Level s's k nodes a request write their keys to the row's
+        scratch slots of level s and attend to the row's verified prefix and their ancestors'
+        scratch slots (themselves included)."""
         k = self.topk
         B = rows.shape[0]
-        device = rows.device
         levels = TreeExpansion(self.topk_logprobs[rows], self.topk_ids[rows])
         if steps == 1:
             return levels.result()
-
-        frontier_hidden = self.last_hidden[rows][:, None, :].expand(B, k, -1)
-        prefix_k, prefix_v, prefix_visible = self._gather_prefix(rows, seq_lens)
-        tree_k: list[torch.Tensor] = []
-        tree_v: list[torch.Tensor] = []
-        ancestors = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
+        hidden = self.last_hidden[rows].repeat_interleave(k, dim=0)
+        query_rows, query_lens = rows.repeat_interleave(k), seq_lens.repeat_interleave(k)
+        ancestors = torch.zeros((B, k, 0), dtype=torch.int64, device=rows.device)
         for step in range(1, steps):
-            positions = (seq_lens + step - 1)[:, None].expand(B, k).reshape(-1)
-            mask = torch.cat((prefix_visible[:, None, :].expand(B, k, -1), ancestors), dim=-1)
-
+            own = self._scratch_slots(rows, step)
+            ancestors = torch.cat((ancestors, own[:, :, None]), dim=-1)
             attend = functools.partial(
-                self._tree_attention, mask=mask, prefix=(prefix_k, prefix_v), tree=(tree_k, tree_v)
+                self._level_attention,
+                rows=query_rows,
+                seq_lens=query_lens,
+                own=own.reshape(-1),
+                ancestors=ancestors.reshape(B * k, step),
             )
-            hidden = self.head(
-                levels.frontier_tokens.reshape(-1),
-                frontier_hidden.reshape(B * k, -1),
-                positions,
-                attend,
-            )
+            positions = query_lens + step - 1
+            hidden = self.head(levels.frontier_tokens.reshape(-1), hidden, positions, attend)
             logprobs = torch.log_softmax(self.head.logits(hidden), dim=-1)
             levels.add_level(logprobs, self.head.to_target_ids)
             if step == steps - 1:
                 break
-            parent_slot = levels.advance()  # next frontier, [B, k]
-            hidden = hidden.view(B, k, -1)
-            frontier_hidden = hidden.gather(
-                1, parent_slot[:, :, None].expand(B, k, hidden.shape[-1])
-            )
-            inherited = ancestors.gather(
-                1, parent_slot[:, :, None].expand(B, k, ancestors.shape[-1])
-            )
-            own = torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)
-            ancestors = torch.cat((inherited, own), dim=-1)
+            parent = levels.advance()[:, :, None]  # [B, k, 1]: each new node's parent
+            hidden = hidden.view(B, k, -1).gather(1, parent.expand(B, k, hidden.shape[-1]))
+            hidden = hidden.reshape(B * k, -1)
+            ancestors = ancestors.gather(1, parent.expand(B, k, step))
         return levels.result()
 
-    def _tree_attention(
+    def _scratch_slots(self, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """[B, k] the scratch slots of tree level `step` (1-based) of each table row."""
+        k, levels = self.topk, self.num_steps - 1
+        first = self.scratch_base + (rows * levels + step - 1) * k
+        return first[:, None] + torch.arange(k, device=rows.device)[None, :]
+
+    def _level_attention(
         self,
         q: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        mask: torch.Tensor,
-        prefix: tuple[torch.Tensor, torch.Tensor],
-        tree: tuple[list[torch.Tensor], list[torch.Tensor]],
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        own: torch.Tensor,
+        ancestors: torch.Tensor,
     ) -> torch.Tensor:
-        """Attention of one tree level's B x k nodes over their request's verified prefix and
-        the tree entries `mask` [B, k, L + entries] allows; appends this level's keys and values
-        to `tree` (they are its newest entries, which the mask's last k columns address)."""
-        B, k = mask.shape[0], mask.shape[1]
-        tree[0].append(key.view(B, k, *key.shape[1:]))
-        tree[1].append(value.view(B, k, *value.shape[1:]))
-        keys = torch.cat((prefix[0], *tree[0]), dim=1).transpose(1, 2)
-        values = torch.cat((prefix[1], *tree[1]), dim=1).transpose(1, 2)
-        queries = q.view(B, k, *q.shape[1:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            queries.to(keys.dtype),
-            keys,
-            values,
-            attn_mask=mask[:, None],
-            scale=self.scaling,
-            enable_gqa=True,
+        """One tree level's attention: its keys and values written to their scratch slots
+        (`own`), each node over its request's prefix and its `ancestors`' slots."""
+        self.kv_pool.write(0, own, key, value)
+        out = rows_attention(
+            q,
+            self.kv_pool.k[0],
+            self.kv_pool.v[0],
+            self.req_to_token.table,
+            rows,
+            seq_lens,
+            self.scaling,
+            tail=ancestors,
+            kernels=self.kernels,
         )
-        return out.transpose(1, 2).reshape(B * k, -1).to(q.dtype)
+        return out.reshape(q.shape[0], -1)
 
-    def _gather_prefix(
-        self, rows: torch.Tensor, seq_lens: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The head's K and V of every verified position of each request, padded to the
-        longest ([B, L, KVH, D]), and which entries are real ([B, L])."""
-        longest = int(seq_lens.max())
-        slots = self.req_to_token.table[rows, :longest]
-        visible = torch.arange(longest, device=rows.device)[None, :] < seq_lens[:, None]
-        slots = slots.masked_fill(~visible, 0)
-        return self.kv_pool.k[0][slots], self.kv_pool.v[0][slots], visible
+    def use_graphs(self, batch_sizes: list[int]) -> dict | None:
+        """Draft batches of up to max(batch_sizes) requests through static buffers, one CUDA
+        graph per batch size and depth where the drafter runs on a GPU (captured here);
+        eagerly through the same buffers elsewhere."""
+        self.graphs = DraftGraphs.start(
+            self.expand,
+            self.req_to_token.dummy_row,
+            batch_sizes,
+            self.num_steps,
+            self.req_to_token.table.device,
+        )
+        return self.graphs.summary()
 
 
 def shifted_draft_batch(
@@ -323,22 +348,6 @@ def shifted_draft_batch(
         prefix_lens=batch.prefix_lens,
         extend_lens=batch.extend_lens,
     )
-
-
-DEFAULT_HEAD_DIR = Path(__file__).resolve().parents[2] / "assets" / "eagle3-smollm2-135m"
-
-
-def resolve_draft_path(path: str) -> str:
-    """A head directory; 'default' is the head shipped for the default model."""
-    if path == "default":
-        if not (DEFAULT_HEAD_DIR / "config.json").exists():
-            raise FileNotFoundError(
-                "no default draft head is installed with this build; pass a head directory"
-            )
-        return str(DEFAULT_HEAD_DIR)
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"draft head directory {path!r} does not exist")
-    return path
 
 
 def build(ctx: DrafterContext) -> EagleDrafter:
@@ -369,6 +378,7 @@ def build(ctx: DrafterContext) -> EagleDrafter:
         target.dtype,
         target.device,
         attention_backend=ctx.args.attention_backend,
+        kernels=target.model.kernels,
     )
     drafter.cost_key = file_stamp(path)
     return drafter

@@ -363,3 +363,19 @@ def load_draft_head(
     head.requires_grad_(False)
     head.eval()
     return head
+
+
+DEFAULT_HEAD_DIR = Path(__file__).resolve().parents[2] / "assets" / "eagle3-smollm2-135m"
+
+
+def resolve_draft_path(path: str) -> str:
+    """A head directory; 'default' is the head shipped for the default model."""
+    if path == "default":
+        if not (DEFAULT_HEAD_DIR / "config.json").exists():
+            raise FileNotFoundError(
+                "no default draft head is installed with this build; pass a head directory"
+            )
+        return str(DEFAULT_HEAD_DIR)
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"draft head directory {path!r} does not exist")
+    return path

@@ -27,6 +27,7 @@ from spectral.layers.linear import Linear
 from spectral.layers.routing import route_to_cpu_kernels
 from spectral.speculative.drafters.base import DrafterContext, file_stamp
 from spectral.speculative.drafters.expansion import TreeExpansion
+from spectral.speculative.drafters.graphs import DraftGraphs, expand_through
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
@@ -167,7 +168,9 @@ class MedusaDrafter:
         self.heads = heads
         self.topk = topk
         self.num_steps = num_steps
-        self.last_hidden = torch.zeros((rows, heads.hidden_size), dtype=dtype, device=device)
+        self.dummy_row = rows  # the req-to-token table's row of padded requests
+        self.last_hidden = torch.zeros((rows + 1, heads.hidden_size), dtype=dtype, device=device)
+        self.graphs: DraftGraphs | None = None
 
     def _keep_last(self, rows: torch.Tensor, lens: list[int], features: torch.Tensor) -> None:
         last = torch.tensor(lens, device=features.device).cumsum(0) - 1
@@ -210,6 +213,12 @@ class MedusaDrafter:
         whatever the parent: Medusa's heads see only the hidden state), the best `topk` of each
         level expanded further; the layout of EagleDrafter.draft."""
         steps = self.num_steps if num_steps is None else max(1, min(num_steps, self.num_steps))
+        return expand_through(self.graphs, self.expand, rows, seq_lens, steps)
+
+    def expand(
+        self, rows: torch.Tensor, seq_lens: torch.Tensor, steps: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`draft`'s levels, reading nothing on the host (what a CUDA graph holds)."""
         k = self.topk
         top = [
             torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
@@ -221,6 +230,15 @@ class MedusaDrafter:
             if step < steps - 1:
                 levels.advance()
         return levels.result()
+
+    def use_graphs(self, batch_sizes: list[int]) -> dict | None:
+        """Draft batches of up to max(batch_sizes) requests through static buffers, one CUDA
+        graph per batch size and depth where the drafter runs on a GPU (captured here);
+        eagerly through the same buffers elsewhere."""
+        self.graphs = DraftGraphs.start(
+            self.expand, self.dummy_row, batch_sizes, self.num_steps, self.last_hidden.device
+        )
+        return self.graphs.summary()
 
 
 def build(ctx: DrafterContext) -> MedusaDrafter:
