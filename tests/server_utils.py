@@ -15,8 +15,13 @@ import httpx
 from spectral.server.data_parallel import free_port  # noqa: F401 (tests import it here)
 
 
-def start_server(*flags: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+def start_server(
+    *flags: str, timeout: float = 120.0, log: Path | None = None
+) -> tuple[subprocess.Popen, str]:
+    """A server with `flags` on a free port, once it answers /health; its output to `log`
+    where given."""
     port = free_port()
+    out = open(log, "w") if log is not None else None  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -29,7 +34,11 @@ def start_server(*flags: str, timeout: float = 120.0) -> tuple[subprocess.Popen,
             *flags,
         ],
         start_new_session=True,
+        stdout=out,
+        stderr=subprocess.STDOUT if out is not None else None,
     )
+    if out is not None:
+        out.close()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -91,11 +100,16 @@ def stop_server(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    survivors = [cmdline(p) for p in children if alive(p)]
+    survivors = [cmdline(p) for p in survivors_after(children)]
     assert not survivors, f"processes outlived the server's SIGTERM: {survivors}"
+
+
+def survivors_after(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Those of `pids` still alive after waiting up to `timeout` s for all of them to go."""
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
 
 
 def descendants(pid: int) -> list[int]:

@@ -195,6 +195,7 @@ def _generate(model_dir: str, prompts, params, repeat: bool = False, **options):
         graphs = getattr(getattr(engine.worker, "drafter", None), "graphs", None)
         if info is not None and graphs is not None:
             info["draft_static_runs"] = graphs.static_runs
+            info["rounds_on_device"] = engine.worker.rounds_on_device
     finally:
         engine.shutdown()
     return [o["output_ids"] for o in outs], rounds, info
@@ -240,6 +241,8 @@ def test_eagle3_engine_through_the_buckets_gives_plain_tokens(peaky_model_dir, t
     assert info["verify_tree_sizes"] == [2, 4, 6]
     # the head drafted through its static buffers too (batches of up to 4 requests)
     assert info["draft"]["batch_sizes"] == [1, 2, 4] and info["draft_static_runs"] > 5
+    # greedy, no grammar: every round selected its trees and accepted on the device
+    assert info["rounds_on_device"] == rounds
 
 
 def test_ngram_trees_of_many_sizes_give_plain_tokens(peaky_model_dir):

@@ -20,7 +20,12 @@ from spectral.speculative.tree import (
     tree_positions,
     trees_from_parents,
 )
-from spectral.speculative.verify import verify_greedy, verify_sampling
+from spectral.speculative.verify import (
+    accept_greedy_on_device,
+    unpack_accepted,
+    verify_greedy,
+    verify_sampling,
+)
 
 NAN = float("nan")
 INF = float("inf")
@@ -354,6 +359,25 @@ def test_selected_trees_are_valid_and_hold_the_best_scores(
         assert chosen == best
 
 
+@settings(max_examples=100, deadline=None)
+@given(draft_tables())
+def test_selection_on_the_device_gives_the_host_selections_trees(
+    table: tuple[list[list[float]], list[list[int]], int, int],
+) -> None:
+    """`on_device` (no host read: scatters instead of compaction, the node count from the
+    sizes asked) gives the same trees as the host's selection, for any EAGLE table."""
+    all_scores, all_parents, n, num_candidates = table
+    batch = len(all_scores)
+    scores = torch.tensor(all_scores, dtype=torch.float32)
+    cand_tokens = 1000 + torch.arange(num_candidates).expand(batch, -1)
+    sizes = [max(1, n - b) for b in range(batch)]  # one size a request
+    args = (t(list(range(batch))), scores, cand_tokens, t(all_parents), sizes)
+    host, device = select_eagle_trees(*args), select_eagle_trees(*args, on_device=True)
+    assert device.num_nodes == host.num_nodes
+    for field in ("tokens", "parents", "depths", "mask", "next_token", "next_sibling", "ranks"):
+        assert torch.equal(getattr(device, field), getattr(host, field)), field
+
+
 # ---- verify_greedy -----------------------------------------------------------------------
 #
 # root 5 -> node 1 (tok 6) -> node 3 (tok 8)
@@ -595,3 +619,26 @@ def test_duplicate_sibling_tokens_keep_the_first_token_lossless() -> None:
     )
     assert_follows([e[0] for e in result.emitted], probs[0], "first token")
     assert {a[1] for a in result.accepted if len(a) > 1} == {1, 3}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=12),
+    st.lists(st.integers(0, 3), min_size=1, max_size=12),
+    st.integers(0, 4),
+    st.integers(0, 2**31),
+)
+def test_greedy_acceptance_on_the_device_walks_as_the_host_does(
+    tokens: list[int], parent_draws: list[int], padding: int, seed: int
+) -> None:
+    """accept_greedy_on_device against verify_greedy's walk: any tree (siblings with equal
+    tokens included: the first in node order wins), padding nodes, targets that often match."""
+    parents = [draw % (i + 1) for i, draw in enumerate(parent_draws[: len(tokens)])]
+    tokens = tokens[: len(parents)]
+    n = len(tokens) + 1 + padding
+    trees = trees_from_parents([7, 1], [tokens, tokens[::-1]], [parents, [0] * len(tokens)], n)
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.randint(0, 4, (2, n), generator=gen)
+    expected = verify_greedy(trees, target)
+    got = unpack_accepted(accept_greedy_on_device(trees, target).tolist())
+    assert got.accepted == expected.accepted and got.emitted == expected.emitted

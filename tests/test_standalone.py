@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import spectral.worker.spec_worker as spec_worker
+import spectral.worker.spec_verify as spec_verify
 from spectral.args import ServerArgs
 from spectral.core.forward import ForwardMode
 from spectral.core.req import Req
@@ -226,7 +226,7 @@ def check_sampling_and_control(monkeypatch, plain: Counter, make, sample, accept
     assert stat < chi2_critical(dof), (plain, spec)
 
     monkeypatch.setattr(
-        spec_worker,
+        spec_verify,
         "verify_sampling",
         lambda trees, probs, generators: verify_greedy(trees, probs.argmax(-1)),
     )

@@ -7,11 +7,11 @@ on this node or another, taking the server down within 10 s with nothing left.""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,12 +20,12 @@ import pytest
 from spectral import Engine
 from spectral.args import ServerArgs
 from tests.server_utils import (
-    alive,
     cmdline,
     descendants,
     free_port,
     start_server,
     stop_server,
+    survivors_after,
 )
 from tests.test_speculative import FLAT_COST, cost_model_file, make_random_head, prompts
 
@@ -97,31 +97,50 @@ def test_the_engine_on_two_ranks_gives_one_ranks_output(
     assert got["sampled"] == expected
     assert (got["rounds"] > 50) == speculative
     assert len(got["ranks"]) == 2
-    time.sleep(1)
-    assert not [pid for pid in got["ranks"] if alive(pid)]  # shutdown stopped both ranks
+    assert survivors_after(got["ranks"]) == []  # shutdown stopped both ranks
+
+
+def generate_all(url: str, prompts: list[list[int]]) -> list[dict]:
+    """The greedy /generate responses of `prompts`, sent together (the server batches them,
+    as the Engine that gave the oracle did)."""
+
+    def one(ids: list[int]) -> dict:
+        res = httpx.post(
+            url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY}, timeout=120
+        )
+        assert res.status_code == 200, res.text
+        return res.json()
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def assert_a_lost_rank_is_named(server: subprocess.Popen, log: Path, others: list[int]) -> None:
+    """The server exits non-zero within 10 s, its log naming the rank that went, and nothing
+    of `others` (its processes and any other node's) is left 10 s later."""
+    server.wait(timeout=10)
+    assert server.returncode != 0
+    assert "tensor-parallel rank 1" in log.read_text()
+    assert survivors_after(others) == []
 
 
 def test_the_server_on_two_ranks_speculating_gives_one_ranks_output_until_a_rank_is_killed(
-    peaky_model_dir: str, eagle3_head: str, one_rank: dict
+    peaky_model_dir: str, eagle3_head: str, one_rank: dict, tmp_path: Path
 ):
-    """Then rank 1 SIGKILLed: the server exits within 10 s (rank 0 names it) and nothing of it
-    is left."""
+    """Native, regex and OpenAI requests give one rank's output (the completion's text is the
+    native request's for its prompt). Then rank 1 SIGKILLed: the server exits within 10 s
+    (rank 0 names it) and nothing of it is left."""
     flags = [
         f"--{k.replace('_', '-')}={v}"
         for k, v in engine_options(peaky_model_dir, eagle3_head).items()
     ]
-    server, url = start_server(*flags, "--tp-size", "2", timeout=240)
+    log = tmp_path / "server.log"
+    server, url = start_server(*flags, "--tp-size", "2", timeout=240, log=log)
     try:
         # the scheduler, the detokenizer, the worker (rank 0) and its rank 1 at least
         assert len(descendants(server.pid)) >= 4
-        out = []
-        for ids in PROMPTS:
-            res = httpx.post(
-                url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY}, timeout=120
-            )
-            assert res.status_code == 200, res.text
-            out.append(res.json()["output_ids"])
-        assert out == one_rank["greedy"]
+        responses = generate_all(url, PROMPTS)
+        assert [r["output_ids"] for r in responses] == one_rank["greedy"]
         res = httpx.post(
             url + "/generate",
             json={"input_ids": PROMPTS[0], "sampling_params": {**GREEDY, "regex": REGEX}},
@@ -135,7 +154,7 @@ def test_the_server_on_two_ranks_speculating_gives_one_ranks_output_until_a_rank
             timeout=120,
         )
         assert res.status_code == 200, res.text
-        assert res.json()["choices"][0]["text"]
+        assert res.json()["choices"][0]["text"] == responses[1]["text"]
         info = httpx.get(url + "/get_server_info", timeout=30).json()
         assert info["stats"]["spec_verify_ct"] > 20
         below = descendants(server.pid)
@@ -147,10 +166,7 @@ def test_the_server_on_two_ranks_speculating_gives_one_ranks_output_until_a_rank
         }
         (rank1,) = [pid for pid in workers if parents[pid] in workers]
         os.kill(rank1, signal.SIGKILL)
-        server.wait(timeout=10)
-        assert server.returncode != 0
-        time.sleep(1)
-        assert not [pid for pid in below if alive(pid)]
+        assert_a_lost_rank_is_named(server, log, below)
     finally:
         if server.poll() is None:
             stop_server(server)
@@ -170,12 +186,12 @@ def test_bad_rank_layouts_are_refused_saying_what_is_allowed():
 
 
 def test_two_machines_serve_as_one_and_a_lost_rank_takes_the_server_down(
-    peaky_model_dir: str, one_rank: dict
+    peaky_model_dir: str, one_rank: dict, tmp_path: Path
 ):
     """--nnodes 2 on this machine: node 1 (`--node-rank 1`: rank 1 only, no HTTP) and node 0
     (the server, rank 0) meet at --dist-init-addr; greedy output equals one rank's. Rank 1
     SIGKILLed on node 1: the server exits within 10 s (its batch socket saw rank 1 go), node
-    1's launcher too, and nothing is left of either."""
+    1's launcher too, rank 0's log naming rank 1, and nothing is left of either."""
     port = free_port(2)  # the group's rendezvous and rank 0's batch socket
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_options(peaky_model_dir).items()]
     flags += ["--tp-size=2", "--nnodes=2", f"--dist-init-addr=127.0.0.1:{port}"]
@@ -184,25 +200,17 @@ def test_two_machines_serve_as_one_and_a_lost_rank_takes_the_server_down(
         start_new_session=True,
     )
     server = None
+    log = tmp_path / "server.log"
     try:
-        server, url = start_server(*flags, "--node-rank=0", timeout=240)
-        out = []
-        for ids in PROMPTS[:5]:
-            res = httpx.post(
-                url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY}, timeout=120
-            )
-            assert res.status_code == 200, res.text
-            out.append(res.json()["output_ids"])
-        assert out == one_rank["greedy"][:5]
+        server, url = start_server(*flags, "--node-rank=0", timeout=240, log=log)
+        responses = generate_all(url, PROMPTS[:5])
+        assert [r["output_ids"] for r in responses] == one_rank["greedy"][:5]
         below = descendants(server.pid) + descendants(node1.pid)
         (rank1,) = [p for p in descendants(node1.pid) if "worker_process" in cmdline(p)]
         os.kill(rank1, signal.SIGKILL)
-        server.wait(timeout=10)
-        assert server.returncode != 0
         node1.wait(timeout=10)
         assert node1.returncode != 0
-        time.sleep(1)
-        assert not [pid for pid in below if alive(pid)]
+        assert_a_lost_rank_is_named(server, log, below)
     finally:
         for proc in (server, node1):
             if proc is not None and proc.poll() is None:

@@ -3,14 +3,19 @@
 Every tree has `n` node slots (`num_draft_tokens`, root included). Node 0 is the root, the
 request's last verified token; every other real node comes after its parent, so any prefix of
 the node list is a tree. Nodes from `num_nodes[b]` on are padding (token 0, parent -1, depth 0,
-only the diagonal in the mask, nobody's child or sibling). All tensors live on the CPU.
+only the diagonal in the mask, nobody's child or sibling). Trees live on the CPU, except
+those `select_eagle_trees(..., on_device=True)` builds where its inputs are (a round that reads
+nothing on the host before its result).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from spectral.core.transfer import on_device as to_device_list
 
 
 @dataclass
@@ -47,17 +52,18 @@ def _assemble(
     already satisfy the layout (parents[b, j] < j for real nodes, -1 for root and padding).
     Without `ranks`, nodes rank in their order."""
     B, n = parents.shape
-    batch = torch.arange(B)
-    mask = torch.zeros((B, n, n), dtype=torch.bool)
-    mask[:, torch.arange(n), torch.arange(n)] = True
+    device = parents.device
+    batch = torch.arange(B, device=device)
+    index = torch.arange(n, device=device)
+    mask = torch.zeros((B, n, n), dtype=torch.bool, device=device)
+    mask[:, index, index] = True
     for j in range(1, n):
         parent = parents[:, j]
         has_parent = parent >= 0
         mask[:, j] |= mask[batch, parent.clamp(min=0)] & has_parent[:, None]
     depths = mask.sum(dim=-1) - 1
 
-    index = torch.arange(n)
-    no_node = torch.full((), n, dtype=torch.int64)
+    no_node = torch.full((), n, dtype=torch.int64, device=device)
     # is_child[b, i, j]: j is a child of i.
     is_child = parents[:, None, :] == index[None, :, None]
     first_child = torch.where(is_child, index, no_node).min(dim=-1).values
@@ -69,7 +75,7 @@ def _assemble(
     )
     sibling = torch.where(later_sibling, index, no_node).min(dim=-1).values
     if ranks is None:
-        real = index[None, :] < torch.tensor(num_nodes)[:, None]
+        real = index[None, :] < torch.tensor(num_nodes, device=device)[:, None]
         ranks = torch.where(real & (index[None, :] > 0), index[None, :] - 1, -1)
     return DraftTrees(
         tokens=tokens,
@@ -159,9 +165,13 @@ def select_eagle_trees(
     tokens: torch.Tensor,
     parent_candidates: torch.Tensor,
     n: int | list[int],
+    on_device: bool = False,
 ) -> DraftTrees:
     """EAGLE-2 rerank: keep each request's n - 1 best draft candidates as a tree (`n` one size
-    for all, or one per request; padded to the largest; on the CPU whatever the inputs' device).
+    for all, or one per request; padded to the largest; on the CPU whatever the inputs' device,
+    or with `on_device` where the scores are, reading nothing on the host: the candidates are
+    not checked, and `num_nodes` counts every picked candidate, which is exact where a child
+    never outscores its parent, as with cumulative log-probabilities).
 
     `scores`, `tokens`, `parent_candidates` [B, C]: cumulative log-prob, token, and parent
     candidate (-1 under the root; always a lower index). NaN counts as -inf and ties go to the
@@ -169,35 +179,32 @@ def select_eagle_trees(
     and rank by score; one whose parent was not picked is dropped with its descendants.
     """
     sizes = [n] * scores.shape[0] if isinstance(n, int) else list(n)
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"num_draft_tokens must be >= 1 (got {n})")
-    scores = scores.detach().float().cpu()
-    tokens = tokens.cpu().to(torch.int64)
-    parent_candidates = parent_candidates.cpu().to(torch.int64)
-    root_tokens = root_tokens.cpu().to(torch.int64)
+    device = scores.device if on_device else torch.device("cpu")
+    root_tokens, scores, tokens, parent_candidates = (
+        root_tokens.to(device, torch.int64),
+        scores.detach().float().to(device),
+        tokens.to(device, torch.int64),
+        parent_candidates.to(device, torch.int64),
+    )
+    _check_candidates(scores, tokens, parent_candidates, sizes, checked_values=not on_device)
     B, C = scores.shape
-    if tokens.shape != (B, C) or parent_candidates.shape != (B, C) or len(sizes) != B:
-        raise ValueError(
-            f"scores, tokens and parent_candidates must share one shape [B, C], with one tree "
-            f"size per request (got {tuple(scores.shape)}, {tuple(tokens.shape)}, "
-            f"{tuple(parent_candidates.shape)} and {len(sizes)} sizes)"
-        )
-    own = torch.arange(C)
-    if ((parent_candidates < -1) | (parent_candidates >= own)).any():
-        raise ValueError("every parent candidate must be -1 or an index below the candidate's")
+    own = torch.arange(C, device=device)
 
-    wanted = torch.tensor([min(size - 1, C) for size in sizes])
-    m = int(wanted.max())
+    counts = [min(size - 1, C) for size in sizes]
+    wanted = to_device_list(counts, torch.int64, device)
+    m = max(counts)
     scores = torch.where(scores.isnan(), float("-inf"), scores)
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices
     rank_of = torch.empty_like(order)
     rank_of.scatter_(1, order, own.expand(B, C).contiguous())
     # Each request's best wanted[b] candidates in candidate order; C marks an empty place.
-    top = torch.where(torch.arange(m)[None, :] < wanted[:, None], order[:, :m], C)
+    places = torch.arange(m + 1, device=device)
+    top = torch.where(places[None, :m] < wanted[:, None], order[:, :m], C)
     picked = top.sort(dim=1).values  # [B, m]
     real = picked < C
-    row_of = torch.full((B, C + 1), -1, dtype=torch.int64)  # tree row of each picked candidate
-    row_of.scatter_(1, picked, torch.arange(1, m + 1).expand(B, m).contiguous())
+    # tree row of each picked candidate
+    row_of = torch.full((B, C + 1), -1, dtype=torch.int64, device=device)
+    row_of.scatter_(1, picked, places[None, 1:].expand(B, m).contiguous())
     parent_cand = parent_candidates.gather(1, picked.clamp(max=C - 1))
     parent_row = torch.where(
         parent_cand < 0, 0, row_of.gather(1, parent_cand.clamp(min=0))
@@ -205,36 +212,84 @@ def select_eagle_trees(
 
     # A picked candidate survives when its parent is the root or a surviving candidate;
     # parents precede children, so one pass in order settles every candidate.
-    batch = torch.arange(B)
-    alive = torch.zeros((B, m + 1), dtype=torch.bool)
+    batch = torch.arange(B, device=device)
+    alive = torch.zeros((B, m + 1), dtype=torch.bool, device=device)
     alive[:, 0] = True
     for i in range(m):
         parent = parent_row[:, i]
         alive[:, i + 1] = real[:, i] & (parent >= 0) & alive[batch, parent.clamp(min=0)]
     survivors = alive[:, 1:]
     # Compact the survivors to the front: new row of old row r is 1 + survivors before it.
-    new_row = torch.zeros((B, m + 1), dtype=torch.int64)
+    new_row = torch.zeros((B, m + 1), dtype=torch.int64, device=device)
     new_row[:, 1:] = survivors.cumsum(dim=1)
     new_parent = new_row.gather(1, parent_row.clamp(min=0))
     # Survivors' ranks among themselves: by their rank among all candidates.
     score_rank = torch.where(survivors, rank_of.gather(1, picked.clamp(max=C - 1)), C)
     own_rank = score_rank.argsort(dim=1, stable=True).argsort(dim=1)
 
-    width = max(sizes)
-    out_tokens = torch.zeros((B, width), dtype=torch.int64)
-    out_parents = torch.full((B, width), -1, dtype=torch.int64)
-    out_ranks = torch.full((B, width), -1, dtype=torch.int64)
-    out_tokens[:, 0] = root_tokens
-    rows_b = batch[:, None].expand(B, m)[survivors]
-    rows_j = new_row[:, 1:][survivors]
-    out_tokens[rows_b, rows_j] = tokens.gather(1, picked.clamp(max=C - 1))[survivors]
-    out_parents[rows_b, rows_j] = new_parent[survivors]
-    out_ranks[rows_b, rows_j] = own_rank[survivors]
-    num_nodes = (1 + survivors.sum(dim=1)).tolist()
-    return _assemble(out_tokens, out_parents, num_nodes, out_ranks)
+    if on_device:
+        num_nodes = [1 + count for count in counts]
+    else:
+        num_nodes = (1 + survivors.sum(dim=1)).tolist()
+    node_tokens = tokens.gather(1, picked.clamp(max=C - 1))
+    # each survivor to its row, the others to a column past the trees' (dropped after)
+    column = torch.where(survivors, new_row[:, 1:], max(sizes))
+    columns = (node_tokens, new_parent, own_rank)
+    tokens_out, parents_out, ranks_out = _survivor_rows(root_tokens, column, columns, max(sizes))
+    return _assemble(tokens_out, parents_out, num_nodes, ranks_out)
+
+
+def _check_candidates(
+    scores: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    sizes: list[int],
+    checked_values: bool,
+) -> None:
+    """ValueError unless the tables share one shape [B, C], with B tree sizes >= 1 (and,
+    with `checked_values`, each parent -1 or an earlier candidate: a host read)."""
+    B, C = scores.shape
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1 (got {sizes})")
+    if tokens.shape != (B, C) or parents.shape != (B, C) or len(sizes) != B:
+        raise ValueError(
+            f"scores, tokens and parent_candidates must share one shape [B, C], with one tree "
+            f"size per request (got {tuple(scores.shape)}, {tuple(tokens.shape)}, "
+            f"{tuple(parents.shape)} and {len(sizes)} sizes)"
+        )
+    own = torch.arange(C, device=parents.device)
+    if checked_values and ((parents < -1) | (parents >= own)).any():
+        raise ValueError("every parent candidate must be -1 or an index below the candidate's")
+
+
+def _survivor_rows(
+    roots: torch.Tensor, column: torch.Tensor, values: tuple[torch.Tensor, ...], width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens (the roots first), parents and ranks [B, width]: each picked candidate's
+    `values` (token, tree parent, rank) placed at its `column` (width: dropped), the rest
+    padding (token 0, parent and rank -1)."""
+    B = roots.shape[0]
+    out = [
+        torch.full((B, width + 1), fill, dtype=torch.int64, device=roots.device)
+        for fill in (0, -1, -1)
+    ]
+    out[0][:, 0] = roots
+    for dest, value in zip(out, values):
+        dest.scatter_(1, column, value)
+    return tuple(x[:, :width].contiguous() for x in out)  # type: ignore[return-value]
 
 
 def tree_positions(trees: DraftTrees, seq_lens: torch.Tensor) -> torch.Tensor:
     """Position of every node [B, n]: the root sits at seq_lens[b], a node at depth d below it
     at seq_lens[b] + d (padding at seq_lens[b])."""
     return seq_lens.cpu().to(torch.int64)[:, None] + trees.depths
+
+
+def tree_mask_places(sizes: list[int], n: int) -> np.ndarray:
+    """Where each request's flattened [s, s] tree mask goes among [B, n, n] masks (trees of
+    `sizes` nodes padded to n)."""
+    parts = [
+        b * n * n + (np.arange(s)[:, None] * n + np.arange(s)[None, :]).ravel()
+        for b, s in enumerate(sizes)
+    ]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

@@ -59,6 +59,40 @@ def verify_greedy(trees: DraftTrees, target_ids: torch.Tensor) -> VerifyResult:
     return VerifyResult(accepted, emitted)
 
 
+def accept_greedy_on_device(trees: DraftTrees, target_ids: torch.Tensor) -> torch.Tensor:
+    """`verify_greedy`'s walk where the trees and `target_ids` are, reading nothing on the
+    host: a node is chosen where it is the first child (in node order, which is sibling order)
+    whose token is the target's choice at its parent, and accepted where it and every ancestor
+    below the root are chosen. Returns [B, 1 + 2n] int64: the accepted count, the accepted
+    nodes by depth (root first, then -1), and the tokens emitted after each (then -1: the
+    target's choice at each accepted node, which is the next accepted node's token and, at
+    the last, the correction or bonus)."""
+    tokens, parents = trees.tokens, trees.parents
+    B, n = tokens.shape
+    index = torch.arange(n, device=tokens.device).expand(B, n)
+    parent = parents.clamp(min=0)
+    match = (parents >= 0) & (tokens == target_ids.gather(1, parent))
+    none = torch.full_like(index, n)
+    first = none.scatter_reduce(1, parent, torch.where(match, index, n), reduce="amin")
+    chosen = match & (first.gather(1, parent) == index)
+    ok = chosen | (index == 0)  # the root needs no choosing
+    accepted = ~(trees.mask & ~ok[:, None, :]).any(dim=-1)
+    count = accepted.sum(dim=1, keepdim=True)
+    path = torch.full((B, n + 1), -1, dtype=torch.int64, device=tokens.device)
+    path.scatter_(1, torch.where(accepted, trees.depths, n), index)  # one node a depth
+    path = path[:, :n]
+    emitted = torch.where(path >= 0, target_ids.gather(1, path.clamp(min=0)), -1)
+    return torch.cat((count, path, emitted), dim=1)
+
+
+def unpack_accepted(packed: list[list[int]]) -> VerifyResult:
+    """`accept_greedy_on_device`'s rows (on the host) as a VerifyResult."""
+    n = (len(packed[0]) - 1) // 2 if packed else 0
+    accepted = [row[1 : 1 + row[0]] for row in packed]
+    emitted = [row[1 + n : 1 + n + row[0]] for row in packed]
+    return VerifyResult(accepted, emitted)
+
+
 def verify_sampling(
     trees: DraftTrees,
     probs: torch.Tensor,

@@ -18,13 +18,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from spectral.attention.base import AttentionBackend
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.transfer import stage
 from spectral.mem.req_to_token import ReqToTokenPool
+from spectral.speculative.tree import tree_mask_places
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class GraphRunner:
             parts["unused_counts"] = [n - s for s in sizes]
             parts["unused_columns"] = [p + j for p, s in zip(prefix, sizes) for j in range(s, n)]
         if verify and not (dense and real == bs):
-            parts["mask_places"] = _mask_places(sizes, n).tolist()
+            parts["mask_places"] = tree_mask_places(sizes, n).tolist()
         staged = stage(parts, self.device)
         inputs.seq_lens[:bs].copy_(staged["seq_lens"])
         inputs.req_pool_indices[:real].copy_(batch.req_pool_indices)
@@ -331,12 +331,3 @@ class GraphRunner:
         inputs.seq_lens[:bs].fill_(n)
         if bucket.mode == ForwardMode.TARGET_VERIFY:
             inputs.custom_mask[: bs * n * n].view(bs, n, n).copy_(self._self_only[n])
-
-
-def _mask_places(sizes: list[int], n: int) -> np.ndarray:
-    """Where each request's flattened [s, s] tree mask goes in the bucket's [B, n, n] masks."""
-    parts = [
-        b * n * n + (np.arange(s)[:, None] * n + np.arange(s)[None, :]).ravel()
-        for b, s in enumerate(sizes)
-    ]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

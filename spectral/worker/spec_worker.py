@@ -11,8 +11,9 @@ import dataclasses
 
 import torch
 
-from spectral.constrained import GrammarFollower, apply_bitmask
+from spectral.constrained import GrammarFollower
 from spectral.core.forward import ForwardMode
+from spectral.core.transfer import stage
 from spectral.core.worker_io import RequestSampling, WorkerBatch, WorkerResult
 from spectral.speculative.cost_model import CostModel
 from spectral.speculative.drafters.base import Drafter
@@ -21,11 +22,15 @@ from spectral.speculative.tree import (
     DraftTrees,
     merge_tree_nodes,
     select_eagle_trees,
+    tree_mask_places,
     trees_from_parents,
 )
-from spectral.speculative.verify import VerifyResult, verify_greedy, verify_sampling
+from spectral.speculative.verify import (
+    accept_greedy_on_device,
+    unpack_accepted,
+)
 from spectral.worker.model_worker import ModelWorker
-from spectral.worker.sampler import apply_penalties, filtered_probs, request_step_seed
+from spectral.worker.spec_verify import round_result, verify_trees
 
 
 class SpeculativeWorker:
@@ -56,6 +61,8 @@ class SpeculativeWorker:
         self.cost_model: CostModel | None = None
         # The drafter's static path's summary (Drafter.use_graphs), where the factory set one.
         self.draft_graphs: dict | None = None
+        # Requests' rounds verified without the host (`_round_on_device`).
+        self.rounds_on_device = 0
 
     def graph_info(self) -> dict | None:
         """The target's graph runner's summary, with the drafter's under `draft` (None where
@@ -92,14 +99,62 @@ class SpeculativeWorker:
 
     @torch.inference_mode()
     def _verify_round(self, wb: WorkerBatch) -> WorkerResult:
-        target = self.target
         sizes = list(wb.extend_lens)
-        device = target.req_to_token.table.device
-        seq_lens = torch.tensor(wb.prefix_lens, device=device)
-        rows = torch.tensor(wb.req_pool_indices, device=device)
         offsets = [0]  # where each request's tree starts among the batch's nodes
         for n in sizes:
             offsets.append(offsets[-1] + n)
+        if self._verifies_on_device(wb, sizes):
+            verdict, batch, outputs, probs, ranks = self._round_on_device(wb, sizes, offsets)
+            self.rounds_on_device += len(sizes)
+        else:
+            verdict, batch, outputs, probs, ranks = self._round(wb, sizes, offsets)
+        hidden, captured, logits = outputs
+        # The accepted nodes' slots join their requests' table rows (one copy of the places).
+        width = self.target.req_to_token.max_context_len
+        kept = stage(
+            {
+                "rows": [offsets[b] + j for b, acc in enumerate(verdict.accepted) for j in acc],
+                "places": [
+                    row * width + start + i
+                    for row, start, acc in zip(
+                        wb.req_pool_indices, wb.prefix_lens, verdict.accepted
+                    )
+                    for i in range(len(acc))
+                ],
+            },
+            self.target.device,
+        )
+        kept_slots = batch.out_cache_loc[kept["rows"]]
+        self.target.req_to_token.table.view(-1).index_copy_(0, kept["places"], kept_slots)
+        if self.drafter is not None:
+            features = None
+            if self.drafter.needs_features:
+                features = self._features(hidden, captured)[kept["rows"]]
+            self.drafter.observe_round(
+                batch,
+                list(wb.prefix_lens),
+                # the accepted nodes' tokens: the root, then all but the last emitted
+                [[wb.input_ids[b]] + out[:-1] for b, out in enumerate(verdict.emitted)],
+                verdict.emitted,
+                kept_slots,
+                features,
+                drafted=any(p is not None for p in probs),
+            )
+        result = round_result(verdict, logits, offsets, wb.sampling)
+        result.node_ranks = ranks
+        result.draft_probs = probs
+        if self.drafter is not None:
+            result.draft_top1 = self.drafter.top1(wb.req_pool_indices)
+        return result
+
+    def _round(self, wb: WorkerBatch, sizes: list[int], offsets: list[int]) -> tuple:
+        """Trees (given, drafted, merged) built on the host, verified under any sampling,
+        grammar or penalty: (verdict, the verify batch, its (hidden, captured, logits), the
+        drafted requests' candidate probabilities, each tree's node ranks)."""
+        target = self.target
+        device = target.req_to_token.table.device
+        seq_lens = torch.tensor(wb.prefix_lens, device=device)
+        rows = torch.tensor(wb.req_pool_indices, device=device)
         trees, probs = self._trees(wb, rows, seq_lens, sizes, offsets)
         masks = self._grammar_masks(trees, sizes, wb.sampling)
         token_ids: list[int] = []
@@ -114,35 +169,82 @@ class SpeculativeWorker:
         )
         batch = target.to_forward_batch(verify_wb)
         batch.capture_layers = self.drafter.capture_layers if self.drafter else ()
-        hidden, captured, logits = target.forward_batch(batch)  # logits stay on the device
-        verdict = self._verify(trees, logits, sizes, wb.sampling, masks)
+        outputs = target.forward_batch(batch)  # logits stay on the device
+        verdict = verify_trees(
+            trees,
+            outputs[2],
+            sizes,
+            wb.sampling,
+            masks,
+            self.target.model.kernels,
+            self.report_node_choices,
+        )
+        ranks = [trees.ranks[b, :n].tolist() for b, n in enumerate(sizes)]
+        return verdict, batch, outputs, probs, ranks
 
-        slots = batch.out_cache_loc
-        kept_rows = [offsets[b] + j for b, acc in enumerate(verdict.accepted) for j in acc]
-        kept_rows_t = torch.tensor(kept_rows)
-        for b, acc in enumerate(verdict.accepted):
-            start = wb.prefix_lens[b]
-            kept = slots[torch.tensor(acc) + offsets[b]]
-            target.req_to_token.table[wb.req_pool_indices[b], start : start + len(acc)] = kept
-        if self.drafter is not None:
-            features = None
-            if self.drafter.needs_features:
-                features = self._features(hidden, captured)[kept_rows_t.to(hidden.device)]
-            self.drafter.observe_round(
-                batch,
-                list(wb.prefix_lens),
-                [trees.tokens[b, acc].tolist() for b, acc in enumerate(verdict.accepted)],
-                verdict.emitted,
-                slots[kept_rows_t],
-                features,
-                drafted=any(p is not None for p in probs),
-            )
-        result = self._result(verdict, logits, offsets, wb.sampling)
-        result.node_ranks = [trees.ranks[b, :n].tolist() for b, n in enumerate(sizes)]
-        result.draft_probs = probs
-        if self.drafter is not None:
-            result.draft_top1 = self.drafter.top1(wb.req_pool_indices)
-        return result
+    def _verifies_on_device(self, wb: WorkerBatch, sizes: list[int]) -> bool:
+        """Whether the round is the drafter's alone and the device can verify it without the
+        host: every request drafted for (no given tree, more than its root), greedy, with
+        nothing adjusting its logits (grammar, penalties, banned tokens) and no logprobs, and
+        no node choices to report."""
+        if self.drafter is None or self.report_node_choices or min(sizes) < 2:
+            return False
+        if wb.draft_tokens and any(tokens is not None for tokens in wb.draft_tokens):
+            return False
+        return all(
+            s.params.is_greedy
+            and s.params.grammar is None
+            and not (s.params.has_penalties or s.banned_token_ids)
+            and not (s.return_logprob or s.top_logprobs_num)
+            for s in wb.sampling
+        )
+
+    def _round_on_device(self, wb: WorkerBatch, sizes: list[int], offsets: list[int]) -> tuple:
+        """`_round` for rounds `_verifies_on_device` admits, reading nothing on the host
+        before the round's result: the trees selected, laid out and verified where the
+        drafter's candidates are, then one copy of the verdict, the node ranks and the
+        candidates' scores."""
+        target = self.target
+        B, n = len(sizes), max(sizes)
+        staged = stage(
+            {
+                "rows": wb.req_pool_indices,
+                "seq_lens": wb.prefix_lens,
+                "roots": wb.input_ids,
+                "root_slots": [wb.out_cache_loc[start] for start in offsets[:-1]],
+                "places": [b * n + j for b, size in enumerate(sizes) for j in range(size)],
+                "mask_places": tree_mask_places(sizes, n).tolist(),
+            },
+            target.device,
+        )
+        scores, tokens, parents = self.drafter.draft(
+            staged["rows"],
+            staged["seq_lens"],
+            num_steps=n - 1,
+            roots=staged["roots"],
+            root_slots=staged["root_slots"],
+        )
+        trees = select_eagle_trees(staged["roots"], scores, tokens, parents, sizes, on_device=True)
+        places = staged["places"]
+        zeros = [0] * len(wb.out_cache_loc)  # the nodes' ids and positions follow on the device
+        batch = target.to_forward_batch(
+            dataclasses.replace(wb, input_ids=zeros, positions=zeros, custom_mask=None)
+        )
+        batch.input_ids = trees.tokens.view(-1)[places]
+        batch.positions = (trees.depths + staged["seq_lens"][:, None]).view(-1)[places]
+        batch.custom_mask = trees.mask.view(-1)[staged["mask_places"]]
+        batch.capture_layers = self.drafter.capture_layers
+        outputs = target.forward_batch(batch)
+        choices = torch.full((B * n,), -1, dtype=torch.int64, device=scores.device)
+        choices[places] = outputs[2].argmax(dim=-1)
+        packed = accept_greedy_on_device(trees, choices.view(B, n))
+        host = torch.cat((packed.double(), trees.ranks.double(), scores.double()), 1).tolist()
+        verdict = unpack_accepted([[int(x) for x in row[: 1 + 2 * n]] for row in host])
+        ranks = [
+            [int(x) for x in row[1 + 2 * n : 1 + 2 * n + size]] for row, size in zip(host, sizes)
+        ]
+        probs = [probabilities(row[1 + 3 * n :]) for row in host]
+        return verdict, batch, outputs, probs, ranks
 
     def _trees(
         self,
@@ -231,136 +333,3 @@ class SpeculativeWorker:
                 trees.tokens[b, :n], trees.next_token[b, :n], trees.next_sibling[b, :n]
             )
         return masks
-
-    def _verify(
-        self,
-        trees: DraftTrees,
-        logits: torch.Tensor,
-        sizes: list[int],
-        sampling: list[RequestSampling],
-        masks: dict[int, torch.Tensor] | None = None,
-    ) -> VerifyResult:
-        """Accept a path per request: greedy requests by argmax, others by the lossless
-        sampling rule, both on logits adjusted per node as plain decoding would adjust them
-        (penalties, then the grammar's mask where `masks` has the request's)."""
-        B, n = trees.tokens.shape
-        vocab = logits.shape[-1]
-        accepted: list[list[int]] = [[] for _ in range(B)]
-        emitted: list[list[int]] = [[] for _ in range(B)]
-        greedy_rows = [b for b, s in enumerate(sampling) if s.params.is_greedy]
-        sampled_rows = [b for b, s in enumerate(sampling) if not s.params.is_greedy]
-        adjusted: list[torch.Tensor] = []
-        offset = 0
-        for b, size in enumerate(sizes):
-            raw = logits[offset : offset + size]
-            block = raw
-            node_sampling = _node_sampling(trees, b, size, sampling[b])
-            if node_sampling is not None:
-                block = apply_penalties(block, node_sampling)  # a copy where it changes any
-            if masks and b in masks:
-                # in place, on a copy: the logprobs read the raw logits
-                block = block.clone() if block is raw else block
-                block = apply_bitmask(block, masks[b], self.target.model.kernels)
-            adjusted.append(block)
-            offset += size
-        # the target's choice after each node: greedy verification's, and what a round that
-        # reports node choices reports for every request
-        chosen_rows = range(B) if self.report_node_choices else greedy_rows
-        choices = {b: adjusted[b].argmax(dim=-1) for b in chosen_rows}
-        if greedy_rows:
-            ids = torch.full((len(greedy_rows), n), -1, dtype=torch.int64, device=logits.device)
-            for i, b in enumerate(greedy_rows):
-                ids[i, : sizes[b]] = choices[b]
-            part = verify_greedy(_select(trees, greedy_rows), ids)
-            for i, b in enumerate(greedy_rows):
-                accepted[b], emitted[b] = part.accepted[i], part.emitted[i]
-        if sampled_rows:
-            probs = torch.zeros((len(sampled_rows), n, vocab), device=logits.device)
-            generators: list[torch.Generator | None] = []
-            for i, b in enumerate(sampled_rows):
-                s = sampling[b]
-                probs[i, : sizes[b]] = filtered_probs(adjusted[b], [s] * sizes[b])
-                probs[i, sizes[b] :, 0] = 1.0  # padding rows: never reached
-                gen = None
-                if s.params.seed is not None:
-                    seed = request_step_seed(s.params.seed, len(s.output_ids))
-                    gen = torch.Generator().manual_seed(seed)
-                generators.append(gen)
-            # The walk runs on the host: one copy of the filtered distributions.
-            probs = probs.cpu()
-            part = verify_sampling(_select(trees, sampled_rows), probs, generators=generators)
-            for i, b in enumerate(sampled_rows):
-                accepted[b], emitted[b] = part.accepted[i], part.emitted[i]
-        node_next = [choices[b].tolist() for b in range(B)] if self.report_node_choices else []
-        return VerifyResult(accepted, emitted, node_next)
-
-    def _result(
-        self,
-        verdict: VerifyResult,
-        logits: torch.Tensor,
-        offsets: list[int],
-        sampling: list[RequestSampling],
-    ) -> WorkerResult:
-        emitted_logprobs: list[list[float] | None] = []
-        emitted_top: list[list[list[tuple[float, int]]] | None] = []
-        for b, s in enumerate(sampling):
-            if not (s.return_logprob or s.top_logprobs_num):
-                emitted_logprobs.append(None)
-                emitted_top.append(None)
-                continue
-            rows = torch.tensor(verdict.accepted[b]) + offsets[b]
-            logprobs = torch.log_softmax(logits[rows], dim=-1)
-            chosen = torch.tensor(verdict.emitted[b], device=logits.device)
-            emitted_logprobs.append(logprobs.gather(1, chosen[:, None])[:, 0].tolist())
-            if s.top_logprobs_num:
-                values, ids = logprobs.topk(s.top_logprobs_num, dim=-1)
-                emitted_top.append([list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())])
-            else:
-                emitted_top.append(None)
-        return WorkerResult(
-            next_token_ids=[e[0] for e in verdict.emitted],
-            logprobs=[lp[0] if lp else None for lp in emitted_logprobs],
-            top_logprobs=[t[0] if t else None for t in emitted_top],
-            accepted_nodes=verdict.accepted,
-            emitted_ids=verdict.emitted,
-            emitted_logprobs=emitted_logprobs,
-            emitted_top_logprobs=emitted_top,
-            node_next_ids=verdict.node_next,
-        )
-
-
-def _select(trees: DraftTrees, rows: list[int]) -> DraftTrees:
-    """The trees of `rows` only."""
-    index = torch.tensor(rows)
-    return DraftTrees(
-        tokens=trees.tokens[index],
-        parents=trees.parents[index],
-        depths=trees.depths[index],
-        mask=trees.mask[index],
-        next_token=trees.next_token[index],
-        next_sibling=trees.next_sibling[index],
-        num_nodes=[trees.num_nodes[r] for r in rows],
-    )
-
-
-def _node_sampling(
-    trees: DraftTrees, b: int, size: int, s: RequestSampling
-) -> list[RequestSampling] | None:
-    """Per tree node, the sampling state plain decoding would have there: the output so far
-    extended by the node's path (penalties count it), and banned tokens while the output is
-    shorter than min_new_tokens. None when nothing depends on the node."""
-    if not (s.params.has_penalties or s.banned_token_ids):
-        return None
-    parents = trees.parents[b].tolist()
-    tokens = trees.tokens[b].tolist()
-    out: list[RequestSampling] = []
-    for j in range(size):
-        path: list[int] = []
-        node = j
-        while node > 0:
-            path.append(tokens[node])
-            node = parents[node]
-        output = s.output_ids + path[::-1]
-        banned = s.banned_token_ids if len(output) < s.params.min_new_tokens else []
-        out.append(dataclasses.replace(s, output_ids=output, banned_token_ids=banned))
-    return out

@@ -21,6 +21,7 @@ import torch
 from spectral.attention.registry import create_attention_backend
 from spectral.attention.rows import rows_attention
 from spectral.core.forward import ForwardBatch, ForwardMode
+from spectral.core.transfer import on_device, stage
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.speculative.drafters.base import DrafterContext, file_stamp
@@ -115,15 +116,18 @@ class EagleDrafter:
         drafted none of the round's trees (n-gram, LOOKAHEAD) it may well not draft the next
         either: only its KV is queued, as after a plain step (`write_kv`)."""
         accepted_lens = [len(tokens) for tokens in accepted_tokens]
-        device = kept_slots.device
+        inputs = stage(
+            {
+                "input_ids": [t for e in emitted for t in e],
+                "positions": [p + i for p, a in zip(prefix_lens, accepted_lens) for i in range(a)],
+            },
+            kept_slots.device,
+        )
         (self.extend if drafted else self.write_kv)(
             ForwardBatch(
                 mode=ForwardMode.DRAFT_EXTEND,
-                input_ids=torch.tensor([t for e in emitted for t in e], device=device),
-                positions=torch.tensor(
-                    [p + i for p, a in zip(prefix_lens, accepted_lens) for i in range(a)],
-                    device=device,
-                ),
+                input_ids=inputs["input_ids"],
+                positions=inputs["positions"],
                 out_cache_loc=kept_slots,
                 req_pool_indices=batch.req_pool_indices,
                 prefix_lens=list(prefix_lens),
@@ -136,9 +140,9 @@ class EagleDrafter:
     def top1(self, rows: list[int]) -> list[float | None]:
         """The head's top-1 probability after each request row's last verified token, known
         before it drafts next (None where the row's top-k is stale)."""
-        index = torch.tensor(rows)
-        top1 = self.topk_logprobs[index, 0].exp().tolist()
-        stale = self.stale[index].tolist()
+        index = on_device(rows, torch.int64, self.stale.device)
+        top1 = self.topk_logprobs[index, 0].exp()
+        top1, stale = torch.stack((top1, self.stale[index].float())).tolist()  # one copy
         return [None if old else p for p, old in zip(top1, stale)]
 
     @torch.inference_mode()
@@ -153,8 +157,8 @@ class EagleDrafter:
             return self.backend.forward(q, k, v, 0, batch)
 
         hidden = self.head(batch.input_ids, features, batch.positions, attend)
-        ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
-        last = hidden[ends.to(hidden.device)]
+        ends = on_device(batch.extend_lens, torch.int64, hidden.device).cumsum(0) - 1
+        last = hidden[ends]
         logprobs = torch.log_softmax(self.head.logits(last), dim=-1)
         values, ids = logprobs.topk(self.topk, dim=-1)
         rows = batch.req_pool_indices
@@ -175,7 +179,7 @@ class EagleDrafter:
         self._pending.append((batch.input_ids, features, batch.positions, batch.out_cache_loc))
         if sum(ids.shape[0] for ids, *_ in self._pending) >= FLUSH_TOKENS:
             self.flush()
-        ends = torch.tensor(batch.extend_lens, device=features.device).cumsum(0) - 1
+        ends = on_device(batch.extend_lens, torch.int64, features.device).cumsum(0) - 1
         rows = batch.req_pool_indices
         self.stale[rows] = True
         self.stale_token[rows] = batch.input_ids[ends]
@@ -209,7 +213,7 @@ class EagleDrafter:
         if not stale:
             return
         prefix_lens = [self._stale_rows[row] for row in stale]  # one new token at p: p before
-        index = torch.tensor(stale, device=rows.device)
+        index = on_device(stale, torch.int64, rows.device)
         self.extend(
             ForwardBatch(
                 mode=ForwardMode.DRAFT_EXTEND,
