@@ -225,6 +225,38 @@ def test_plans_equal_the_torch_backends_view_and_read_back_to_its_output(shape):
         assert err < 1e-5, f"{mode.name} {prefixes}/{news}: max error {err:.2e}"
 
 
+def test_a_small_trees_plan_is_the_one_written_out_by_hand():
+    """Two requests verifying trees: request 0 (row 0: slots 11-14) has 2 tokens cached and
+    a root with one child; request 1 (row 1: slots 21-23) 1 token cached and a root with a
+    sibling beside it. Every array of the plan, by hand (not through the backends' helpers)."""
+    from spectral.core.forward import ForwardBatch
+    from spectral.mem.req_to_token import ReqToTokenPool
+
+    table = ReqToTokenPool(2, 8)
+    table.write(0, 0, [11, 12, 13, 14])
+    table.write(1, 0, [21, 22, 23])
+    batch = ForwardBatch(
+        mode=ForwardMode.TARGET_VERIFY,
+        input_ids=torch.tensor([5, 6, 7, 8]),
+        positions=torch.tensor([2, 3, 1, 1]),
+        out_cache_loc=torch.tensor([13, 14, 22, 23]),
+        req_pool_indices=torch.tensor([0, 1]),
+        prefix_lens=[2, 1],
+        extend_lens=[2, 2],
+        custom_mask=torch.tensor([1, 0, 1, 1, 1, 0, 0, 1], dtype=torch.bool),
+    )
+    plan = plan_arrays(batch, table.table)
+    assert plan.qo_indptr.tolist() == [0, 2, 4]
+    assert plan.kv_indptr.tolist() == [0, 4, 7]
+    assert plan.kv_indices.tolist() == [11, 12, 13, 14, 21, 22, 23]
+    assert plan.kv_last_page_len.tolist() == [1, 1]
+    assert plan.mask_indptr.tolist() == [0, 8, 14]
+    # per request, [new tokens x its keys]: the prefix always, then the tree's own mask
+    request0 = [1, 1, 1, 0] + [1, 1, 1, 1]
+    request1 = [1, 1, 0] + [1, 0, 1]
+    assert plan.custom_mask.int().tolist() == request0 + request1
+
+
 def test_the_default_backend_follows_the_device_dtype_and_flashinfers_presence(monkeypatch):
     import importlib.util
 

@@ -44,6 +44,13 @@ def expanded(packed, k: int, dtype: torch.dtype) -> torch.Tensor:
     return packed.matmul(kernels, torch.eye(k, dtype=dtype), None).T
 
 
+def unpermute_llama_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's conversion of q and k rows (its HF-to-GGUF script reshapes each
+    head's rows as (2, d/2) and swaps the axes): here the inverse, (d/2, 2) swapped back."""
+    out = rows.shape[0]
+    return rows.reshape(heads, out // heads // 2, 2, -1).swapaxes(1, 2).reshape(out, -1)
+
+
 def from_gguf(dtype: torch.dtype, native_kernels) -> tuple[torch.nn.Module, int]:
     config = ModelConfig.from_pretrained(model_files_dir("default"))
     model = build_model(config, dtype)
@@ -186,7 +193,8 @@ def test_the_weights_reader_keeps_every_tensor_and_no_vocabulary():
 def test_requantized_layers_expand_to_ggufs_own_q4_1_of_the_stored_weights(tmp_path, fmt):
     """`requantize="Q4_1"` (a draft model's --speculative-draft-quantization q4_1): every layer
     matrix stored in more bits a weight expands to gguf's own Q4_1 quantization of gguf's own
-    dequantization of it (rows as the model uses them, llama's q and k unpermuted); tensors
+    dequantization of the stored blocks (rows as the model uses them, llama's q and k
+    unpermuted by llama.cpp's rule, written out here); tensors
     stored in 4-bit formats (Q4_0, Q4_K) and the LM head stay as stored."""
     import gguf
 
@@ -208,17 +216,20 @@ def test_requantized_layers_expand_to_ggufs_own_q4_1_of_the_stored_weights(tmp_p
     out_rows = {"attn_q": config.num_heads * config.head_dim, "attn_k": kv, "attn_v": kv}
     out_rows |= {"attn_output": config.hidden_size, "ffn_down": config.hidden_size}
     out_rows |= {"ffn_gate": config.intermediate_size, "ffn_up": config.intermediate_size}
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     changed = 0
-    for i, (layer, again) in enumerate(zip(stored.layers, requantized.layers)):
+    for i, again in enumerate(requantized.layers):
         for ours, theirs in LAYER_LINEARS.items():
-            module = layer.get_submodule(ours)
-            weight = expanded(module.packed, module.in_features, torch.float32)
-            parts, row = [], 0
+            parts = []
             for name in theirs:
-                kind = types[f"blk.{i}.{name}.weight"]
-                rows = out_rows[name]
-                part = weight[row : row + rows].numpy()
-                row += rows
+                stored_tensor = tensors[f"blk.{i}.{name}.weight"]
+                kind = types[stored_tensor.name]
+                # gguf's own dequantization of the stored blocks, in the model's row order
+                part = gguf.quants.dequantize(stored_tensor.data, stored_tensor.tensor_type)
+                assert part.shape[0] == out_rows[name]
+                if name in heads:
+                    part = unpermute_llama_rows(part, heads[name])
                 if bits_per_weight(kind) > bits_per_weight("Q4_1"):
                     part = gguf.quants.dequantize(gguf.quants.quantize(part, q4_1), q4_1)
                     changed += 1

@@ -6,6 +6,9 @@ rank workers (dense, or GGUF blocks cut as they load) that decode as one."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -21,6 +24,7 @@ from spectral.layers.parallel import (
     shard_range,
     vocab_parallel_embed,
 )
+from spectral.models.gguf_native import GGUFWeights
 from spectral.models.resolve import model_files_dir
 from tests.gguf_models import write_tiny_gguf
 from tests.test_gguf_blocks import gguf_values, random_blocks
@@ -52,11 +56,24 @@ def test_bad_splits_are_refused_with_what_is_wrong() -> None:
         block_columns("Q4_K", slice(0, 128))
 
 
+def cut_rows(fmt: str, raw: np.ndarray, rows: slice | None, cols: slice | None) -> np.ndarray:
+    """spectral's cut of a GGUF tensor for one rank (GGUFWeights.rows_of under `cuts`), from
+    a reader holding `raw` as gguf's reader gives a tensor (rows of blocks, or values)."""
+    name = "blk.0.ffn_down.weight"
+    kind = gguf.GGMLQuantizationType[fmt]
+    reader = SimpleNamespace(tensors=[SimpleNamespace(name=name, data=raw, tensor_type=kind)])
+    weights = GGUFWeights(
+        reader, "x.gguf", None, False, None, {"ffn_down": (rows, cols)}, {}, torch.float32
+    )
+    return weights.rows_of(name)
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "Q4_K", "Q6_K", "F32"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_gguf_shares_dequantize_to_slices_of_the_whole(fmt: str, world: int) -> None:
-    """Each rank's whole-block columns (or float values) of GGUF rows as gguf's reader gives
-    them dequantize, by gguf's own code, to its columns of the whole weight; rows likewise."""
+    """Each rank's cut of a GGUF tensor as spectral makes it (its whole-block columns, or
+    its rows) dequantizes, by gguf's own code, to its columns (rows) of gguf's dequantization
+    of the whole weight."""
     if fmt == "F32":
         size, raw = 32, np.random.default_rng(world).standard_normal((6, 6 * 32), np.float32)
         whole = torch.from_numpy(raw)
@@ -64,14 +81,16 @@ def test_gguf_shares_dequantize_to_slices_of_the_whole(fmt: str, world: int) -> 
         size = BLOCKS[fmt][0]
         raw = random_blocks(fmt, 6, 6, seed=world)
         whole = gguf_values(fmt, raw)
+
+    def values(cut: np.ndarray) -> torch.Tensor:
+        cut = np.ascontiguousarray(cut)
+        return torch.from_numpy(cut) if fmt == "F32" else gguf_values(fmt, cut)
+
     for rank in range(world):
         k = shard_range(6 * size, rank, world, size)
-        cols = np.ascontiguousarray(raw[:, block_columns(fmt, k)])
-        got = torch.from_numpy(cols) if fmt == "F32" else gguf_values(fmt, cols)
-        assert torch.equal(got, whole[:, k])
+        assert torch.equal(values(cut_rows(fmt, raw, None, k)), whole[:, k])
         rows = shard_range(6, rank, world)
-        if fmt != "F32":
-            assert torch.equal(gguf_values(fmt, raw[rows]), whole[rows])
+        assert torch.equal(values(cut_rows(fmt, raw, rows, None)), whole[rows])
 
 
 def test_head_shares_split_kv_heads_or_replicate_the_one_read() -> None:

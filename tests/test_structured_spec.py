@@ -179,11 +179,13 @@ def test_without_the_tree_masks_the_control_fails(
     prompts = [chat(tokenizer, q) for q in QUESTIONS[:8]]
     params = {"temperature": 0, "max_new_tokens": 32, "json_schema": json.dumps(PERSON)}
     want = engine_fp32.generate(input_ids=prompts, sampling_params=params)
-    try:
-        got = eagle3_engine.generate(input_ids=prompts, sampling_params=params)
-    except Exception:
-        return  # a request left its grammar and failed
-    assert [o["output_ids"] for o in got] != [o["output_ids"] for o in want]
+    got = eagle3_engine.generate(input_ids=prompts, sampling_params=params)
+    reasons = [o["meta_info"]["finish_reason"] for o in got]
+    failed = [r["message"] for r in reasons if r["type"] == "abort"]
+    # only a request leaving its grammar may fail: any other error (a stand-in whose signature
+    # drifted, say) is the control failing to run, not the masks being needed
+    assert all("does not continue the request's grammar" in m for m in failed), failed
+    assert failed or [o["output_ids"] for o in got] != [o["output_ids"] for o in want]
 
 
 def test_sampled_speculation_on_a_tiny_grammar_follows_plain_sampling(

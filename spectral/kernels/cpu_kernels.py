@@ -43,6 +43,8 @@ ISA_FLAGS = {
 }
 # A build lock older than this was left by a killed build.
 STALE_LOCK_S = 900
+# Why a build of an instruction set (a key of ISA_FLAGS) gave no kernels, where one did not.
+BUILD_ERRORS: dict[str, str] = {}
 
 
 @functools.cache
@@ -62,6 +64,7 @@ def load_cpu_kernels(isa: str = "native") -> ModuleType | None:
             module = _build(name, isa, build_dir)
     except Exception as err:  # a missing compiler or ninja must not stop the runtime
         logger.warning("CPU kernels unavailable, using PyTorch matmuls (%s)", err)
+        BUILD_ERRORS[isa] = f"{type(err).__name__}: {err}"
         return None
     if isa == "native" and module.vector_bits() == 0:
         logger.warning(
