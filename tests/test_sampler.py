@@ -11,7 +11,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from spectral.core.worker_io import RequestSampling
 from spectral.sampling_params import SamplingParams
-from spectral.worker.sampler import apply_penalties, filtered_probs, sample
+from spectral.worker.sampler import apply_penalties, filtered_probs, sample, threshold_filtered
 
 # Chi-square critical values at p = 0.001 for df 1..8.
 CHI2_CRIT = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
@@ -164,3 +164,28 @@ def test_penalties_over_a_batch_equal_each_row_alone():
     assert not torch.equal(batch[:, :12], logits)
     plain = logits[:2]
     assert apply_penalties(plain, [rs(), rs()]) is plain  # no penalty: no copy
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_thresholds_keep_what_ranking_keeps(seed):
+    """The GPU's sort-free top-p and min-p (`threshold_filtered`, run here on the CPU) keep
+    the tokens, and give the distribution, of ranking the vocabulary (the CPU's way), for
+    sharp and flat rows and every kind of filter."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn((6, 5000), generator=gen) * torch.tensor([[0.5], [2], [4], [8], [1], [3]])
+    params = [
+        dict(top_p=0.9),
+        dict(top_p=0.5),
+        dict(top_p=0.99, min_p=0.05),
+        dict(top_p=0.3),
+        dict(min_p=0.2),
+        dict(top_p=1.0),
+    ]
+    sampling = [rs(temperature=1.0, **p) for p in params]
+    ranked = filtered_probs(logits, sampling)
+    probs = torch.softmax(logits, dim=-1)
+    top_p = torch.tensor([p.get("top_p", 1.0) for p in params])
+    min_p = torch.tensor([p.get("min_p", 0.0) for p in params])
+    got = threshold_filtered(probs, top_p, min_p)
+    assert torch.equal(got > 0, ranked > 0)
+    assert torch.allclose(got, ranked, atol=1e-6)

@@ -82,27 +82,61 @@ def filtered_probs(logits: torch.Tensor, sampling: list[RequestSampling]) -> tor
         return probs
     vocab = probs.shape[-1]
     limits = [s.params.top_k if s.params.top_k > 0 else vocab for s in sampling]
-    # Only the candidates some row may keep are ranked: where every row has a top-k, the
-    # largest of them (a partial sort), else the whole vocabulary.
-    width = max(limits)
-    if width < vocab:
-        sorted_probs, sorted_idx = probs.topk(width, dim=-1)
-    else:
-        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-    top_k = on_device(limits, torch.long, device)
     top_p, min_p = on_device(
         [[s.params.top_p for s in sampling], [s.params.min_p for s in sampling]],
         probs.dtype,
         device,
     )
+    # Only the candidates some row may keep are ranked: where every row has a top-k, the
+    # largest of them (a partial sort), else the whole vocabulary; on a GPU, with no top-k,
+    # nothing is sorted (thresholds found by bisection: a sort of the vocabulary there costs
+    # more than the bisection's fixed steps, on a CPU less).
+    width = max(limits)
+    if width < vocab:
+        sorted_probs, sorted_idx = probs.topk(width, dim=-1)
+    elif probs.is_cuda:
+        return threshold_filtered(probs, top_p, min_p)
+    else:
+        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+    top_k = on_device(limits, torch.long, device)
     ranks = torch.arange(width, device=device)[None, :]
     drop = ranks >= top_k[:, None]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before >= top_p[:, None]
+    # top_p 1 keeps everything (a float32 running sum may reach 1 before the last tokens)
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     drop |= sorted_probs < (min_p * sorted_probs[:, 0])[:, None]
     drop[:, 0] = False
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     kept = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+# Halvings of the top-p threshold's interval: below float32's resolution of a probability.
+TOP_P_STEPS = 48
+
+
+def threshold_filtered(
+    probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-p and min-p without sorting the vocabulary: top-p keeps the tokens of probability
+    at least t, t the largest threshold whose kept mass reaches top_p (what keeping the most
+    likely tokens until their mass reaches top_p keeps, ties at t included), found by
+    bisection between 0 and the row's largest probability; min-p keeps those at least min_p
+    times it. No host read: the steps are fixed."""
+    best = probs.max(dim=-1, keepdim=True).values
+    low = torch.zeros_like(best)  # its kept mass always reaches top_p
+    high = best.clone()
+    target = top_p[:, None]
+    for _ in range(TOP_P_STEPS):
+        middle = (low + high) / 2
+        reaches = (probs * (probs >= middle)).sum(dim=-1, keepdim=True) >= target
+        low = torch.where(reaches, middle, low)
+        high = torch.where(reaches, high, middle)
+    # the largest probability whose kept mass still reaches top_p: `low` rounded up to it
+    threshold = torch.where(probs >= low, probs, best).min(dim=-1, keepdim=True).values
+    threshold = torch.where(target < 1.0, threshold, 0.0)  # top_p 1 keeps everything
+    keep = (probs >= threshold) & (probs >= min_p[:, None] * best)
+    kept = probs * keep
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
