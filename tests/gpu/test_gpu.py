@@ -338,3 +338,42 @@ def test_a_graphed_eagle3_round_waits_on_the_device_twice(tiny_model):
         assert (long[0] - short[0]) == 2 * (long[1] - short[1]), f"waits, rounds: {short} {long}"
     finally:
         engine.shutdown()
+
+
+def test_replayed_draft_expansions_equal_eager_ones(tiny_model):
+    """The head's tree levels replayed from their CUDA graphs (batch sizes 1 and 4, depths 2
+    and 3; 3 requests padded to 4) give the eager expansion's candidates."""
+    from spectral.core.req import Req
+    from spectral.sampling_params import SamplingParams
+
+    _, head_dir = tiny_model
+    spec = {
+        "speculative_algorithm": "EAGLE3",
+        "speculative_draft_model_path": head_dir,
+        "speculative_fixed_tree": True,
+        "speculative_num_steps": 3,
+        "speculative_eagle_topk": 4,
+        "speculative_num_draft_tokens": 8,
+        "speculative_max_batch_size": 4,
+        "speculative_hybrid_ngram": 0,
+    }
+    engine = _graph_engines(tiny_model, "triton", spec, graphs=True)
+    try:
+        drafter = engine.worker.drafter
+        assert (4, 3) in drafter.graphs.graphs and (1, 2) in drafter.graphs.graphs
+        scheduler = engine.scheduler
+        reqs = [Req(f"r{i}", [5 + i, 6, 7, 8][: 2 + i], SamplingParams()) for i in range(3)]
+        for req in reqs:  # prefilled: each row's top-k after its prompt
+            scheduler.add_request(req)
+        scheduler.step()
+        rows = torch.tensor([r.req_pool_idx for r in reqs], device="cuda")
+        seq_lens = torch.tensor([len(r.input_ids) for r in reqs], device="cuda")
+        for count, steps in ((1, 2), (3, 3)):
+            replayed = drafter.draft(rows[:count], seq_lens[:count], steps)
+            eager = drafter.expand(rows[:count], seq_lens[:count], steps)
+            assert torch.allclose(replayed[0], eager[0], atol=1e-4)
+            assert torch.equal(replayed[1], eager[1]) and torch.equal(replayed[2], eager[2])
+        while scheduler.has_work:
+            scheduler.step()
+    finally:
+        engine.shutdown()
