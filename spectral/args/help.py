@@ -41,8 +41,8 @@ HELP: dict[str, dict[str, str]] = {
         "random_seed": "seed for unseeded sampling",
         "num_threads": "CPU threads of the model worker (default: torch's, one per core)",
         "disable_cuda_graph": (
-            "on a GPU, run decode and verification forwards eagerly instead of replaying CUDA "
-            "graphs captured at start"
+            "on a GPU, run decode and verification forwards and the EAGLE and Medusa drafts "
+            "eagerly instead of replaying CUDA graphs captured at start"
         ),
         "cuda_graph_max_bs": (
             "largest batch captured in a CUDA graph (default: from the GPU's free memory, at most "
