@@ -99,7 +99,7 @@ def make_spec_scheduler(
         **{
             # Speculate at every batch size the tests use (the default is tuned for speed).
             "speculative_max_batch_size": 16 if options.get("speculative_algorithm") else None,
-            **{k: v for k, v in options.items() if k.startswith("speculative")},
+            **{k: v for k, v in options.items() if k.startswith(("speculative", "cuda_graph"))},
         },
     )
     model, tokenizer = resolve_model(args)

@@ -103,6 +103,29 @@ def test_greedy_output_equals_plain_decoding(
     )
 
 
+def test_the_draft_models_levels_through_static_buffers_keep_output_equal(
+    peaky_model_dir: str, draft_dir: str, plain_outputs: list[list[int]]
+) -> None:
+    """With --cuda-graph-bs 1 2 4 8, a tree level (a decode step of the draft over k rows a
+    request) runs through the draft worker's graph runner, padded to 3, 6, 12 or 24 rows (CUDA
+    graphs on a GPU, the same static buffers eagerly here): plain decoding's output."""
+    runs = []
+
+    def make(**options):
+        s = standalone(peaky_model_dir, draft_dir, **options)
+        runner = s.worker.drafter.lm.graphs
+        run_bucket = runner.run
+        runner.run = lambda batch, bucket: runs.append(bucket) or run_bucket(batch, bucket)
+        return s
+
+    s = check_greedy_case(
+        make, CASES["tree-batch8"] | {"cuda_graph_bs": [1, 2, 4, 8]}, plain_outputs
+    )
+    assert s.worker.draft_graphs["decode_batch_sizes"] == [3, 6, 12, 24]
+    sizes = {bucket.requests for bucket in runs}  # eight requests' rows, and fewer later
+    assert 24 in sizes and len(sizes) > 1, sizes
+
+
 def accepted_per_round(s) -> float:
     stats = s.stats
     return (stats.spec_emitted_tokens - stats.spec_verify_ct) / stats.spec_verify_ct

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from spectral.core.forward import ForwardBatch, ForwardMode
+from spectral.core.transfer import on_device
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.speculative.drafters.base import DrafterContext, file_stamp
@@ -160,9 +161,13 @@ class DraftModelDrafter:
         return [None] * len(rows)
 
     def use_graphs(self, batch_sizes: list[int]) -> dict | None:
-        """No static path yet: a draft model's levels run eagerly (they read their roots'
-        scratch bookkeeping on the host)."""
-        return None
+        """A tree level is a decode step of the draft LM over k scratch rows a request: those
+        steps go through the draft worker's graph runner (CUDA graphs on a GPU), at k times
+        each batch size (a draft runs DRAFT_CHUNK requests at a time). The catch-up over
+        each request's uncomputed positions stays eager (its lengths vary)."""
+        sizes = sorted({self.topk * min(bs, DRAFT_CHUNK) for bs in batch_sizes})
+        self.lm.use_graphs(sizes)
+        return self.lm.graph_info()
 
     # ---- drafting ----------------------------------------------------------------------------
 
@@ -290,12 +295,13 @@ class DraftModelDrafter:
     def _logprobs(self, batch: ForwardBatch) -> torch.Tensor:
         """The draft's log-probs after each request's last token, over the vocabulary it
         shares with the target (or its hot ids: columns map to tokens by `_target_ids`)."""
-        hidden, _ = self.lm.forward_hidden(batch)
-        if batch.num_tokens != batch.batch_size:
-            ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
-            hidden = hidden[ends.to(hidden.device)]
-        logits = self.lm.model.compute_logits(hidden)[:, : self.vocab]
-        return torch.log_softmax(logits.float(), dim=-1)
+        if batch.mode == ForwardMode.DECODE:  # a tree level: through the graph runner if any
+            _, _, logits = self.lm.forward_batch(batch)
+        else:
+            hidden, _ = self.lm.forward_hidden(batch)
+            ends = on_device(batch.extend_lens, torch.int64, hidden.device).cumsum(0) - 1
+            logits = self.lm.model.compute_logits(hidden[ends])
+        return torch.log_softmax(logits[:, : self.vocab].float(), dim=-1)
 
 
 @dataclass
