@@ -7,6 +7,7 @@ out as slot lists for spectral's decode-attention kernel, or gathered for SDPA w
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -83,6 +84,7 @@ def slot_list_attention(
     return out.view(T, H, D).to(q.dtype)
 
 
+@functools.cache
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401

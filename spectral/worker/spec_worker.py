@@ -226,9 +226,9 @@ class SpeculativeWorker:
         )
         trees = select_eagle_trees(staged["roots"], scores, tokens, parents, sizes, on_device=True)
         places = staged["places"]
-        zeros = [0] * len(wb.out_cache_loc)  # the nodes' ids and positions follow on the device
+        # the table writes and slots from the host; ids, positions and mask from the device
         batch = target.to_forward_batch(
-            dataclasses.replace(wb, input_ids=zeros, positions=zeros, custom_mask=None)
+            dataclasses.replace(wb, input_ids=[], positions=[], custom_mask=None)
         )
         batch.input_ids = trees.tokens.view(-1)[places]
         batch.positions = (trees.depths + staged["seq_lens"][:, None]).view(-1)[places]

@@ -9,6 +9,7 @@ bench/shapes.py writes."""
 
 from __future__ import annotations
 
+import functools
 import random
 import warnings
 
@@ -89,21 +90,19 @@ def test_sampling_on_the_device_equals_the_cpu_and_syncs_a_fixed_number_of_times
             for i in range(rows)
         ]
         on_cpu = sample(logits, sampling)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                on_gpu = sample(logits.cuda(), sampling)
-                tokens = on_gpu.next_token_ids.tolist()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+
+        def on_device():
+            out = sample(logits.cuda(), sampling)
+            return out, out.next_token_ids.tolist()
+
+        (on_gpu, tokens), waits = host_waits(on_device)
         assert tokens == on_cpu.next_token_ids.tolist()
         assert on_gpu.logprobs == pytest.approx(on_cpu.logprobs, abs=1e-4)
         for got, want in zip(on_gpu.top_logprobs, on_cpu.top_logprobs):
             assert (got is None) == (want is None)
             if got:
                 assert [t for _, t in got] == [t for _, t in want]
-        return sum("synchroniz" in str(w.message) for w in caught)
+        return waits
 
     run(6)  # first uses (the pinned-memory pool, the device generator) wait once, not per step
     # at least the tokens' copy back waits: a count of 0 would mean no warning was caught
@@ -178,6 +177,34 @@ def test_two_nccl_ranks_decode_as_one_worker(tmp_path, tiny_model):
     mp.spawn(_worker_rank, args=(2, init, cases, "nccl"), nprocs=2, join=True)
 
 
+def host_waits(run):
+    """`run()`'s result and how many times it made the host wait on the device (the sync
+    debug mode's warnings)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, sum("synchroniz" in str(w.message) for w in caught)
+
+
+def eagle3_fixed_trees(head_dir: str, **options) -> dict:
+    """EAGLE3 with fixed trees of 8 tokens (3 levels of top-4), no n-gram trees."""
+    return {
+        "speculative_algorithm": "EAGLE3",
+        "speculative_draft_model_path": head_dir,
+        "speculative_fixed_tree": True,
+        "speculative_num_steps": 3,
+        "speculative_eagle_topk": 4,
+        "speculative_num_draft_tokens": 8,
+        "speculative_hybrid_ngram": 0,
+        **options,
+    }
+
+
 def _graph_engines(tiny_model, backend: str, spec: dict, graphs: bool):
     from spectral import Engine
 
@@ -215,18 +242,7 @@ def test_graph_replay_gives_the_eager_tokens(tiny_model, backend, algorithm):
     from tests.conftest import scheduler_leaks
 
     _, head_dir = tiny_model
-    spec = {}
-    if algorithm:
-        spec = {
-            "speculative_algorithm": algorithm,
-            "speculative_draft_model_path": head_dir,
-            "speculative_fixed_tree": True,
-            "speculative_num_steps": 3,
-            "speculative_eagle_topk": 4,
-            "speculative_num_draft_tokens": 8,
-            "speculative_max_batch_size": 16,
-            "speculative_hybrid_ngram": 0,
-        }
+    spec = eagle3_fixed_trees(head_dir, speculative_max_batch_size=16) if algorithm else {}
     runs = {}
     for graphs in (False, True):
         engine = _graph_engines(tiny_model, backend, spec, graphs)
@@ -285,15 +301,7 @@ def test_a_graphed_decode_step_waits_on_the_device_only_for_its_result(tiny_mode
                 extend_lens=[1],
                 sampling=[greedy],
             )
-            torch.cuda.synchronize()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    worker.forward(decode)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+            counts.append(host_waits(functools.partial(worker.forward, decode))[1])
         assert counts[1:] == [1, 1], f"host waits per decode step: {counts}"
     finally:
         engine.shutdown()
@@ -304,30 +312,15 @@ def test_a_graphed_eagle3_round_waits_on_the_device_twice(tiny_model):
     device) makes the host wait twice: its result, then the head's confidence after its
     extend. Measured as the difference between a long and a short generation, per round."""
     _, head_dir = tiny_model
-    spec = {
-        "speculative_algorithm": "EAGLE3",
-        "speculative_draft_model_path": head_dir,
-        "speculative_fixed_tree": True,
-        "speculative_num_steps": 3,
-        "speculative_eagle_topk": 4,
-        "speculative_num_draft_tokens": 8,
-        "speculative_hybrid_ngram": 0,
-    }
-    engine = _graph_engines(tiny_model, "triton", spec, graphs=True)
+    engine = _graph_engines(tiny_model, "triton", eagle3_fixed_trees(head_dir), graphs=True)
     try:
 
         def run(tokens: int) -> tuple[int, int]:
             before = engine.scheduler.stats.spec_verify_ct
             params = {"temperature": 0, "max_new_tokens": tokens, "ignore_eos": True}
-            torch.cuda.synchronize()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params=params)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            waits = sum("synchroniz" in str(w.message) for w in caught)
+            _, waits = host_waits(
+                lambda: engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params=params)
+            )
             return waits, engine.scheduler.stats.spec_verify_ct - before
 
         run(8)  # first uses
@@ -347,16 +340,7 @@ def test_replayed_draft_expansions_equal_eager_ones(tiny_model):
     from spectral.sampling_params import SamplingParams
 
     _, head_dir = tiny_model
-    spec = {
-        "speculative_algorithm": "EAGLE3",
-        "speculative_draft_model_path": head_dir,
-        "speculative_fixed_tree": True,
-        "speculative_num_steps": 3,
-        "speculative_eagle_topk": 4,
-        "speculative_num_draft_tokens": 8,
-        "speculative_max_batch_size": 4,
-        "speculative_hybrid_ngram": 0,
-    }
+    spec = eagle3_fixed_trees(head_dir, speculative_max_batch_size=4)
     engine = _graph_engines(tiny_model, "triton", spec, graphs=True)
     try:
         drafter = engine.worker.drafter

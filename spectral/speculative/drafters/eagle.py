@@ -351,6 +351,7 @@ def shifted_draft_batch(
         req_pool_indices=batch.req_pool_indices,
         prefix_lens=batch.prefix_lens,
         extend_lens=batch.extend_lens,
+        rows_host=batch.rows_host,  # write_kv reads the rows there, not on the device
     )
 
 
