@@ -9,6 +9,8 @@ size it pads to, and an engine drafting through it gives plain decoding's tokens
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from spectral.core.req import Req
 from spectral.kernels.cpu_kernels import load_cpu_kernels
 from spectral.sampling_params import SamplingParams
 from spectral.speculative.drafters.expansion import TreeExpansion
+from spectral.speculative.drafters.head_batches import round_draft_batch
 from tests.test_speculative import eagle3_head, make_spec_scheduler, prompts  # noqa: F401
 
 
@@ -167,3 +170,79 @@ def test_the_static_path_pads_and_slices_to_the_eager_candidates(prefilled):
             assert graphs.rows[:4].tolist() == rows.tolist() + [dummy]
             assert graphs.seq_lens[3].item() == 1
         _same_candidates(got, drafter.expand(rows, seq_lens, 4))
+
+
+def _fake_round(s, reqs, counts: list[int], seed: int = 0):
+    """Accepted positions after each request's prompt, `counts[b]` of them, at free slots
+    written into the table rows, with random tokens and features: (the round's verify batch as
+    the head reads it, its prefix lens, its tokens, its slots, its features)."""
+    drafter = s.worker.drafter
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = s.worker.target.num_kv_slots
+    slots = torch.arange(num_slots - sum(counts), num_slots)  # the pool's last: never taken here
+    rows = [r.req_pool_idx for r in reqs]
+    prefix_lens = [len(r.input_ids) for r in reqs]
+    tokens, start = [], 0
+    for row, prefix, n in zip(rows, prefix_lens, counts):
+        drafter.req_to_token.write(row, prefix, slots[start : start + n])
+        tokens.append(torch.randint(0, 1000, (n,), generator=gen).tolist())
+        start += n
+    features = torch.randn(sum(counts), drafter.head.cfg.feature_size, generator=gen)
+    batch = SimpleNamespace(req_pool_indices=torch.tensor(rows), rows_host=rows)
+    return batch, prefix_lens, tokens, slots, features
+
+
+def _head_state(drafter, rows, slots) -> list[torch.Tensor]:
+    pool = drafter.kv_pool
+    return [
+        drafter.topk_logprobs[rows].clone(),
+        drafter.topk_ids[rows].clone(),
+        drafter.last_hidden[rows].clone(),
+        pool.k[0][slots].clone(),
+        pool.v[0][slots].clone(),
+    ]
+
+
+def test_the_static_extend_after_a_round_equals_the_eager_extend(prefilled):
+    """A round's extend through ExtendGraphs (3 requests padded to 4, accepting 1, 5 and 2
+    tokens) leaves the head's top-k, last output and KV as the eager extend does; 5 requests
+    or a request past the width do not fit the static path and leave everything untouched."""
+    s, reqs = prefilled
+    drafter = s.worker.drafter
+    batch, prefix_lens, tokens, slots, features = _fake_round(s, reqs[:3], [1, 5, 2])
+    rows = batch.req_pool_indices
+    before = _head_state(drafter, rows, slots)
+    drafter.extend(round_draft_batch(batch, prefix_lens, tokens, slots), features)
+    eager = _head_state(drafter, rows, slots)
+    drafter.topk_logprobs[rows], drafter.topk_ids[rows], drafter.last_hidden[rows] = before[:3]
+    drafter.kv_pool.write(0, slots, before[3], before[4])
+    assert all(torch.equal(a, b) for a, b in zip(_head_state(drafter, rows, slots), before))
+
+    summary = drafter.use_graphs([1, 2, 4])
+    assert summary["extend"] == {
+        "captured": False, "batch_sizes": [1, 2, 4], "width": 5, "capture_s": 0.0,
+        "memory_mib": 0.0,
+    }  # fmt: skip
+    graphs = drafter.extend_graphs
+    assert graphs.run(batch.rows_host, prefix_lens, tokens, slots, features)
+    dummy = s.worker.target.req_to_token.dummy_row
+    assert graphs.rows[:4].tolist() == batch.rows_host + [dummy]
+    # request b's tokens at b * 5 on, the rest padding at slot 0
+    assert graphs.slots[:20].tolist() == (
+        slots[:1].tolist() + [0] * 4 + slots[1:6].tolist() + slots[6:8].tolist() + [0] * 8
+    )
+    for got, expected in zip(_head_state(drafter, rows, slots), eager):
+        if got.dtype == torch.int64:
+            assert torch.equal(got, expected)
+        else:
+            assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    assert graphs.static_runs == 1
+
+    wide = _fake_round(s, reqs[:1], [6], seed=1)
+    many = _fake_round(s, reqs, [1] * 5, seed=2)
+    for batch, prefix_lens, tokens, slots, features in (wide, many):
+        state = _head_state(drafter, batch.req_pool_indices, slots)
+        assert not graphs.run(batch.rows_host, prefix_lens, tokens, slots, features)
+        after = _head_state(drafter, batch.req_pool_indices, slots)
+        assert all(torch.equal(a, b) for a, b in zip(after, state))
+    assert graphs.static_runs == 1

@@ -195,6 +195,8 @@ def _generate(model_dir: str, prompts, params, repeat: bool = False, **options):
         graphs = getattr(getattr(engine.worker, "drafter", None), "graphs", None)
         if info is not None and graphs is not None:
             info["draft_static_runs"] = graphs.static_runs
+            extends = getattr(engine.worker.drafter, "extend_graphs", None)
+            info["extend_static_runs"] = extends.static_runs if extends else None
             info["rounds_on_device"] = engine.worker.rounds_on_device
     finally:
         engine.shutdown()
@@ -241,6 +243,8 @@ def test_eagle3_engine_through_the_buckets_gives_plain_tokens(peaky_model_dir, t
     assert info["verify_tree_sizes"] == [2, 4, 6]
     # the head drafted through its static buffers too (batches of up to 4 requests)
     assert info["draft"]["batch_sizes"] == [1, 2, 4] and info["draft_static_runs"] > 5
+    # and extended after each round through them (every round drafted by the head)
+    assert info["extend_static_runs"] == info["draft_static_runs"]
     # greedy, no grammar: every round selected its trees and accepted on the device
     assert info["rounds_on_device"] == rounds
 

@@ -14,19 +14,17 @@ static-buffer path runs eagerly, which is how it is tested on a CPU.
 from __future__ import annotations
 
 import bisect
-import logging
-import time
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from spectral.attention.base import AttentionBackend
+from spectral.core.cuda_graphs import StaticGraphs
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.transfer import stage
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.speculative.tree import tree_mask_places
-
-logger = logging.getLogger(__name__)
 
 # Batch sizes captured (SGLang's spacing: every size up to 4, then wider steps), capped by
 # --cuda-graph-max-bs; tree sizes of verification buckets.
@@ -121,7 +119,7 @@ class Captured:
     outputs: tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]
 
 
-class GraphRunner:
+class GraphRunner(StaticGraphs):
     """Runs the batches a bucket holds through static buffers (`run`), replaying captured
     CUDA graphs where `capture` was done; `None` from `bucket_for` sends a batch the eager way.
     Outputs are the real rows' final hidden states and captured layer inputs (copies the
@@ -135,6 +133,7 @@ class GraphRunner:
         buckets: list[Bucket],
         capture_layers: tuple[int, ...] = (),
     ) -> None:
+        super().__init__()
         self.model = model
         self.backend = backend
         self.req_to_token = req_to_token
@@ -160,8 +159,6 @@ class GraphRunner:
             n: torch.eye(n, dtype=torch.bool, device=device) for n in self._tree_sizes if n > 1
         }
         self.graphs: dict[Bucket, Captured] = {}
-        self.capture_seconds = 0.0
-        self.graph_memory_bytes = 0
 
     # ---- which bucket ------------------------------------------------------------------------
 
@@ -192,46 +189,26 @@ class GraphRunner:
     def capture(self) -> None:
         """Capture every bucket's forward in a CUDA graph, largest first, in one memory pool
         (CUDA only). Each bucket runs twice eagerly first (kernel builds, autotuning)."""
-        start = time.perf_counter()
-        free_before, _ = torch.cuda.mem_get_info()
-        stream = torch.cuda.Stream()
-        pool = None
-        for bucket in sorted(self.buckets, key=lambda b: b.num_tokens, reverse=True):
-            batch = self.batches[bucket]
+
+        def prepare(bucket: Bucket) -> None:
             self._pad_all(bucket)
-            for _ in range(2):
-                self.backend.prepare_replay(batch)
-                self._forward(batch)
-                torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            self.backend.prepare_replay(batch)
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                outputs = self._forward(batch)
-            pool = graph.pool()
-            self.graphs[bucket] = Captured(graph, outputs)
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
-        logger.info(
-            "CUDA graphs: %d buckets captured in %.1f s, %.0f MiB",
-            len(self.graphs),
-            self.capture_seconds,
-            self.graph_memory_bytes / 2**20,
-        )
+            self.backend.prepare_replay(self.batches[bucket])
+
+        runs = {
+            bucket: functools.partial(self._forward, self.batches[bucket])
+            for bucket in sorted(self.buckets, key=lambda b: b.num_tokens, reverse=True)
+        }
+        self.capture_runs(runs, "buckets", prepare)
+        self.graphs = {bucket: Captured(*pair) for bucket, pair in self.graphs.items()}
 
     def summary(self) -> dict:
         """What /get_server_info reports: the buckets, whether captured, capture time and
         graph memory."""
         decode = [b.requests for b in self.buckets if b.tokens == 1]
         verify = sorted({b.tokens for b in self.buckets if b.tokens > 1})
-        return {
-            "captured": bool(self.graphs),
-            "decode_batch_sizes": decode,
-            "verify_tree_sizes": verify,
-            "buckets": len(self.buckets),
-            "capture_s": round(self.capture_seconds, 2),
-            "memory_mib": round(self.graph_memory_bytes / 2**20, 1),
-        }
+        return self.summary_with(
+            decode_batch_sizes=decode, verify_tree_sizes=verify, buckets=len(self.buckets)
+        )
 
     # ---- a step ------------------------------------------------------------------------------
 

@@ -259,9 +259,10 @@ def test_graph_replay_gives_the_eager_tokens(tiny_model, backend, algorithm):
             assert scheduler_leaks(engine.scheduler) == []
             info = engine.worker.graph_info()
             assert bool(info and info["captured"]) == graphs
-            if algorithm and graphs:  # the head's tree levels replayed graphs too
-                assert info["draft"]["captured"]
+            if algorithm and graphs:  # the head's tree levels and extends replayed graphs too
+                assert info["draft"]["captured"] and info["draft"]["extend"]["captured"]
                 assert engine.worker.drafter.graphs.static_runs > 0
+                assert engine.worker.drafter.extend_graphs.static_runs > 0
         finally:
             engine.shutdown()
         runs[graphs] = outputs
@@ -335,7 +336,8 @@ def test_a_graphed_eagle3_round_waits_on_the_device_twice(tiny_model):
 
 def test_replayed_draft_expansions_equal_eager_ones(tiny_model):
     """The head's tree levels replayed from their CUDA graphs (batch sizes 1 and 4, depths 2
-    and 3; 3 requests padded to 4) give the eager expansion's candidates."""
+    and 3; 3 requests padded to 4) give the eager expansion's candidates, and its extend after
+    a round replayed the eager extend's top-k."""
     from spectral.core.req import Req
     from spectral.sampling_params import SamplingParams
 
@@ -357,6 +359,24 @@ def test_replayed_draft_expansions_equal_eager_ones(tiny_model):
             eager = drafter.expand(rows[:count], seq_lens[:count], steps)
             assert torch.allclose(replayed[0], eager[0], atol=1e-4)
             assert torch.equal(replayed[1], eager[1]) and torch.equal(replayed[2], eager[2])
+        # a round's extend (1, 2 and 1 tokens accepted) replayed, then run eagerly on the
+        # same buffers: the same top-k
+        extends = drafter.extend_graphs
+        assert sorted(extends.graphs) == [1, 4]
+        tokens = [[11, 12][: 1 + i % 2] for i in range(3)]
+        last = engine.worker.target.num_kv_slots
+        slots = torch.arange(last - 4, last, device="cuda")  # free: the pool's last
+        prefix = [len(r.input_ids) for r in reqs]
+        for req, start, first, own in zip(reqs, prefix, (0, 1, 3), tokens):
+            drafter.req_to_token.write(req.req_pool_idx, start, slots[first : first + len(own)])
+        features = torch.randn(
+            4, drafter.head.cfg.feature_size, device="cuda", dtype=drafter.last_hidden.dtype
+        )
+        assert extends.run(rows.tolist(), prefix, tokens, slots, features)
+        replayed = drafter.topk_logprobs[rows].clone(), drafter.topk_ids[rows].clone()
+        drafter.extend_rows(*extends.inputs(4))
+        assert torch.allclose(replayed[0], drafter.topk_logprobs[rows], atol=1e-3)
+        assert torch.equal(replayed[1], drafter.topk_ids[rows])
         while scheduler.has_work:
             scheduler.step()
     finally:

@@ -21,13 +21,18 @@ import torch
 from spectral.attention.registry import create_attention_backend
 from spectral.attention.rows import rows_attention
 from spectral.core.forward import ForwardBatch, ForwardMode
-from spectral.core.transfer import on_device, stage
+from spectral.core.transfer import on_device
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.speculative.drafters.base import DrafterContext, file_stamp
 from spectral.speculative.drafters.eagle_head import DraftHead, load_draft_head, resolve_draft_path
 from spectral.speculative.drafters.expansion import TreeExpansion
 from spectral.speculative.drafters.graphs import DraftGraphs, expand_through
+from spectral.speculative.drafters.head_batches import (
+    ExtendGraphs,
+    round_draft_batch,
+    shifted_draft_batch,
+)
 
 # write_kv computes its queued positions once this many wait.
 FLUSH_TOKENS = 64
@@ -86,6 +91,7 @@ class EagleDrafter:
         # `draft` reads them there.
         self._stale_rows: dict[int, int] = {}
         self.graphs: DraftGraphs | None = None
+        self.extend_graphs: ExtendGraphs | None = None  # the round's extend, static
 
     needs_features = True
 
@@ -115,27 +121,14 @@ class EagleDrafter:
         pairs the target's feature there with the token emitted after it). Where the head
         drafted none of the round's trees (n-gram, LOOKAHEAD) it may well not draft the next
         either: only its KV is queued, as after a plain step (`write_kv`)."""
-        accepted_lens = [len(tokens) for tokens in accepted_tokens]
-        inputs = stage(
-            {
-                "input_ids": [t for e in emitted for t in e],
-                "positions": [p + i for p, a in zip(prefix_lens, accepted_lens) for i in range(a)],
-            },
-            kept_slots.device,
-        )
-        (self.extend if drafted else self.write_kv)(
-            ForwardBatch(
-                mode=ForwardMode.DRAFT_EXTEND,
-                input_ids=inputs["input_ids"],
-                positions=inputs["positions"],
-                out_cache_loc=kept_slots,
-                req_pool_indices=batch.req_pool_indices,
-                prefix_lens=list(prefix_lens),
-                extend_lens=accepted_lens,
-                rows_host=batch.rows_host,
-            ),
-            features,
-        )
+        if drafted and self.extend_graphs is not None:
+            self.flush()
+            rows = batch.host_rows()
+            if self.extend_graphs.run(rows, prefix_lens, emitted, kept_slots, features):
+                self._fresh(rows)
+                return
+        round_batch = round_draft_batch(batch, prefix_lens, emitted, kept_slots)
+        (self.extend if drafted else self.write_kv)(round_batch, features)
 
     def top1(self, rows: list[int]) -> list[float | None]:
         """The head's top-1 probability after each request row's last verified token, known
@@ -158,16 +151,41 @@ class EagleDrafter:
 
         hidden = self.head(batch.input_ids, features, batch.positions, attend)
         ends = on_device(batch.extend_lens, torch.int64, hidden.device).cumsum(0) - 1
-        last = hidden[ends]
+        self._keep(hidden[ends], batch.req_pool_indices)
+        self._fresh(batch.host_rows())
+
+    def extend_rows(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        token_rows: torch.Tensor,
+        last: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> None:
+        """`extend` in ExtendGraphs' layout, reading nothing on the host (the part a CUDA
+        graph holds): each token a query row over its table row up to its position (its own
+        key written first, to `slots`), the top-k kept after the tokens at `last` for `rows`."""
+        attend = functools.partial(
+            self._rows_attention, rows=token_rows, seq_lens=positions + 1, own=slots
+        )
+        hidden = self.head(tokens, features, positions, attend)
+        self._keep(hidden[last], rows)
+
+    def _keep(self, last: torch.Tensor, rows: torch.Tensor) -> None:
+        """The head's output after each row's last position, and the top-k it gives."""
         logprobs = torch.log_softmax(self.head.logits(last), dim=-1)
         values, ids = logprobs.topk(self.topk, dim=-1)
-        rows = batch.req_pool_indices
         self.topk_logprobs[rows] = values
         self.topk_ids[rows] = self.head.to_target_ids(ids)
         self.last_hidden[rows] = last
         self.stale[rows] = False
+
+    def _fresh(self, rows: list[int]) -> None:
+        """`rows`' top-k is no longer stale (the host's mirror of `stale`)."""
         if self._stale_rows:
-            for row in batch.host_rows():
+            for row in rows:
                 self._stale_rows.pop(row, None)
 
     @torch.inference_mode()
@@ -268,7 +286,7 @@ class EagleDrafter:
             own = self._scratch_slots(rows, step)
             ancestors = torch.cat((ancestors, own[:, :, None]), dim=-1)
             attend = functools.partial(
-                self._level_attention,
+                self._rows_attention,
                 rows=query_rows,
                 seq_lens=query_lens,
                 own=own.reshape(-1),
@@ -292,7 +310,7 @@ class EagleDrafter:
         first = self.scratch_base + (rows * levels + step - 1) * k
         return first[:, None] + torch.arange(k, device=rows.device)[None, :]
 
-    def _level_attention(
+    def _rows_attention(
         self,
         q: torch.Tensor,
         key: torch.Tensor,
@@ -300,10 +318,10 @@ class EagleDrafter:
         rows: torch.Tensor,
         seq_lens: torch.Tensor,
         own: torch.Tensor,
-        ancestors: torch.Tensor,
+        ancestors: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One tree level's attention: its keys and values written to their scratch slots
-        (`own`), each node over its request's prefix and its `ancestors`' slots."""
+        """Query rows' attention: their keys and values written to their slots (`own`), each
+        row over its table row's first `seq_lens` slots, then its `ancestors`' (a tree's)."""
         self.kv_pool.write(0, own, key, value)
         out = rows_attention(
             q,
@@ -322,37 +340,20 @@ class EagleDrafter:
         """Draft batches of up to max(batch_sizes) requests through static buffers, one CUDA
         graph per batch size and depth where the drafter runs on a GPU (captured here);
         eagerly through the same buffers elsewhere."""
-        self.graphs = DraftGraphs.start(
-            self.expand,
-            self.req_to_token.dummy_row,
+        device, dummy = self.req_to_token.table.device, self.req_to_token.dummy_row
+        self.graphs = DraftGraphs.start(self.expand, dummy, batch_sizes, self.num_steps, device)
+        self.extend_graphs = ExtendGraphs(
+            self.extend_rows,
+            dummy,
             batch_sizes,
-            self.num_steps,
-            self.req_to_token.table.device,
+            self.num_steps + 1,  # a round accepts at most its tree's depth and one more
+            self.head.cfg.feature_size,
+            self.last_hidden.dtype,
+            device,
         )
-        return self.graphs.summary()
-
-
-def shifted_draft_batch(
-    batch: ForwardBatch, next_tokens: list[int], mode: ForwardMode = ForwardMode.DRAFT_EXTEND
-) -> ForwardBatch:
-    """The head's batch for the positions `batch` computed: each request's tokens shifted left
-    by one, its `next_tokens[i]` appended (position t pairs with token t + 1)."""
-    ids = batch.input_ids.clone()
-    offset = 0
-    for ext, nxt in zip(batch.extend_lens, next_tokens):
-        ids[offset : offset + ext - 1] = batch.input_ids[offset + 1 : offset + ext]
-        ids[offset + ext - 1] = nxt
-        offset += ext
-    return ForwardBatch(
-        mode=mode,
-        input_ids=ids,
-        positions=batch.positions,
-        out_cache_loc=batch.out_cache_loc,
-        req_pool_indices=batch.req_pool_indices,
-        prefix_lens=batch.prefix_lens,
-        extend_lens=batch.extend_lens,
-        rows_host=batch.rows_host,  # write_kv reads the rows there, not on the device
-    )
+        if device.type == "cuda":
+            self.extend_graphs.capture()
+        return self.graphs.summary() | {"extend": self.extend_graphs.summary()}
 
 
 def build(ctx: DrafterContext) -> EagleDrafter:

@@ -11,19 +11,18 @@ elsewhere the same static path runs eagerly, which is how it is tested on a CPU.
 from __future__ import annotations
 
 import bisect
-import logging
-import time
+import functools
 from collections.abc import Callable
 
 import torch
 
-logger = logging.getLogger(__name__)
+from spectral.core.cuda_graphs import StaticGraphs
 
 Candidates = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Expand = Callable[[torch.Tensor, torch.Tensor, int], Candidates]
 
 
-class DraftGraphs:
+class DraftGraphs(StaticGraphs):
     def __init__(
         self,
         expand: Expand,
@@ -32,6 +31,7 @@ class DraftGraphs:
         max_steps: int,
         device: str | torch.device,
     ) -> None:
+        super().__init__()
         self.expand = expand
         self.dummy_row = dummy_row
         self.batch_sizes = sorted(batch_sizes)
@@ -41,9 +41,6 @@ class DraftGraphs:
         largest = self.batch_sizes[-1]
         self.rows = torch.full((largest,), dummy_row, dtype=torch.int64, device=self.device)
         self.seq_lens = torch.ones(largest, dtype=torch.int64, device=self.device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Candidates]] = {}
-        self.capture_seconds = 0.0
-        self.graph_memory_bytes = 0
         self.static_runs = 0  # drafts that took the static path (replayed or eager)
 
     @classmethod
@@ -61,17 +58,12 @@ class DraftGraphs:
             graphs.capture()
         return graphs
 
-    def batch_size_for(self, batch_size: int) -> int | None:
-        """The smallest batch size of the static path that holds `batch_size` requests."""
-        i = bisect.bisect_left(self.batch_sizes, batch_size)
-        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
-
     @torch.inference_mode()
     def run(self, rows: torch.Tensor, seq_lens: torch.Tensor, steps: int) -> Candidates | None:
         """The candidates of `rows` (table rows) at verified lengths `seq_lens`, `steps`
         levels deep; None where no static batch size holds them (the caller expands eagerly)."""
         real = rows.shape[0]
-        size = self.batch_size_for(real)
+        size = smallest_holding(self.batch_sizes, real)
         if size is None or steps < 2:
             return None
         self.rows[:real].copy_(rows)
@@ -89,44 +81,27 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (batch size, depth), largest first, in one memory pool (CUDA only);
-        each runs twice eagerly first (kernel builds, autotuning)."""
-        start = time.perf_counter()
-        free_before, _ = torch.cuda.mem_get_info()
-        stream = torch.cuda.Stream()
-        pool = None
+        """Capture every (batch size, depth), largest first, in one memory pool (CUDA only)."""
         self.rows.fill_(self.dummy_row)
         self.seq_lens.fill_(1)
-        for size in reversed(self.batch_sizes):
-            for steps in reversed(self.depths):
-                rows, seq_lens = self.rows[:size], self.seq_lens[:size]
-                for _ in range(2):
-                    self.expand(rows, seq_lens, steps)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self.expand(rows, seq_lens, steps)
-                pool = graph.pool()
-                self.graphs[(size, steps)] = (graph, out)
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
-        logger.info(
-            "CUDA graphs: %d draft expansions captured in %.1f s, %.0f MiB",
-            len(self.graphs),
-            self.capture_seconds,
-            self.graph_memory_bytes / 2**20,
-        )
+        runs = {
+            (size, steps): functools.partial(
+                self.expand, self.rows[:size], self.seq_lens[:size], steps
+            )
+            for size in reversed(self.batch_sizes)
+            for steps in reversed(self.depths)
+        }
+        self.capture_runs(runs, "draft expansions")
 
     def summary(self) -> dict:
         """What /get_server_info reports under cuda_graph's `draft`."""
-        return {
-            "captured": bool(self.graphs),
-            "batch_sizes": self.batch_sizes,
-            "depths": self.depths,
-            "capture_s": round(self.capture_seconds, 2),
-            "memory_mib": round(self.graph_memory_bytes / 2**20, 1),
-        }
+        return self.summary_with(batch_sizes=self.batch_sizes, depths=self.depths)
+
+
+def smallest_holding(sizes: list[int], count: int) -> int | None:
+    """The smallest of the sorted `sizes` that is at least `count`, None if none is."""
+    i = bisect.bisect_left(sizes, count)
+    return sizes[i] if i < len(sizes) else None
 
 
 def expand_through(

@@ -1,0 +1,187 @@
+"""The EAGLE head's inputs after the target's forwards: a plain step's batch shifted by one
+token (`shifted_draft_batch`), a verified round's accepted positions (`round_draft_batch`),
+and the same laid out in static buffers (`ExtendGraphs`), so that the head's extend after a
+round is one CUDA graph per batch size.
+
+The static layout: request b's i-th accepted token at b * width + i. Padded tokens and padded
+requests sit at the req-to-token table's dummy row (position 0, one key) and write their keys
+to the dummy slot 0, which nothing real reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from spectral.core.cuda_graphs import StaticGraphs
+from spectral.core.forward import ForwardBatch, ForwardMode
+from spectral.core.transfer import stage
+from spectral.speculative.drafters.graphs import smallest_holding
+
+# extend(tokens, features, positions, slots, token_rows, last, rows): the static extend
+StaticExtend = Callable[..., None]
+
+
+def shifted_draft_batch(
+    batch: ForwardBatch, next_tokens: list[int], mode: ForwardMode = ForwardMode.DRAFT_EXTEND
+) -> ForwardBatch:
+    """The head's batch for the positions `batch` computed: each request's tokens shifted left
+    by one, its `next_tokens[i]` appended (position t pairs with token t + 1)."""
+    ids = batch.input_ids.clone()
+    offset = 0
+    for ext, nxt in zip(batch.extend_lens, next_tokens):
+        ids[offset : offset + ext - 1] = batch.input_ids[offset + 1 : offset + ext]
+        ids[offset + ext - 1] = nxt
+        offset += ext
+    return ForwardBatch(
+        mode=mode,
+        input_ids=ids,
+        positions=batch.positions,
+        out_cache_loc=batch.out_cache_loc,
+        req_pool_indices=batch.req_pool_indices,
+        prefix_lens=batch.prefix_lens,
+        extend_lens=batch.extend_lens,
+        rows_host=batch.rows_host,  # write_kv reads the rows there, not on the device
+    )
+
+
+def round_draft_batch(
+    batch: ForwardBatch, prefix_lens: list[int], emitted: list[list[int]], slots: torch.Tensor
+) -> ForwardBatch:
+    """The head's batch after a verified round (`batch`, the verify batch): each request's
+    accepted positions from prefix_lens[b] on, paired with the tokens `emitted` after them,
+    at the `slots` they keep (request after request)."""
+    lens = [len(tokens) for tokens in emitted]
+    inputs = stage(
+        {
+            "input_ids": [t for tokens in emitted for t in tokens],
+            "positions": [p + i for p, n in zip(prefix_lens, lens) for i in range(n)],
+        },
+        slots.device,
+    )
+    return ForwardBatch(
+        mode=ForwardMode.DRAFT_EXTEND,
+        input_ids=inputs["input_ids"],
+        positions=inputs["positions"],
+        out_cache_loc=slots,
+        req_pool_indices=batch.req_pool_indices,
+        prefix_lens=list(prefix_lens),
+        extend_lens=lens,
+        rows_host=batch.rows_host,
+    )
+
+
+class ExtendGraphs(StaticGraphs):
+    """The head's extend over a verified round through static buffers of up to `width`
+    accepted tokens a request: `extend` (reading nothing on the host) captured per batch size
+    on a GPU, run eagerly through the same buffers elsewhere."""
+
+    def __init__(
+        self,
+        extend: StaticExtend,
+        dummy_row: int,
+        batch_sizes: list[int],
+        width: int,
+        feature_size: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> None:
+        super().__init__()
+        self.extend = extend
+        self.dummy_row = dummy_row
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.width = width
+        self.device = torch.device(device)
+        largest = self.batch_sizes[-1]
+        tokens = largest * width
+
+        def ints(fill: int, n: int = tokens) -> torch.Tensor:
+            return torch.full((n,), fill, dtype=torch.int64, device=self.device)
+
+        self.tokens, self.positions, self.slots = ints(0), ints(0), ints(0)
+        self.token_rows = ints(dummy_row)
+        self.features = torch.zeros((tokens, feature_size), dtype=dtype, device=self.device)
+        self.last = torch.arange(largest, device=self.device) * width  # each request's last
+        self.rows = ints(dummy_row, largest)
+        self.static_runs = 0  # extends that took the static path (replayed or eager)
+
+    def inputs(self, size: int) -> tuple[torch.Tensor, ...]:
+        """The buffers of batch size `size`, in `extend`'s argument order."""
+        n = size * self.width
+        return (
+            self.tokens[:n],
+            self.features[:n],
+            self.positions[:n],
+            self.slots[:n],
+            self.token_rows[:n],
+            self.last[:size],
+            self.rows[:size],
+        )
+
+    @torch.inference_mode()
+    def run(
+        self,
+        rows: list[int],
+        prefix_lens: list[int],
+        tokens: list[list[int]],
+        slots: torch.Tensor,
+        features: torch.Tensor,
+    ) -> bool:
+        """The extend over each request's `tokens` (the head's input ids, request after request:
+        position prefix_lens[b] + i pairs features and slots there with tokens[b][i]); False,
+        having done nothing, where no batch size holds the requests or a request has more
+        than `width` tokens (the caller extends eagerly)."""
+        real, width = len(rows), self.width
+        size = smallest_holding(self.batch_sizes, real)
+        if size is None or max(len(t) for t in tokens) > width:
+            return False
+        n = size * width
+        ids, positions, token_rows = [0] * n, [0] * n, [self.dummy_row] * n
+        places = []
+        for b, (row, start, own) in enumerate(zip(rows, prefix_lens, tokens)):
+            for i, token in enumerate(own):
+                place = b * width + i
+                ids[place], positions[place], token_rows[place] = token, start + i, row
+                places.append(place)
+        last = [b * width + len(own) - 1 for b, own in enumerate(tokens)]
+        staged = stage(
+            {
+                "ids": ids,
+                "positions": positions,
+                "token_rows": token_rows,
+                "places": places,
+                "last": last + [b * width for b in range(real, size)],
+                "rows": rows + [self.dummy_row] * (size - real),
+            },
+            self.device,
+        )
+        for name, buffer in (("ids", self.tokens), ("positions", self.positions)):
+            buffer[:n].copy_(staged[name])
+        self.token_rows[:n].copy_(staged["token_rows"])
+        self.slots[:n].zero_()
+        self.slots.index_copy_(0, staged["places"], slots)
+        self.features.index_copy_(0, staged["places"], features.to(self.features.dtype))
+        self.last[:size].copy_(staged["last"])
+        self.rows[:size].copy_(staged["rows"])
+        self.static_runs += 1
+        captured = self.graphs.get(size)
+        if captured is None:
+            self.extend(*self.inputs(size))
+        else:
+            captured[0].replay()
+        return True
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every batch size, largest first, in one memory pool (CUDA only), on the
+        buffers as padding (what __init__ left them)."""
+        runs = {
+            size: (lambda size=size: self.extend(*self.inputs(size)))
+            for size in reversed(self.batch_sizes)
+        }
+        self.capture_runs(runs, "draft extends")
+
+    def summary(self) -> dict:
+        """What /get_server_info reports under cuda_graph's `draft`, `extend`."""
+        return self.summary_with(batch_sizes=self.batch_sizes, width=self.width)
