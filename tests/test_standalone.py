@@ -7,6 +7,7 @@ with another tokenizer refused; a hot-token map drafting only its tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import statistics
@@ -19,12 +20,12 @@ from transformers import AutoTokenizer
 
 import spectral.worker.spec_verify as spec_verify
 from spectral.args import ServerArgs
-from spectral.core.forward import ForwardMode
+from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.req import Req
 from spectral.models.resolved import resolve_model
 from spectral.sampling_params import SamplingParams
 from spectral.scheduler.scheduler import MIN_NEW_TOKEN_RATIO
-from spectral.speculative.drafters.draft_model import DraftModelDrafter
+from spectral.speculative.drafters.draft_model import DraftModelDrafter, as_chains
 from spectral.speculative.verify import verify_greedy
 from spectral.worker.factory import create_worker
 from tests.conftest import make_tiny_model, scheduler_leaks
@@ -108,7 +109,9 @@ def test_the_draft_models_levels_through_static_buffers_keep_output_equal(
 ) -> None:
     """With --cuda-graph-bs 1 2 4 8, a tree level (a decode step of the draft over k rows a
     request) runs through the draft worker's graph runner, padded to 3, 6, 12 or 24 rows (CUDA
-    graphs on a GPU, the same static buffers eagerly here): plain decoding's output."""
+    graphs on a GPU, the same static buffers eagerly here), and so does a catch-up of up to
+    num_steps + 1 tokens a request (verification buckets of chains): plain decoding's
+    output."""
     runs = []
 
     def make(**options):
@@ -121,9 +124,35 @@ def test_the_draft_models_levels_through_static_buffers_keep_output_equal(
     s = check_greedy_case(
         make, CASES["tree-batch8"] | {"cuda_graph_bs": [1, 2, 4, 8]}, plain_outputs
     )
-    assert s.worker.draft_graphs["decode_batch_sizes"] == [3, 6, 12, 24]
-    sizes = {bucket.requests for bucket in runs}  # eight requests' rows, and fewer later
-    assert 24 in sizes and len(sizes) > 1, sizes
+    info = s.worker.draft_graphs  # levels of 1-8 requests' k rows, catch-ups of 1-8 requests
+    assert info["decode_batch_sizes"] == [1, 2, 3, 4, 6, 8, 12, 24]
+    assert info["verify_tree_sizes"][-1] == s.worker.drafter.catch_up_width == 4
+    decode_sizes = {bucket.requests for bucket in runs if bucket.tokens == 1}
+    levels, catch_ups = decode_sizes & {3, 6, 12, 24}, decode_sizes & {1, 2, 4, 8}
+    assert 24 in levels and len(levels) > 1, levels
+    # a catch-up of each request's root alone is a decode step of 8 requests, fewer later
+    assert 8 in catch_ups and len(catch_ups) > 1, catch_ups
+
+
+def test_a_catch_up_is_verified_as_chains():
+    """Catch-ups of 2 and 3 tokens: one causal mask a request, every row's logits; of one
+    token a request: a decode step."""
+    batch = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.arange(5),
+        positions=torch.tensor([4, 5, 7, 8, 9]),
+        out_cache_loc=torch.arange(10, 15),
+        req_pool_indices=torch.tensor([0, 3]),
+        prefix_lens=[4, 7],
+        extend_lens=[2, 3],
+    )
+    chains = as_chains(batch)
+    assert chains.mode == ForwardMode.TARGET_VERIFY and chains.logits_rows == "all"
+    expected = [[1, 0], [1, 1]], [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert chains.custom_mask.tolist() == [bool(x) for m in expected for row in m for x in row]
+    assert torch.equal(chains.positions, batch.positions) and chains.prefix_lens == [4, 7]
+    roots = dataclasses.replace(batch, extend_lens=[1, 1], input_ids=torch.arange(2))
+    assert as_chains(roots).mode == ForwardMode.DECODE and as_chains(roots).custom_mask is None
 
 
 def accepted_per_round(s) -> float:

@@ -23,6 +23,7 @@ catch-up starts past them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -103,6 +104,8 @@ class DraftModelDrafter:
         # there is computed for it.
         self.slot_token = torch.zeros(self.scratch_slot0, dtype=torch.int64, device=device)
         self.computed = torch.zeros(self.scratch_slot0, dtype=torch.bool, device=device)
+        # The longest catch-up through the graph runner (`use_graphs`; 0: none is).
+        self.catch_up_width = 0
         # Request row -> the root slot this round's draft wrote (computed when committed).
         self._rooted: dict[int, int] = {}
         # Request row -> what this round's draft computed for it (`_Drafted`).
@@ -163,10 +166,13 @@ class DraftModelDrafter:
     def use_graphs(self, batch_sizes: list[int]) -> dict | None:
         """A tree level is a decode step of the draft LM over k scratch rows a request: those
         steps go through the draft worker's graph runner (CUDA graphs on a GPU), at k times
-        each batch size (a draft runs DRAFT_CHUNK requests at a time). The catch-up over
-        each request's uncomputed positions stays eager (its lengths vary)."""
-        sizes = sorted({self.topk * min(bs, DRAFT_CHUNK) for bs in batch_sizes})
-        self.lm.use_graphs(sizes)
+        each batch size (a draft runs DRAFT_CHUNK requests at a time). A catch-up of at most
+        num_steps + 1 positions a request (what a drafted round leaves) goes through the
+        runner's verification buckets as chains (a causal mask); a longer one runs eagerly."""
+        chunks = {min(bs, DRAFT_CHUNK) for bs in batch_sizes}
+        levels = {self.topk * bs for bs in chunks}
+        self.catch_up_width = self.num_steps + 1
+        self.lm.use_graphs(sorted(levels | chunks), self.catch_up_width, max(chunks))
         return self.lm.graph_info()
 
     # ---- drafting ----------------------------------------------------------------------------
@@ -297,11 +303,27 @@ class DraftModelDrafter:
         shares with the target (or its hot ids: columns map to tokens by `_target_ids`)."""
         if batch.mode == ForwardMode.DECODE:  # a tree level: through the graph runner if any
             _, _, logits = self.lm.forward_batch(batch)
+        elif self.catch_up_width and max(batch.extend_lens) <= self.catch_up_width:
+            _, _, logits = self.lm.forward_batch(as_chains(batch))  # every row's logits
+            logits = logits[on_device(batch.extend_lens, torch.int64, logits.device).cumsum(0) - 1]
         else:
             hidden, _ = self.lm.forward_hidden(batch)
             ends = on_device(batch.extend_lens, torch.int64, hidden.device).cumsum(0) - 1
             logits = self.lm.model.compute_logits(hidden[ends])
         return torch.log_softmax(logits[:, : self.vocab].float(), dim=-1)
+
+
+def as_chains(batch: ForwardBatch) -> ForwardBatch:
+    """`batch` (an extend) as the verification of one chain a request: each new token sees
+    the ones before it (a causal mask), every row's logits; a decode step where each request
+    has one new token."""
+    if max(batch.extend_lens) == 1:
+        return dataclasses.replace(batch, mode=ForwardMode.DECODE)
+    masks = [torch.ones(n, n, dtype=torch.bool).tril().reshape(-1) for n in batch.extend_lens]
+    mask = torch.cat(masks).to(batch.input_ids.device)
+    return dataclasses.replace(
+        batch, mode=ForwardMode.TARGET_VERIFY, custom_mask=mask, logits_rows="all"
+    )
 
 
 @dataclass
