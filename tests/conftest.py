@@ -226,28 +226,54 @@ def run_under_triton_interpreter(module: str) -> str:
     return done.stdout
 
 
-# The files that start servers or rank processes, longest first: handed out first, they do not
-# leave one pytest-xdist worker running them alone at the end (--dist loadfile).
-LONGEST_FILES = (
-    "test_tensor_parallel.py",
-    "test_data_parallel.py",
+# The files that share the session's float32 server (`fp32_server`): one unit of work for
+# pytest-xdist (`pytest_xdist_make_scheduler`), so that the server starts once, not on each
+# worker that runs one of them.
+FP32_SERVER_FILES = (
     "test_server.py",
-    "test_hostile.py",
-    "test_worker_process.py",
     "test_sglang_compat.py",
     "test_lang.py",
-    "test_gguf_native.py",
+    "test_structured.py",
+)
+
+# The longest files (that group first), longest first: handed out first (make test passes
+# --no-loadscope-reorder), they do not leave one pytest-xdist worker running them alone at the
+# end (--dist loadfile).
+LONGEST_FILES = (
+    *FP32_SERVER_FILES,
+    "test_tensor_parallel.py",
     "test_structured_spec.py",
-    "test_parallel_layers.py",
+    "test_data_parallel.py",
+    "test_gguf_native.py",
+    "test_hostile.py",
+    "test_speculative.py",
     "test_gpu_kit.py",
     "test_generate_greedy.py",
-    "test_int8_serving.py",
-    "test_triton_attention.py",
+    "test_worker_process.py",
+    "test_parallel_layers.py",
     "test_architectures.py",
-    "test_default_head.py",
     "test_standalone.py",
-    "test_medusa.py",
+    "test_scheduler.py",
+    "test_engine.py",
+    "test_train_eagle3.py",
+    "test_triton_attention.py",
+    "test_int8_serving.py",
+    "test_spec_tree.py",
 )
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """--dist loadfile, with the FP32_SERVER_FILES one unit."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "fp32_server" if Path(path).name in FP32_SERVER_FILES else path
+
+    return SharedServerScheduling(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

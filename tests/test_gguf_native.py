@@ -178,7 +178,7 @@ def test_the_weights_reader_keeps_every_tensor_and_no_vocabulary():
     own reader, the other metadata kept."""
     import gguf
 
-    from spectral.models.gguf_native import WeightsReader
+    from spectral.models.gguf_reader import WeightsReader
 
     full, light = gguf.GGUFReader(default_model_file()), WeightsReader(default_model_file())
     assert [(t.name, t.data_offset, t.n_bytes) for t in light.tensors] == [

@@ -66,13 +66,17 @@ def remote_scheduler(worker: RemoteWorker, model: ResolvedModel, spec=None) -> S
     return Scheduler(worker, load_tokenizer(model.tokenizer_dir), limits, spec)
 
 
-def test_outputs_through_the_worker_process_equal_in_process(peaky_model_dir, remote):
+def test_outputs_through_the_worker_process_equal_in_process_and_close_leaves_no_process(
+    peaky_model_dir, remote
+):
     worker, model = remote
     assert worker.num_kv_slots == 4096
     expected = run_all(make_scheduler(peaky_model_dir), fresh(mixed_prompts(12)))
     scheduler = remote_scheduler(worker, model)
     assert run_all(scheduler, fresh(mixed_prompts(12))) == expected
     assert scheduler_leaks(scheduler) == []
+    worker.close()
+    assert worker.process.poll() is not None
 
 
 def test_a_killed_worker_is_reported_within_seconds(remote):
@@ -84,12 +88,6 @@ def test_a_killed_worker_is_reported_within_seconds(remote):
     with pytest.raises(WorkerDiedError, match="exited with code -9"):
         scheduler.step()
     assert time.monotonic() - start < 5
-
-
-def test_close_leaves_no_process(remote):
-    worker, _ = remote
-    worker.close()
-    assert worker.process.poll() is not None
 
 
 def grammar_reqs() -> list[Req]:

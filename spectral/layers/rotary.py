@@ -26,7 +26,8 @@ def rope_inverse_frequencies(hf: PretrainedConfig, head_dim: int) -> tuple[torch
     rope_type, theta = rope_settings(hf)
     if rope_type == "default":
         dim = head_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        exponents = torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim
+        inv_freq = 1.0 / (theta**exponents)
         return inv_freq, 1.0
     if rope_type == "dynamic":
         raise NotImplementedError(
@@ -42,12 +43,14 @@ def rope_inverse_frequencies(hf: PretrainedConfig, head_dim: int) -> tuple[torch
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables (float32) for every position up to the context length, each row its
-    half repeated; `cos_sin_cache` holds the halves side by side (FlashInfer's layout)."""
+    half repeated; `cos_sin_cache` holds the halves side by side (FlashInfer's layout). Made on
+    the CPU even under a meta device context (`.to(device)` moves them): filling tensors on
+    meta costs seconds the first time (torch imports its decompositions)."""
 
     def __init__(self, hf_config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv_freq, scaling = rope_inverse_frequencies(hf_config, head_dim)
-        positions = torch.arange(max_positions, dtype=torch.float)
+        positions = torch.arange(max_positions, dtype=torch.float, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)

@@ -29,6 +29,7 @@ from spectral.layers.gguf_blocks import LAYOUTS, BlockParts, decode, pack_blocks
 from spectral.layers.linear import PackedRows, PackedWeight, integer_path
 from spectral.layers.parallel import TensorParallel, block_columns, block_shape
 from spectral.models.config import ModelConfig
+from spectral.models.gguf_reader import WeightsReader
 from spectral.models.registry import gguf_architecture
 from spectral.models.tensor_parallel import gguf_cuts, llama_shares, shard_llama
 
@@ -121,17 +122,6 @@ def bits_per_weight(kind: str) -> float:
     """Bits a weight of GGUF format `kind` takes (scales included)."""
     weights, nbytes = block_shape(kind)
     return 8 * nbytes / weights
-
-
-class WeightsReader(gguf.GGUFReader):
-    """gguf's reader without the vocabulary's metadata (tokens, merges, token types), which
-    loading weights never reads: gguf parses each of their items into a NumPy array of its own,
-    ~370 MB for a 152k vocabulary (and ~90 MB of fragments after they are freed)."""
-
-    def _push_field(self, field, skip_sum: bool = False) -> int:  # gguf's hook per field
-        if field.name.startswith("tokenizer."):
-            return 0 if skip_sum else sum(int(part.nbytes) for part in field.parts)
-        return super()._push_field(field, skip_sum)
 
 
 def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:

@@ -175,7 +175,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.kernels: ModuleType | None = None
         self.fused_stack = None  # kernels.DecoderStack of the fused layers (set_cpu_kernels)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # given its (empty) weight: an initialisation would cost seconds even on meta (the
+        # first random fill there imports torch's decompositions)
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, config.max_context_len)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
