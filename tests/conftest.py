@@ -262,6 +262,7 @@ LONGEST_FILES = (
 )
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest without pytest-xdist runs the suite too
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """--dist loadfile, with the FP32_SERVER_FILES one unit."""
     if config.getoption("dist") != "loadfile":
