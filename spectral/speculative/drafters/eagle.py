@@ -104,8 +104,11 @@ class EagleDrafter:
         self, batch: ForwardBatch, next_ids: list[int], features: torch.Tensor
     ) -> None:
         """A prefill or plain decode step of the target (`next_ids`: each request's token
-        after the batch): only the head's KV, queued (`write_kv`)."""
-        self.write_kv(shifted_draft_batch(batch, next_ids), features)
+        after the batch). After a prefill the head extends at once (its top-k fresh for the
+        first round, as SGLang drafts after prefill: that round's time is then a round's, not
+        the prompt's too); after a decode step only its KV is queued (`write_kv`)."""
+        head_batch = shifted_draft_batch(batch, next_ids)
+        (self.extend if batch.mode == ForwardMode.EXTEND else self.write_kv)(head_batch, features)
 
     def observe_round(
         self,
