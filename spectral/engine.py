@@ -343,6 +343,7 @@ class Engine:
         return {
             "model_path": self.args.model_path,
             "context_length": self.model.context_len,
+            "quantization": self.args.resolved_quantization(self.model.gguf_file is not None),
             **self.scheduler.info(),
         }
 

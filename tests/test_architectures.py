@@ -70,7 +70,7 @@ def test_gguf_greedy_equals_transformers_loading_the_same_file(gguf_dir, cache_d
     path = tiny_gguf(gguf_dir, arch, fmt)
     expected = transformers_greedy(str(gguf_dir), path.name)
     # A float GGUF is dense either way: "none" differs only where there are blocks.
-    for quantization in ("auto", "none") if fmt != "F32" else ("auto",):
+    for quantization in ("gguf", "none") if fmt != "F32" else ("gguf",):
         engine = Engine(
             model_path=str(path),
             dtype="float32",
@@ -87,7 +87,7 @@ def test_gguf_greedy_equals_transformers_loading_the_same_file(gguf_dir, cache_d
                 if m.packed is not None
             }
             # Served from the file's own blocks, or dequantized at load (then packed as dense).
-            native = quantization == "auto" and fmt != "F32"
+            native = quantization == "gguf" and fmt != "F32"
             assert packed == ({LAYOUTS[fmt]} if native else {None})
             outs = engine.generate(PROMPTS, GREEDY)
             assert [o["output_ids"] for o in outs] == expected, (arch, fmt, quantization)
@@ -213,7 +213,11 @@ def test_a_q4_k_m_mix_is_served_natively_in_parts_and_equals_transformers(gguf_d
     path = tiny_gguf(gguf_dir, "qwen2", "Q4_K_M")
     expected = transformers_greedy(str(gguf_dir), path.name)
     engine = Engine(
-        model_path=str(path), dtype="float32", max_total_tokens=1024, model_cache_dir=cache_dir
+        model_path=str(path),
+        dtype="float32",
+        quantization="gguf",
+        max_total_tokens=1024,
+        model_cache_dir=cache_dir,
     )
     try:
         qkv = engine.worker.model.layers[0].self_attn.qkv_proj.packed

@@ -35,6 +35,7 @@ def test_the_default_head_is_lossless_and_accepts_drafts(engine_fp32, chat_promp
     with Engine(
         model_path="default",
         dtype="float32",
+        quantization="gguf",  # the exact path: the plain engine's weights, bit for bit
         max_total_tokens=8192,
         speculative_algorithm="EAGLE3",
         # Every request verifies the default tree every round (the planner would size trees

@@ -1,4 +1,4 @@
-"""The default model read straight from its GGUF: served from its blocks (--quantization auto)
+"""The default model read straight from its GGUF: served from its blocks (--quantization gguf)
 every weight matrix and embedding row expands to exactly transformers' dequantized weights
 (gguf's own dequantization, then the model dtype), dequantized at load (none) every parameter
 equals them, and greedy decoding from the blocks equals transformers' (float32)."""
@@ -122,7 +122,11 @@ def native_engine(tmp_path_factory):
 
     cache = tmp_path_factory.mktemp("model-cache")
     engine = Engine(
-        model_path="default", dtype="float32", max_total_tokens=4096, model_cache_dir=str(cache)
+        model_path="default",
+        dtype="float32",
+        quantization="gguf",  # the exact path (auto would take the integer one on a CPU)
+        max_total_tokens=4096,
+        model_cache_dir=str(cache),
     )
     engine.cache_dir = cache
     yield engine

@@ -1,4 +1,5 @@
-"""The default model served through the integer path (`--quantization gguf-int8`): speculative
+"""The default model served through the integer path (`--quantization gguf-int8`, what auto
+takes for a GGUF on a CPU): speculative
 decoding (EAGLE3 with the shipped head, NGRAM) gives plain decoding's tokens on 20 prompts, one
 to eight requests at a time, and a grammar holds under speculation. Lossless because every row
 of a forward is computed alike whatever rows share it (tests/test_gguf_int8.py)."""
@@ -54,13 +55,25 @@ def prompts(tokenizer) -> list[str]:
 
 def engine(**options) -> Engine:
     return Engine(
-        model_path="default",
+        model_path="default",  # a GGUF on a CPU: --quantization auto is gguf-int8
         dtype="float32",
-        quantization="gguf-int8",
         max_total_tokens=8192,
         max_running_requests=8,
         **options,
     )
+
+
+def test_auto_takes_the_integer_path_for_a_gguf_on_a_cpu_with_its_kernels():
+    from spectral.args import ServerArgs
+
+    auto = ServerArgs(device="cpu")
+    assert auto.quantization == "auto"
+    assert auto.resolved_quantization(gguf=True) == "gguf-int8"
+    assert auto.resolved_quantization(gguf=False) == "none"
+    assert ServerArgs(device="cpu", disable_cpu_kernels=True).resolved_quantization(True) == "gguf"
+    assert ServerArgs(device="cuda").resolved_quantization(True) == "gguf"
+    for chosen in ("gguf", "gguf-int8", "none"):
+        assert ServerArgs(device="cpu", quantization=chosen).resolved_quantization(True) == chosen
 
 
 SPECULATIVE = {
@@ -73,6 +86,7 @@ SPECULATIVE = {
 def plain_engine():
     with engine() as e:
         assert e.worker.model.lm_head_packed.gguf_type.endswith("+q8")
+        assert e.get_server_info()["quantization"] == "gguf-int8"
         yield e
 
 

@@ -267,6 +267,7 @@ def test_model_info_names_the_architecture_and_the_features_it_uses(server):
         "head_dim": 64,
         "sliding_window": None,
     }
+    assert info["quantization"] == "none"  # a HF directory's weights, as stored
 
 
 def test_a_non_streaming_client_that_gives_up_frees_its_request(server):

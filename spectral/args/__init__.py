@@ -223,6 +223,19 @@ class ServerArgs:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
+    def resolved_quantization(self, gguf: bool) -> str:
+        """What --quantization means for a model that is (`gguf`) or is not a GGUF file: auto
+        serves a GGUF on a CPU with the CPU kernels through the integer path (gguf-int8, as
+        llama.cpp does: faster, perplexity within 1%), a GGUF elsewhere from its blocks (gguf)
+        and a HF directory as stored (none)."""
+        if self.quantization != "auto":
+            return self.quantization
+        if not gguf:
+            return "none"
+        if self.resolved_device() == "cpu" and not self.disable_cpu_kernels:
+            return "gguf-int8"
+        return "gguf"
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Every field as a flag (`--model-path` for model_path), in HELP's groups."""

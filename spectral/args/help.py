@@ -11,10 +11,13 @@ HELP: dict[str, dict[str, str]] = {
         "device": "auto, cpu or cuda",
         "context_length": "override the model's context length",
         "quantization": (
-            "auto or gguf: a GGUF model's blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) "
-            "are served as they are on the CPU, expanded in registers to exactly the dequantized "
+            "gguf: a GGUF model's blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are "
+            "served as they are on the CPU, expanded in registers to exactly the dequantized "
             "values; gguf-int8: the same blocks against activations quantized to 8 bits per 32, in "
-            "integer dot products (faster, not exact); none: every weight dequantized at load"
+            "integer dot products (faster, perplexity within 1%, as llama.cpp); none: every weight "
+            "dequantized at load; auto (default): gguf-int8 for a GGUF on a CPU with the CPU "
+            "kernels, gguf for a GGUF elsewhere, none for a HF directory (/get_model_info says "
+            "which)"
         ),
         "load_format": (
             "auto: the model's weights; dummy: random weights of the model's shape, made on the "

@@ -72,6 +72,7 @@ async def model_info(serving: ServingDep) -> dict[str, Any]:
         "model_type": info.get("model_type"),
         "architectures": info.get("architectures"),
         "features": info.get("features"),
+        "quantization": info.get("quantization"),
     }
 
 

@@ -309,6 +309,8 @@ class ModelInfo(BaseModel):
     # What of its architecture the model uses: q/k/v and MLP biases, tied embeddings, rope,
     # heads, sliding window (spectral's addition to SGLang's fields).
     features: dict[str, Any] | None
+    # How the weights are served: gguf-int8, gguf or none (--quantization, auto resolved).
+    quantization: str | None = None
 
 
 class MessageResponse(BaseModel):

@@ -45,6 +45,8 @@ def server_info(args: ServerArgs, model: ResolvedModel, num_kv_slots: int) -> di
         "model_type": model.model_type,
         "architectures": [model.architecture],
         "features": model.features,
+        # how the weights are served (--quantization as resolved: auto says which)
+        "quantization": args.resolved_quantization(model.gguf_file is not None),
         "context_length": model.context_len,
         "max_total_tokens": num_kv_slots,
         "tp_size": 1,

@@ -88,11 +88,12 @@ def target_worker(
         raise ValueError(
             f"--load-format dummy takes a HF model directory ({args.model_path} is a GGUF)"
         )
+    quantization = args.resolved_quantization(gguf_file is not None)
     return ModelWorker(
         model.model_dir,
         gguf_file=gguf_file,
-        gguf_native=args.quantization != "none",
-        gguf_int8=args.quantization == "gguf-int8",
+        gguf_native=quantization != "none",
+        gguf_int8=quantization == "gguf-int8",
         dummy_weights=args.load_format == "dummy",
         dtype=args.resolved_dtype(),
         device=args.resolved_device(),
@@ -120,7 +121,7 @@ def cost_key(args: ServerArgs, model: ResolvedModel, worker: SpeculativeWorker) 
         "threads": torch.get_num_threads(),
         "model": str(Path(model.model_dir).resolve()),
         "gguf": file_stamp(model.gguf_file),
-        "quantization": args.quantization,
+        "quantization": args.resolved_quantization(model.gguf_file is not None),
         "dtype": str(target.dtype),
         "device": device,
         # the kernels' build (their sources, this CPU): a faster kernel is measured anew
@@ -170,11 +171,12 @@ def load_draft_lm(
     draft, tokenizer = resolve_model(
         dataclasses.replace(args, model_path=path, tokenizer_path=None, context_length=None)
     )
+    quantization = args.resolved_quantization(draft.gguf_file is not None)
     worker = ModelWorker(
         draft.model_dir,
         gguf_file=draft.gguf_file,
-        gguf_native=args.quantization != "none",
-        gguf_int8=args.quantization == "gguf-int8",
+        gguf_native=quantization != "none",
+        gguf_int8=quantization == "gguf-int8",
         dtype=target.dtype,
         device=target.device,
         max_total_tokens=num_kv_slots,
