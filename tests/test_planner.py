@@ -14,6 +14,7 @@ import torch
 from spectral.core.forward import ForwardMode
 from spectral.speculative.cost_model import CALIBRATION_BOUNDS, Calibration, CostModel, interpolate
 from spectral.speculative.registry import get as get_algorithm
+from spectral.speculative.sources import planner as planner_module
 from spectral.speculative.sources.acceptance import (
     HEAD,
     NGRAM,
@@ -25,6 +26,7 @@ from spectral.speculative.sources.acceptance import (
 from spectral.speculative.sources.planner import (
     EXHAUSTIVE_CHOICES,
     MIN_GAIN,
+    PROBE_EVERY,
     PlanInput,
     TreePlanner,
 )
@@ -139,7 +141,7 @@ def rate_of(planner: TreePlanner, reqs: list[PlanInput], sources, sizes) -> floa
     if not any(sizes):
         return B / cost.decode_ms(B)
     gains = [
-        [min(1.0, g * r.scale) for g in planner.stats_for(kind).gains(n - 1)]
+        [min(1.0, g * planner.request_scale(r, kind)) for g in planner.stats_for(kind).gains(n - 1)]
         for r, (kind, n) in zip(reqs, sources)
     ]
     expected = B + sum(sum(g[:s]) for g, s in zip(gains, sizes))
@@ -269,6 +271,49 @@ def test_a_request_that_is_accepted_more_gets_a_larger_tree() -> None:
         [PlanInput(HEAD, 16, accepted=5, expected=40), PlanInput(HEAD, 16, accepted=40, expected=5)]
     )
     assert plan.nodes[1] > plan.nodes[0]
+
+
+def test_a_new_request_is_planned_on_what_earlier_requests_rounds_gave() -> None:
+    """Rounds of a bucket the statistics know little of (its prior expects drafts) accepting
+    none: a new request of the same family is planned at a lower acceptance, and smaller; the
+    other family's requests are not moved."""
+    planner = trained_planner()
+    fresh = PlanInput(HEAD, 16)
+    before = planner.plan([fresh])
+    assert planner.request_scale(fresh, HEAD) == 1.0
+    for _ in range(40):
+        planner.observe(head_bucket(0.1), 6, [], [0.5] * 6)
+    assert planner.request_scale(fresh, HEAD) < 0.7
+    after = planner.plan([fresh])
+    assert before.speculate and sum(after.nodes) < sum(before.nodes)
+    assert after.expected_tokens < before.expected_tokens
+    assert planner.request_scale(PlanInput(NGRAM, 4), NGRAM) == 1.0
+    # a request's own record still moves it: accepted as expected, it scales up from there
+    assert planner.request_scale(PlanInput(HEAD, 16, accepted=30, expected=30), HEAD) > 0.7
+
+
+def test_declined_rounds_are_probed_where_they_break_even_never_where_they_lose(
+    monkeypatch,
+) -> None:
+    """With a margin no plan meets, every PROBE_EVERY-th plan is a round the model expects to
+    beat a plain step (at no margin); under a cost model where every node doubles a step, no
+    round ever runs."""
+    monkeypatch.setattr(planner_module, "MIN_GAIN", 100.0)
+    planner = trained_planner()
+    reqs = [PlanInput(HEAD, 8)]
+    runs = [planner.plan(reqs) for _ in range(3 * PROBE_EVERY)]
+    probed = [i for i, plan in enumerate(runs) if plan.speculate]
+    assert probed == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1, 3 * PROBE_EVERY - 1]
+    assert all(1.0 < runs[i].predicted_gain < 100.0 for i in probed)
+    assert planner.to_dict()["rounds"]["probes"] == 3
+    losing = CostModel(
+        verify=[(1, 10.0), (2, 20.0), (64, 640.0)], decode_one=10.0, draft=[(1, 0.5, 1.5)]
+    )
+    monkeypatch.setattr(planner_module, "MIN_GAIN", 1.05)
+    planner = TreePlanner(losing)
+    planner.stats = trained_planner().stats
+    assert not any(planner.plan(reqs).speculate for _ in range(3 * PROBE_EVERY))
+    assert planner.to_dict()["rounds"]["probes"] == 0
 
 
 def test_no_tree_pays_where_drafts_are_never_accepted() -> None:

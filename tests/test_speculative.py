@@ -21,6 +21,7 @@ from spectral.sampling_params import SamplingParams
 from spectral.scheduler.config import SchedulerConfig
 from spectral.scheduler.scheduler import Scheduler
 from spectral.speculative.drafters.eagle_head import DraftHead, DraftHeadConfig
+from spectral.speculative.sources.planner import PROBE_EVERY
 from spectral.speculative.tree import select_eagle_trees
 from spectral.worker.factory import create_worker
 from tests.conftest import scheduler_leaks
@@ -352,6 +353,28 @@ def test_planned_tree_sizes_follow_acceptance_and_output_stays_plain(
         max(v["gain_by_rank"][0] for k, v in info["acceptance"].items() if k.startswith("ngram:"))
         > 0.5
     )
+
+
+# A verified node costs more than a one-token step: no round can pay, whatever is accepted.
+LOSING_COST = {"verify": [[1, 10.0], [64, 700.0]], "decode_one": 10.0, "draft": [[1, 0.5, 1.0]]}
+
+
+def test_a_planner_whose_cost_model_says_rounds_lose_runs_no_round(
+    peaky_model_dir: str, plain_outputs: list[list[int]]
+) -> None:
+    """Prompts run a second time (the n-gram index holds their whole answers: every draft
+    would be accepted), one at a time for more steps than PROBE_EVERY, under a cost model where
+    rounds lose: every step is plain (no probe either), the output plain decoding's."""
+    batch = prompts(20)[:6]
+    s = ngram_scheduler(
+        peaky_model_dir, cost=LOSING_COST, speculative_num_steps=7, speculative_num_draft_tokens=8
+    )
+    run(s, batch, at_once=1, temperature=0.0)
+    again = run(s, batch, at_once=1, temperature=0.0)
+    assert [r.output_ids for r in again] == plain_outputs[:6]
+    assert s.stats.decode_steps > PROBE_EVERY
+    assert s.stats.spec_verify_ct == 0
+    assert s.info()["speculative"]["rounds"]["probes"] == 0
 
 
 def seen_and_new_prompts(

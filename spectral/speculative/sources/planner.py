@@ -19,14 +19,26 @@ from spectral.speculative.sources.acceptance import (
     RankStats,
     family,
 )
+from spectral.speculative.sources.plan_record import Record
 
 # A request's own record: pseudo-tokens behind its scale factor, and the factor's bounds (a
 # strong prior: a few lucky rounds must not buy a request large trees).
 REQUEST_PRIOR = 10.0
 REQUEST_SCALE = (0.5, 2.0)
+# The prior a request's record starts from: accepted drafts against the statistics' expectation
+# over every request's rounds with trees of one family (head or n-gram), each round's weight
+# decaying by this factor a request-round, behind this many pseudo-tokens at 1. Ranks the
+# statistics have seen little of are expected at their (optimistic) prior; the requests before
+# say by how much, so that a new request is not planned on it.
+FAMILY_DECAY = 0.98
+FAMILY_PRIOR = 10.0
 # A round must be expected to beat a plain step by this factor: a margin for the model's error,
 # so that a busy server does not speculate for a gain it may not get.
 MIN_GAIN = 1.05
+# After this many plain steps in a row, a round the model expects to break even without the
+# margin is run (a probe): calibrations that a few slow rounds spoilt are measured again rather
+# than declining every round for good. Never where the model expects a round to lose.
+PROBE_EVERY = 64
 # A batch whose requests have at most this many combinations of sources has every combination
 # planned (a few requests with two sources each); a larger one the best few.
 EXHAUSTIVE_CHOICES = 8
@@ -49,10 +61,12 @@ class PlanInput:
     def options(self) -> list[tuple[str, int]]:
         return [(self.kind, self.max_nodes), *self.others]
 
-    @property
-    def scale(self) -> float:
+    def scale(self, prior: float = 1.0) -> float:
+        """Its accepted drafts over what the statistics expected of its rounds, behind
+        REQUEST_PRIOR pseudo-tokens at `prior` (what every request's rounds gave)."""
         lo, hi = REQUEST_SCALE
-        return min(hi, max(lo, (self.accepted + REQUEST_PRIOR) / (self.expected + REQUEST_PRIOR)))
+        ratio = (self.accepted + REQUEST_PRIOR * prior) / (self.expected + REQUEST_PRIOR)
+        return min(hi, max(lo, ratio))
 
 
 @dataclass
@@ -77,38 +91,6 @@ class Plan:
         """Expected tokens/s of the plan over a plain step's."""
         plain = len(self.nodes) / self.plain_ms
         return (self.expected_tokens / self.predicted_ms) / plain if self.predicted_ms else 1.0
-
-
-@dataclass
-class Record:
-    """What the plans predicted and what the rounds and plain steps took, summed."""
-
-    rounds: int = 0
-    requests: int = 0  # requests in those rounds, summed
-    verified_nodes: int = 0  # tree nodes verified (roots included)
-    predicted_tokens: float = 0.0
-    emitted_tokens: int = 0
-    predicted_ms: float = 0.0
-    measured_ms: float = 0.0
-    plain_ms: float = 0.0  # plain steps of the same batches, as predicted
-    plain_steps: int = 0  # plain decode steps while speculation was on
-    plain_predicted_ms: float = 0.0
-    plain_measured_ms: float = 0.0
-
-    def to_dict(self) -> dict:
-        out = dict(self.__dict__)
-        if self.rounds:
-            plain_rate = self.requests / self.plain_ms
-            out["predicted_gain"] = self.predicted_tokens / self.predicted_ms / plain_rate
-            # Measured rounds against plain steps as measured, where there were any.
-            calibration = (
-                self.plain_measured_ms / self.plain_predicted_ms if self.plain_steps else 1.0
-            )
-            out["measured_gain"] = (
-                self.emitted_tokens / self.measured_ms / (plain_rate / calibration)
-            )
-            out["tree_nodes_per_request"] = self.verified_nodes / self.requests
-        return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
 class TreePlanner:
@@ -143,8 +125,38 @@ class TreePlanner:
         self.record = Record()
         self.last: dict = {}
         self._pending: Plan | None = None
+        # per family: (accepted, expected) drafts over every request's rounds, decayed
+        self._family: dict[str, tuple[float, float]] = {}
+        self._margin = MIN_GAIN
+        self._declined = 0  # plans in a row without a round
+
+    def request_scale(self, req: PlanInput, kind: str) -> float:
+        """The factor on the statistics' gains of request `req`'s tree of `kind`."""
+        accepted, expected = self._family.get(family(kind), (0.0, 0.0))
+        return req.scale((accepted + FAMILY_PRIOR) / (expected + FAMILY_PRIOR))
 
     def plan(self, reqs: list[PlanInput]) -> Plan:
+        """The plan of the highest expected tokens per second (`best_plan`), or after
+        PROBE_EVERY plans in a row without a round, one the model expects to break even."""
+        best = self.best_plan(reqs)
+        if best.speculate:
+            self._declined = 0
+            return best
+        self._declined += 1
+        if self._declined < PROBE_EVERY:
+            return best
+        self._margin = 1.0
+        try:
+            probe = self.best_plan(reqs)
+        finally:
+            self._margin = MIN_GAIN
+        if not probe.speculate:
+            return best
+        self._declined = 0
+        self.record.probes += 1
+        return probe
+
+    def best_plan(self, reqs: list[PlanInput]) -> Plan:
         """The plan of the highest expected tokens per second. A request with several sources
         gets its tree from one: every choice is tried where there are at most
         `EXHAUSTIVE_CHOICES` of them, else each request's best by its own expected net gain,
@@ -198,8 +210,9 @@ class TreePlanner:
                 head = family(kind) == HEAD
                 node_cost = rate * node_ms * (drafted if head else rounds)
                 net, best = 0.0, 0.0
+                scale = self.request_scale(req, kind)
                 for n, g in enumerate(table[kind][: max(max_nodes - 1, 0)], start=1):
-                    net += min(1.0, g * req.scale) - node_cost
+                    net += min(1.0, g * scale) - node_cost
                     best = max(best, net - rate * draft_share[n] if head else net)
                 values.append(best)
             choice.append(values.index(max(values)))
@@ -217,7 +230,7 @@ class TreePlanner:
         gains = []  # (gain, request, rank, drafted by the head)
         for b, (req, c) in enumerate(zip(reqs, choice)):
             kind, max_nodes = req.options[c]
-            scale, head = req.scale, family(kind) == HEAD
+            scale, head = self.request_scale(req, kind), family(kind) == HEAD
             for r, g in enumerate(table[kind][: max(max_nodes - 1, 0)]):
                 if g > 0:
                     gains.append((min(1.0, g * scale), b, r, head))
@@ -248,7 +261,7 @@ class TreePlanner:
         nodes = [1] * B
         expected = float(B)
         found = None  # (expected, ms, length) of the best prefix
-        threshold = (1.0 if best.speculate else MIN_GAIN) * best.rate
+        threshold = (1.0 if best.speculate else self._margin) * best.rate
         _, rounds, drafted_rounds = self._scale
         least = min(rounds, drafted_rounds) * self._least_slope(B)
         for length, (gain, b, _, head) in enumerate(entries, start=1):
@@ -326,6 +339,11 @@ class TreePlanner:
         stats = self.stats_for(kind)
         expected = sum(stats.gains(verified))
         stats.observe(verified, path_ranks, scores)
+        accepted, before = self._family.get(family(kind), (0.0, 0.0))
+        self._family[family(kind)] = (
+            FAMILY_DECAY * accepted + len(path_ranks),
+            FAMILY_DECAY * before + expected,
+        )
         self.record.emitted_tokens += len(path_ranks) + 1
         return expected
 
@@ -341,6 +359,10 @@ class TreePlanner:
             "acceptance": {kind: self.stats[kind].to_dict() for kind in sorted(self.stats)},
             "rounds": self.record.to_dict(),
             "last": self.last,
+            "acceptance_over_expected": {
+                name: round((a + FAMILY_PRIOR) / (e + FAMILY_PRIOR), 3)
+                for name, (a, e) in sorted(self._family.items())
+            },
             "calibration": {
                 name: {"factor": round(cal.factor, 3), "steps": cal.count}
                 for name, cal in self.calibration.items()
