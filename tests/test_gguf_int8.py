@@ -85,6 +85,12 @@ def test_the_tiles_add_products_with_vnni_where_the_cpu_has_it():
         assert BUILDS["vnni_emulated"].vector_bits() == 256
 
 
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_the_int8_peak_is_a_rate_where_the_build_has_vectors_and_zero_where_not(build):
+    peak = BUILDS[build].int8_peak_macs(0.02)
+    assert peak > 0 if BUILDS[build].vector_bits() else peak == 0
+
+
 @pytest.mark.parametrize(
     "flags, vnni",
     [

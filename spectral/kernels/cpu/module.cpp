@@ -11,6 +11,7 @@
 #include "quant_int8_tiles.cpp"
 #include "quant_int8_pack.cpp"
 #include "quant_int8.cpp"
+#include "int8_peak.cpp"
 #include "fused_ops.cpp"
 #if !defined(SPECTRAL_TEST_BUILD)  // a test build of the kernels, without the fused layer
 #include "decoder_layer.cpp"
@@ -26,4 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant_int8(m);
   m.def("vector_bits", &spectral_cpu::vector_bits,
         "the vector unit compiled in: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (scalar loops)");
+  m.def("int8_peak_macs", &int8_peak_macs,
+        "int8 multiply-adds a second of all threads with the integer tiles' instruction, run "
+        "for about `seconds` (0 in a scalar build)", pybind11::arg("seconds") = 0.5);
 }
