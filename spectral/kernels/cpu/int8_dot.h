@@ -76,6 +76,15 @@ struct DotSum {
     return _mm256_madd_epi16(v, _mm256_set1_epi16(1));
 #endif
   }
+  // widen() less each lane's two int16 of c. The int16 sums may have wrapped on the way (each
+  // maddubs is exact, the adds wrap): the difference is exact wherever it fits int16.
+  __m256i widen_minus(__m256i c) const {
+#if defined(SPECTRAL_VNNI)
+    return _mm256_sub_epi32(v, _mm256_madd_epi16(c, _mm256_set1_epi16(1)));
+#else
+    return _mm256_madd_epi16(_mm256_sub_epi16(v, c), _mm256_set1_epi16(1));
+#endif
+  }
 };
 #endif
 

@@ -27,7 +27,12 @@ torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, con
               layout, " rows are whole superblocks of 256");
   TORCH_CHECK(packed.numel() == panels * q8_panel_bytes(kind, nb), "packed weights are not ", n,
               " x ", k, " of ", layout, " from pack_q8_layout or pack_q4_k_q8");
-  const Q8Rows x{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), k};
+  // Q6_K's vector tiles take its quants unsigned and 32 x off after (the scalar loops need
+  // none of it: they subtract 32 from each quant).
+  std::vector<int32_t> q6_bias(kind == kQ6_K ? m * k / 16 : 0);
+  if (kind == kQ6_K) q6_biases(q.data_ptr<int8_t>(), m, k, q6_bias.data());
+  const Q8Rows x{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), k,
+                 q6_bias.data()};
   torch::Tensor out =
       torch::empty({m, n}, q.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
   const uint8_t* w = packed.data_ptr<uint8_t>();

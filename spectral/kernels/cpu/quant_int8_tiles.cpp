@@ -16,6 +16,8 @@
 // go in as |w| against x carrying w's sign. int16 sums stay exact: a pair is at most
 // 2 * 15 * 127 (Q4_1; eight added), 2 * 31 * 127 (Q8_0m; four), 2 * 32 * 127 (Q8_0h; four) or
 // 2 * 128 * 127 (Q8_0; widened at once); `pack_q8_layout` refuses quants outside those ranges.
+// Q6_K's quants go in unsigned (q + 32, pairs up to 2 * 63 * 127) and 32 x comes off after:
+// the int16 sums wrap on the way, but those of q, at most 8 * 32 * 127, are exact.
 // With VNNI the products go straight into int32 sums instead (int8_dot.h: the same integers).
 #include <algorithm>
 #include <cmath>
@@ -32,12 +34,14 @@ namespace {
 
 constexpr int kQ8Rows = 4;  // rows of x per tile
 
-// x quantized: q [m, k] int8, d [m, k / 32] float32, s [m, k / 32] int32.
+// x quantized: q [m, k] int8, d [m, k / 32] float32, s [m, k / 32] int32; for Q6_K's vector
+// tiles also q6_bias [m, k / 16] (q6_biases; the other layouts leave it unread).
 struct Q8Rows {
   const int8_t* q;
   const float* d;
   const int32_t* s;
   int64_t k;
+  const int32_t* q6_bias = nullptr;
 };
 
 // x [m, k] quantized per block of 32 into q [m, k], d and s [m, k / 32] (as Q8Rows holds them).
@@ -61,6 +65,22 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, in
       }
     }
   });
+}
+
+// What 32 times x adds per int16 lane to the sums of Q6_K's quants taken unsigned (q + 32; its
+// vector tiles), per row and half of 16 inputs of q [m, k]: inputs 4g and 4g + 1 (g = 0..3) in
+// the low 16 bits, 4g + 2 and 4g + 3 in the high 16; 32 * 8 * 127 at most, each fits.
+void q6_biases(const int8_t* q, int64_t m, int64_t k, int32_t* bias) {
+  for (int64_t i = 0; i < m * k / 16; ++i) {
+    const int8_t* x = q + 16 * i;
+    int32_t low = 0, high = 0;
+    for (int g = 0; g < 4; ++g) {
+      low += x[4 * g] + x[4 * g + 1];
+      high += x[4 * g + 2] + x[4 * g + 3];
+    }
+    bias[i] = static_cast<int32_t>(static_cast<uint32_t>(32 * high) << 16 |
+                                   static_cast<uint16_t>(32 * low));
+  }
 }
 
 #if defined(SPECTRAL_VEC)
@@ -147,44 +167,43 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
       }
     }
   } else if constexpr (Kind == kQ6_K) {
-    // Quants q + 32 rebuilt from nibbles and high bits, as |q| against x signed by q; the
-    // first 16 inputs (low nibbles) and the last 16 (high nibbles) apart, four groups each.
-    const __m256i mask = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
-    const __m256i bias = _mm256_set1_epi8(32);
-    DotSum first[R][kV], last[R][kV];
-    for (int g = 0; g < 4; ++g) {
-      __m256i lo[kV], hi[kV];
-      for (int v = 0; v < kV; ++v) {
-        const __m256i w =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
-        const __m256i h = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(qw + 16 * kNR + (g % 2) * kNR * 4 + v * 32));
-        const __m256i hl = _mm256_and_si256(_mm256_srli_epi16(h, (g / 2) * 4), two);
-        const __m256i hh = _mm256_and_si256(_mm256_srli_epi16(h, (g / 2) * 4 + 2), two);
-        lo[v] = _mm256_sub_epi8(
-            _mm256_or_si256(_mm256_and_si256(w, mask), _mm256_slli_epi16(hl, 4)), bias);
-        hi[v] = _mm256_sub_epi8(
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), mask),
-                            _mm256_slli_epi16(hh, 4)),
-            bias);
-      }
-      __m256i alo[kV], ahi[kV];
-      for (int v = 0; v < kV; ++v) alo[v] = _mm256_abs_epi8(lo[v]), ahi[v] = _mm256_abs_epi8(hi[v]);
-      for (int r = 0; r < R; ++r) {
-        const __m256i xa = bcast(xq[r] + 4 * g), xb = bcast(xq[r] + 16 + 4 * g);
+    // Quants u = q + 32 (0..63) rebuilt from nibbles and high bits and taken unsigned, the
+    // first 16 inputs (low nibbles) and then the last 16 (high nibbles), and 32 x taken off at
+    // the end (x.q6_bias): the sums of q itself (at most 8 * 32 * 127 a lane) fit int16, those
+    // of u, a maddubs pair at most 2 * 63 * 127, wrap there on the way but come out exact.
+    const __m256i mask = _mm256_set1_epi8(0x0F), high_bits = _mm256_set1_epi8(0x30);
+    // Unrolled, so that each group's shifts are constants (the compiler leaves these loops be).
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      DotSum acc[R][kV];
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const int bit = (g / 2) * 4 + half * 2;  // where the group's high bits are, put at 4
+        __m256i u[kV];
         for (int v = 0; v < kV; ++v) {
-          first[r][v].add(alo[v], _mm256_sign_epi8(xa, lo[v]));
-          settle(first[r][v]);
-          last[r][v].add(ahi[v], _mm256_sign_epi8(xb, hi[v]));
-          settle(last[r][v]);
+          const __m256i w =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
+          const __m256i h = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(qw + 16 * kNR + (g % 2) * kNR * 4 + v * 32));
+          const __m256i low = _mm256_and_si256(half ? _mm256_srli_epi16(w, 4) : w, mask);
+          const __m256i high = bit < 4   ? _mm256_slli_epi16(h, 4 - bit)
+                               : bit > 4 ? _mm256_srli_epi16(h, bit - 4)
+                                         : h;
+          u[v] = _mm256_or_si256(low, _mm256_and_si256(high, high_bits));
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i xg = bcast(xq[r] + 16 * half + 4 * g);
+          for (int v = 0; v < kV; ++v) {
+            acc[r][v].add(u[v], xg);
+            settle(acc[r][v]);
+          }
         }
       }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kV; ++v) {
-        store(r, 0, v, first[r][v].widen());
-        store(r, 1, v, last[r][v].widen());
+      for (int r = 0; r < R; ++r) {
+        const __m256i bias = _mm256_set1_epi32(x.q6_bias[(row0 + r) * x.k / 16 + 2 * b + half]);
+        for (int v = 0; v < kV; ++v) store(r, half, v, acc[r][v].widen_minus(bias));
       }
+    }
   } else if constexpr (Kind == kQ8_0) {
     // A group's pair sums reach 2 * 128 * 127: widened at once (dot4_add) instead of summed.
     DotSum acc[R][kV];  // int32 sums here, whatever the build
