@@ -2,12 +2,14 @@
 algorithm in one run (issue 55: speculation that never loses).
 
 Each part is one `bench/spec.py` run in a process of its own (plain decoding twice, before and
-after the algorithms; every cell against the faster plain run): the default model (float32, so
-that outputs compare token for token) on MT-Bench, HumanEval and code edits at every batch size,
-with NGRAM, LOOKAHEAD, EAGLE3, EAGLE3+NGRAM and every source (EAGLE3+NGRAM+LOOKAHEAD); then the
-1.5B (its integer path) with NGRAM, LOOKAHEAD and STANDALONE (the 0.5B drafting) at batches 1
-and 4, where `python bench/models.py` has put both in models/. A part whose JSON is already in
-bench/out is read, not run again (`--fresh` runs it anyway), so an interrupted matrix resumes.
+after the algorithms; every cell against the faster plain run): the default model (float32
+activations, so that outputs compare token for token; its weights on the path `--quantization`
+names, by default auto's: the integer path on a CPU) on MT-Bench, HumanEval and code edits at
+every batch size, with NGRAM, LOOKAHEAD, EAGLE3, EAGLE3+NGRAM and every source
+(EAGLE3+NGRAM+LOOKAHEAD); then the 1.5B (its integer path) with NGRAM, LOOKAHEAD and
+STANDALONE (the 0.5B drafting) at batches 1 and 4, where `python bench/models.py` has put both
+in models/. A part whose JSON is already in bench/out is read, not run again (`--fresh` runs it
+anyway), so an interrupted matrix resumes.
 
 It prints every cell (speedup, and outputs identical to plain), whether every source is within
 0.02 of the best single source at batch 1 on each dataset, and the smallest cell last; the
@@ -49,6 +51,7 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
                 f"matrix-default-{dataset}.json",
                 [
                     "--dataset", dataset, "--dtype", "float32", "--batches", args.batches,
+                    "--quantization", args.quantization,
                     "--algorithms", ",".join(DEFAULT_ALGORITHMS), "--humaneval", "0", *sizing,
                 ],
             )
@@ -163,6 +166,9 @@ def main() -> None:
     ap.add_argument("--no-large", dest="large", action="store_false", help="the default model only")
     ap.add_argument("--quick", action="store_true", help="4 prompts, 48 tokens, batches 1 and 4")
     ap.add_argument("--fresh", action="store_true", help="run every part, even those in bench/out")
+    ap.add_argument(
+        "--quantization", default="auto", help="the default model's path (auto, gguf, gguf-int8)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.max_new_tokens, args.batches = 4, 48, "1,4"
