@@ -316,6 +316,30 @@ def test_declined_rounds_are_probed_where_they_break_even_never_where_they_lose(
     assert planner.to_dict()["rounds"]["probes"] == 0
 
 
+def test_a_declined_plan_is_declined_again_without_planning_until_its_inputs_move(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(planner_module, "MIN_GAIN", 100.0)  # every plan declined
+    planner = trained_planner()
+    planned = []
+    best_plan = planner.best_plan
+    monkeypatch.setattr(planner, "best_plan", lambda reqs: planned.append(1) or best_plan(reqs))
+    reqs = [PlanInput(HEAD, 8)]
+    assert not any(planner.plan(reqs).speculate for _ in range(5))
+    assert len(planned) == 1
+    planner.observe(HEAD, 3, [0], [0.5] * 3)  # the statistics moved
+    assert not planner.plan(reqs).speculate and len(planned) == 2
+    assert not planner.plan([PlanInput(HEAD, 8, accepted=1, expected=1)]).speculate
+    assert len(planned) == 3  # another request record
+    plain = planner.calibration["plain"]
+    plain.observe(1.05 * STEEP.decode_ms(1), STEEP.decode_ms(1))  # within the tolerance
+    planner.plan([PlanInput(HEAD, 8, accepted=1, expected=1)])
+    assert len(planned) == 3
+    plain.observe(2.0 * STEEP.decode_ms(1), STEEP.decode_ms(1))  # plain steps slower
+    planner.plan([PlanInput(HEAD, 8, accepted=1, expected=1)])
+    assert len(planned) == 4
+
+
 def test_no_tree_pays_where_drafts_are_never_accepted() -> None:
     planner = TreePlanner(STEEP)
     for _ in range(200):

@@ -30,6 +30,7 @@ from spectral.speculative.drafters.expansion import TreeExpansion
 from spectral.speculative.drafters.graphs import DraftGraphs, expand_through
 from spectral.speculative.drafters.head_batches import (
     ExtendGraphs,
+    QueuedPositions,
     round_draft_batch,
     shifted_draft_batch,
 )
@@ -79,16 +80,14 @@ class EagleDrafter:
         self.topk_logprobs = torch.zeros((rows, topk), dtype=torch.float32, device=device)
         self.topk_ids = torch.zeros((rows, topk), dtype=torch.int64, device=device)
         self.last_hidden = torch.zeros((rows, cfg.hidden_size), dtype=dtype, device=device)
-        # Rows whose top-k is stale (after `write_kv`), and the inputs of their last position.
-        self.stale = torch.zeros(rows, dtype=torch.bool, device=device)
+        # The inputs of the last position of rows whose top-k is stale (after `write_kv`;
+        # written as its queue is flushed).
         self.stale_token = torch.zeros(rows, dtype=torch.int64, device=device)
         self.stale_position = torch.zeros(rows, dtype=torch.int64, device=device)
         self.stale_slot = torch.zeros(rows, dtype=torch.int64, device=device)
         self.stale_feature = torch.zeros((rows, cfg.feature_size), dtype=dtype, device=device)
-        # write_kv's queue: (input ids, features, positions, slots) per call.
-        self._pending: list[tuple[torch.Tensor, ...]] = []
-        # The rows of `stale` that are set and their last positions, kept on the host too:
-        # `draft` reads them there.
+        self._queue = QueuedPositions()  # write_kv's
+        # The rows whose top-k is stale and their last positions (the host decides with it).
         self._stale_rows: dict[int, int] = {}
         self.graphs: DraftGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None  # the round's extend, static
@@ -136,10 +135,12 @@ class EagleDrafter:
     def top1(self, rows: list[int]) -> list[float | None]:
         """The head's top-1 probability after each request row's last verified token, known
         before it drafts next (None where the row's top-k is stale)."""
-        index = on_device(rows, torch.int64, self.stale.device)
-        top1 = self.topk_logprobs[index, 0].exp()
-        top1, stale = torch.stack((top1, self.stale[index].float())).tolist()  # one copy
-        return [None if old else p for p, old in zip(top1, stale)]
+        fresh = [row for row in rows if row not in self._stale_rows]
+        if not fresh:  # after plain steps: nothing to read
+            return [None] * len(rows)
+        index = on_device(fresh, torch.int64, self.topk_logprobs.device)
+        top1 = iter(self.topk_logprobs[index, 0].exp().tolist())
+        return [None if row in self._stale_rows else next(top1) for row in rows]
 
     @torch.inference_mode()
     def extend(self, batch: ForwardBatch, features: torch.Tensor) -> None:
@@ -183,7 +184,6 @@ class EagleDrafter:
         self.topk_logprobs[rows] = values
         self.topk_ids[rows] = self.head.to_target_ids(ids)
         self.last_hidden[rows] = last
-        self.stale[rows] = False
 
     def _fresh(self, rows: list[int]) -> None:
         """`rows`' top-k is no longer stale (the host's mirror of `stale`)."""
@@ -196,28 +196,26 @@ class EagleDrafter:
         """Only the head's KV for the batch's new positions (`extend`'s arguments), deferred:
         queued until the head next reads its KV (`extend`, `draft`) or FLUSH_TOKENS wait, so
         that plain decode steps pay for one batched computation instead of many tiny ones.
-        Each row's top-k is left stale; its next `draft` runs the full head there first."""
-        self._pending.append((batch.input_ids, features, batch.positions, batch.out_cache_loc))
-        if sum(ids.shape[0] for ids, *_ in self._pending) >= FLUSH_TOKENS:
-            self.flush()
-        ends = on_device(batch.extend_lens, torch.int64, features.device).cumsum(0) - 1
-        rows = batch.req_pool_indices
-        self.stale[rows] = True
-        self.stale_token[rows] = batch.input_ids[ends]
-        self.stale_position[rows] = batch.positions[ends]
-        self.stale_slot[rows] = batch.out_cache_loc[ends]
-        self.stale_feature[rows] = features[ends]
+        Each row's top-k is left stale; its next `draft` runs the full head there first.
+        No tensor is touched until the queue is flushed: a plain step costs the head nothing
+        else."""
         for row, start, n in zip(batch.host_rows(), batch.prefix_lens, batch.extend_lens):
             self._stale_rows[row] = start + n - 1  # the row's last position
+        if self._queue.add(batch, features) >= FLUSH_TOKENS:
+            self.flush()
 
     @torch.inference_mode()
     def flush(self) -> None:
         """Compute and write the queued positions' KV. A slot queued twice takes its newest:
         the older writes go to the dummy slot 0 (nothing here waits for the device)."""
-        if not self._pending:
+        taken = self._queue.take()
+        if taken is None:
             return
-        ids, features, positions, slots = (torch.cat(parts) for parts in zip(*self._pending))
-        self._pending.clear()
+        ids, features, positions, slots, rows, last = taken
+        self.stale_token[rows] = ids[last]
+        self.stale_position[rows] = positions[last]
+        self.stale_slot[rows] = slots[last]
+        self.stale_feature[rows] = features[last]
         ordered, order = torch.sort(slots, stable=True)
         last_of_slot = torch.ones_like(ordered, dtype=torch.bool)
         last_of_slot[:-1] = ordered[1:] != ordered[:-1]
@@ -230,6 +228,7 @@ class EagleDrafter:
         are read on the host only where some row is stale)."""
         if not self._stale_rows:
             return
+        self.flush()  # the rows' last inputs may still be queued
         stale = [row for row in rows.tolist() if row in self._stale_rows]
         if not stale:
             return

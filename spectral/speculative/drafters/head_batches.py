@@ -1,5 +1,6 @@
 """The EAGLE head's inputs after the target's forwards: a plain step's batch shifted by one
-token (`shifted_draft_batch`), a verified round's accepted positions (`round_draft_batch`),
+token (`shifted_draft_batch`) and queued (`QueuedPositions`), a verified round's accepted
+positions (`round_draft_batch`),
 and the same laid out in static buffers (`ExtendGraphs`), so that the head's extend after a
 round is one CUDA graph per batch size.
 
@@ -16,7 +17,7 @@ import torch
 
 from spectral.core.cuda_graphs import StaticGraphs
 from spectral.core.forward import ForwardBatch, ForwardMode
-from spectral.core.transfer import stage
+from spectral.core.transfer import on_device, stage
 from spectral.speculative.drafters.graphs import smallest_holding
 
 # extend(tokens, features, positions, slots, token_rows, last, rows): the static extend
@@ -28,12 +29,15 @@ def shifted_draft_batch(
 ) -> ForwardBatch:
     """The head's batch for the positions `batch` computed: each request's tokens shifted left
     by one, its `next_tokens[i]` appended (position t pairs with token t + 1)."""
-    ids = batch.input_ids.clone()
-    offset = 0
-    for ext, nxt in zip(batch.extend_lens, next_tokens):
-        ids[offset : offset + ext - 1] = batch.input_ids[offset + 1 : offset + ext]
-        ids[offset + ext - 1] = nxt
-        offset += ext
+    if all(ext == 1 for ext in batch.extend_lens):  # a decode step: the next tokens alone
+        ids = on_device(next_tokens, batch.input_ids.dtype, batch.input_ids.device)
+    else:
+        ids = batch.input_ids.clone()
+        offset = 0
+        for ext, nxt in zip(batch.extend_lens, next_tokens):
+            ids[offset : offset + ext - 1] = batch.input_ids[offset + 1 : offset + ext]
+            ids[offset + ext - 1] = nxt
+            offset += ext
     return ForwardBatch(
         mode=mode,
         input_ids=ids,
@@ -44,6 +48,35 @@ def shifted_draft_batch(
         extend_lens=batch.extend_lens,
         rows_host=batch.rows_host,  # write_kv reads the rows there, not on the device
     )
+
+
+class QueuedPositions:
+    """Positions whose head KV is still to be computed (`EagleDrafter.write_kv`), kept as the
+    plain steps gave them: (input ids, features, positions, slots) per step, and each queued
+    row's last token among them (a later step's wins), on the host."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[torch.Tensor, ...]] = []
+        self.tokens = 0
+        self.last: dict[int, int] = {}
+
+    def add(self, batch: ForwardBatch, features: torch.Tensor) -> int:
+        """Queue `batch`'s positions; returns the tokens queued in all."""
+        self.parts.append((batch.input_ids, features, batch.positions, batch.out_cache_loc))
+        for row, n in zip(batch.host_rows(), batch.extend_lens):
+            self.tokens += n
+            self.last[row] = self.tokens - 1
+        return self.tokens
+
+    def take(self) -> tuple[torch.Tensor, ...] | None:
+        """Everything queued, emptied: (ids, features, positions, slots) concatenated, the
+        rows and where their last tokens are in them; None where nothing is queued."""
+        if not self.parts:
+            return None
+        ids, features, positions, slots = (torch.cat(parts) for parts in zip(*self.parts))
+        rows, last = (on_device(list(v), torch.int64, ids.device) for v in zip(*self.last.items()))
+        self.parts, self.tokens, self.last = [], 0, {}
+        return ids, features, positions, slots, rows, last
 
 
 def round_draft_batch(
