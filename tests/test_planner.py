@@ -147,7 +147,10 @@ def rate_of(planner: TreePlanner, reqs: list[PlanInput], sources, sizes) -> floa
     expected = B + sum(sum(g[:s]) for g, s in zip(gains, sizes))
     head = [s for (kind, _), s in zip(sources, sizes) if s and family(kind) == HEAD]
     levels = min(planner.max_levels, max(head, default=0))
-    return expected / (cost.verify_ms(B + sum(sizes)) + cost.draft_ms(len(head), levels))
+    # a stale head runs at the request's last position first: one more level's forward
+    stale = sum(1 for (kind, _), s in zip(sources, sizes) if s and kind == head_bucket(None))
+    refresh = cost.draft_ms(stale, 2) - cost.draft_ms(stale, 1) if stale else 0.0
+    return expected / (cost.verify_ms(B + sum(sizes)) + cost.draft_ms(len(head), levels) + refresh)
 
 
 def brute_force(planner: TreePlanner, reqs: list[PlanInput]) -> float:
@@ -238,6 +241,27 @@ def test_each_requests_source_is_the_best_of_every_choice(batch: int) -> None:
     assert plan.sources[0] == 1  # the confident head, not a short match
     if batch > 1:
         assert plan.sources[1] == 0  # a long match, not an unsure head
+
+
+def test_a_stale_heads_tree_pays_for_the_heads_run_at_its_last_position() -> None:
+    """A request whose head top-k is stale (its last positions went by in plain steps) gets
+    the same statistics' tree at the cost of one more head forward: plans stay the best of
+    every choice, a stale tree costs more than a fresh one, and where a head forward costs
+    more than what the tree gains only the fresh request speculates."""
+    planner = trained_planner()
+    for bucket in (head_bucket(None), head_bucket(0.9)):
+        planner.stats[bucket] = planner.stats[HEAD]
+    stale, fresh = PlanInput(head_bucket(None), 4), PlanInput(head_bucket(0.9), 4)
+    for reqs in ([stale], [stale, fresh], [fresh, stale, stale]):
+        plan = planner.plan(reqs)
+        assert plan_rate(planner, reqs, plan) == pytest.approx(brute_force(planner, reqs))
+    assert planner.plan([stale]).predicted_ms > planner.plan([fresh]).predicted_ms
+    dear = CostModel(verify=STEEP.verify, decode_one=11.0, draft=[(1, 0.5, 30.0)])
+    planner = TreePlanner(dear)
+    planner.stats = trained_planner().stats
+    for bucket in (head_bucket(None), head_bucket(0.9)):
+        planner.stats[bucket] = planner.stats[HEAD]
+    assert planner.plan([fresh]).speculate and not planner.plan([stale]).speculate
 
 
 def test_a_larger_batch_chooses_sources_near_the_best_combination() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -83,6 +84,41 @@ class CostModel:
                 for b in (1, 4, 16)
             },
         }
+
+
+class CostCurves:
+    """A cost model's curves memoised for the tree planner (it asks the same points every
+    step), with the least ms a node adds to a verify round from each measured point on."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self._verify: dict[int, float] = {}
+        self._draft: dict[tuple[int, int], float] = {}
+        # suffix minima of the verify curve's slopes, 0 where it is not increasing
+        points = cost.verify
+        slopes = [max(0.0, (y1 - y0) / (x1 - x0)) for (x0, y0), (x1, y1) in zip(points, points[1:])]
+        self._slope_from = [p[0] for p in points[:-1]] or [points[0][0]]
+        self._least_slopes = list(itertools.accumulate(reversed(slopes or [0.0]), min))[::-1]
+
+    def verify(self, nodes: int) -> float:
+        if nodes not in self._verify:
+            self._verify[nodes] = self.cost.verify_ms(nodes)
+        return self._verify[nodes]
+
+    def draft(self, requests: int, levels: int) -> float:
+        if (requests, levels) not in self._draft:
+            self._draft[requests, levels] = self.cost.draft_ms(requests, levels)
+        return self._draft[requests, levels]
+
+    def refresh(self, requests: int) -> float:
+        """The head's run at the last position of `requests` whose top-k is stale, before it
+        drafts: a forward of the head over one token each, as a further level of its draft."""
+        return self.draft(requests, 2) - self.draft(requests, 1) if requests else 0.0
+
+    def least_slope(self, nodes: int) -> float:
+        """The least ms any node past the first `nodes` adds to a verify round."""
+        i = max(bisect.bisect_right(self._slope_from, nodes) - 1, 0)
+        return self._least_slopes[i]
 
 
 class Calibration:

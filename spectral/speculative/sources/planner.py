@@ -5,23 +5,26 @@ measured cost model. Acceptance is learnt per rank of the drafter's confidence
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
 
 from spectral.core.forward import ForwardMode
-from spectral.speculative.cost_model import Calibration, CostModel
+from spectral.speculative.cost_model import Calibration, CostCurves, CostModel
 from spectral.speculative.sources.acceptance import (
     HEAD,
     NGRAM_DECAY,
     NGRAM_FIRST,
     RankStats,
     family,
+    head_bucket,
 )
 from spectral.speculative.sources.plan_record import Record
 
+# A head tree's request whose top-k is known (FRESH) or stale (STALE: its last positions went by
+# in plain steps or scheduler-drafted rounds; the head runs there before drafting).
+FRESH, STALE = 1, 2
 # A request's own record: pseudo-tokens behind its scale factor, and the factor's bounds (a
 # strong prior: a few lucky rounds must not buy a request large trees).
 REQUEST_PRIOR = 10.0
@@ -112,14 +115,7 @@ class TreePlanner:
         self.max_levels = max_levels
         self.head_prior = head_prior or (NGRAM_FIRST, NGRAM_DECAY)
         self.stats: dict[str, RankStats] = {}
-        self._verify_ms: dict[int, float] = {}  # the cost model's curves, memoised
-        self._draft_ms: dict[tuple[int, int], float] = {}
-        # the least ms a node adds to a verify round from each measured point on (suffix
-        # minima of the curve's slopes, 0 where it is not increasing)
-        points = cost.verify
-        slopes = [max(0.0, (y1 - y0) / (x1 - x0)) for (x0, y0), (x1, y1) in zip(points, points[1:])]
-        self._slope_from = [p[0] for p in points[:-1]] or [points[0][0]]
-        self._least_slopes = list(itertools.accumulate(reversed(slopes or [0.0]), min))[::-1]
+        self.curves = CostCurves(cost)
         # measured against predicted: plain steps, rounds without drafting, rounds with it
         self.calibration = {
             "plain": Calibration(),
@@ -220,21 +216,23 @@ class TreePlanner:
         rate = B / (self.cost.decode_ms(B) * plain)
         if most < 1:
             return (0,) * B
-        node_ms = (self._verify(B * (1 + most)) - self._verify(B)) / (B * most)
+        node_ms = (self.curves.verify(B * (1 + most)) - self.curves.verify(B)) / (B * most)
         # a request's share of drafting n nodes deep for everyone
         draft_share = [
-            drafted * self._draft(B, min(self.max_levels, n)) / B for n in range(most + 1)
+            drafted * self.curves.draft(B, min(self.max_levels, n)) / B for n in range(most + 1)
         ]
         choice = []
         for req in reqs:
             values = []
             for kind, max_nodes in req.options:
-                head = family(kind) == HEAD
+                head = head_kind(kind)
                 node_cost = rate * node_ms * (drafted if head else rounds)
                 net, best = 0.0, 0.0
                 scale = self.request_scale(req, kind)
                 for n, g in enumerate(table[kind][: max(max_nodes - 1, 0)], start=1):
                     net += min(1.0, g * scale) - node_cost
+                    if head == STALE:
+                        net -= rate * drafted * self.curves.refresh(1) if n == 1 else 0.0
                     best = max(best, net - rate * draft_share[n] if head else net)
                 values.append(best)
             choice.append(values.index(max(values)))
@@ -249,10 +247,10 @@ class TreePlanner:
         B = len(reqs)
         plain_ms = self.cost.decode_ms(B) * self._scale[0]
         plain = Plan([1] * B, False, float(B), plain_ms, plain_ms, choice)
-        gains = []  # (gain, request, rank, drafted by the head)
+        gains = []  # (gain, request, rank, drafted by the head: FRESH or STALE, else 0)
         for b, (req, c) in enumerate(zip(reqs, choice)):
             kind, max_nodes = req.options[c]
-            scale, head = self.request_scale(req, kind), family(kind) == HEAD
+            scale, head = self.request_scale(req, kind), head_kind(kind)
             for r, g in enumerate(table[kind][: max(max_nodes - 1, 0)]):
                 if g > 0:
                     gains.append((min(1.0, g * scale), b, r, head))
@@ -279,24 +277,28 @@ class TreePlanner:
         """The best prefix of `entries` (best gain first), if it beats `best`: (its plan, its
         length); else (`best`, 0)."""
         drafted: set[int] = set()
+        stale: set[int] = set()  # of those, the rows whose head runs at their last position first
         deepest = 0  # the most nodes any tree the head drafts has so far (root included)
         nodes = [1] * B
         expected = float(B)
         found = None  # (expected, ms, length) of the best prefix
         threshold = (1.0 if best.speculate else self._margin) * best.rate
         _, rounds, drafted_rounds = self._scale
-        least = min(rounds, drafted_rounds) * self._least_slope(B)
+        least = min(rounds, drafted_rounds) * self.curves.least_slope(B)
         for length, (gain, b, _, head) in enumerate(entries, start=1):
             expected += gain
             nodes[b] += 1
             if head:
                 drafted.add(b)
+                if head == STALE:
+                    stale.add(b)
                 deepest = max(deepest, nodes[b])
             if gain <= threshold * least:
                 break  # no later node (gaining no more) pays for what it adds to the verify
-            verify_ms = self._verify(B + length)
+            verify_ms = self.curves.verify(B + length)
             # A tree of n nodes needs at most n - 1 levels of draft.
-            draft_ms = self._draft(len(drafted), min(self.max_levels, deepest - 1))
+            draft_ms = self.curves.draft(len(drafted), min(self.max_levels, deepest - 1))
+            draft_ms += self.curves.refresh(len(stale))
             ms = (drafted_rounds if drafted else rounds) * (verify_ms + draft_ms)
             if expected > threshold * ms:
                 found = expected, ms, length, verify_ms, draft_ms
@@ -305,21 +307,6 @@ class TreePlanner:
             return best, 0
         expected, ms, length, verify_ms, draft_ms = found
         return Plan([], True, expected, ms, plain_ms, choice, verify_ms, draft_ms), length
-
-    def _draft(self, requests: int, levels: int) -> float:
-        if (requests, levels) not in self._draft_ms:
-            self._draft_ms[requests, levels] = self.cost.draft_ms(requests, levels)
-        return self._draft_ms[requests, levels]
-
-    def _least_slope(self, nodes: int) -> float:
-        """The least ms any node past the first `nodes` adds to a verify round."""
-        i = max(bisect.bisect_right(self._slope_from, nodes) - 1, 0)
-        return self._least_slopes[i]
-
-    def _verify(self, nodes: int) -> float:
-        if nodes not in self._verify_ms:
-            self._verify_ms[nodes] = self.cost.verify_ms(nodes)
-        return self._verify_ms[nodes]
 
     def record_plan(self, plan: Plan, nodes: list[int]) -> None:
         """The round about to run: `plan`, with the tree sizes it got (the pool may cut them)."""
@@ -391,6 +378,14 @@ class TreePlanner:
                 for name, cal in self.calibration.items()
             },
         }
+
+
+def head_kind(kind: str) -> int:
+    """FRESH or STALE for a head tree's statistics (the head's top-k after the request's last
+    token kept, or to be computed first), 0 for a scheduler's tree."""
+    if family(kind) != HEAD:
+        return 0
+    return STALE if kind == head_bucket(None) else FRESH
 
 
 def _better(plan: Plan, best: Plan) -> bool:
