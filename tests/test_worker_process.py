@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -156,3 +158,34 @@ def test_a_draft_model_speculates_through_the_worker_process(peaky_model_dir):
         stats = scheduler.stats
         assert stats.spec_emitted_tokens > 2 * stats.spec_verify_ct > 0
         assert scheduler_leaks(scheduler) == []
+
+
+# A child process told to stop twice: the first SIGTERM begins its shutdown (the `finally` that
+# stops the worker), the second arrives during it (the launcher signals each child after its
+# process group was signalled).
+SIGTERM_TWICE = """
+import os, signal, sys, time
+from spectral.server.child import exit_on_sigterm
+if sys.argv[1] == "once":
+    exit_on_sigterm()
+else:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+finally:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+    print("worker stopped", flush=True)
+"""
+
+
+def test_a_second_sigterm_does_not_break_off_the_shutdown_the_first_began():
+    """The scheduler process's handler exits once and then ignores SIGTERM, so its `finally`
+    runs to the end; a handler exiting on every SIGTERM (the one before) breaks it off."""
+    for mode, finishes in (("once", True), ("every", False)):
+        done = subprocess.run(
+            [sys.executable, "-c", SIGTERM_TWICE, mode], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        assert ("worker stopped" in done.stdout) == finishes, (mode, done.stdout, done.stderr)

@@ -102,6 +102,18 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM exits this process through its `finally` blocks (SystemExit), once: a second
+    SIGTERM (a process group signalled, then each child by the launcher) is ignored, so that it
+    cannot break off the shutdown that the first began (stopping the worker)."""
+
+    def exit_once(*_: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, exit_once)
+
+
 def stop_children(children: Iterable[subprocess.Popen]) -> None:
     """SIGTERM every child still running, then wait for each (SIGKILL after 10 s)."""
     children = list(children)

@@ -4,7 +4,6 @@ model worker is a child process of its own), and streams new tokens to the detok
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import time
 
@@ -14,7 +13,7 @@ from spectral.args import ServerArgs
 from spectral.core.req import Req, TokenizedRequest
 from spectral.faults import failure
 from spectral.sampling_params import InvalidRequestError
-from spectral.server.child import parse_child_args, receive_model
+from spectral.server.child import exit_on_sigterm, parse_child_args, receive_model
 from spectral.server.ipc import recv_message, send_message
 from spectral.server.messages import (
     AbortReq,
@@ -149,8 +148,7 @@ class SchedulerProcess:
 
 def main() -> None:
     args, ns = parse_child_args("scheduler")
-    # exit through `finally` so that the worker process is stopped with us
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    exit_on_sigterm()  # through `finally`, so that the worker process is stopped with us
     process = SchedulerProcess(args, ns.ipc_dir)
     try:
         process.run()
