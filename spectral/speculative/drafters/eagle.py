@@ -199,9 +199,10 @@ class EagleDrafter:
         Each row's top-k is left stale; its next `draft` runs the full head there first.
         No tensor is touched until the queue is flushed: a plain step costs the head nothing
         else."""
-        for row, start, n in zip(batch.host_rows(), batch.prefix_lens, batch.extend_lens):
+        rows = batch.host_rows()
+        for row, start, n in zip(rows, batch.prefix_lens, batch.extend_lens):
             self._stale_rows[row] = start + n - 1  # the row's last position
-        if self._queue.add(batch, features) >= FLUSH_TOKENS:
+        if self._queue.add(batch, features, rows) >= FLUSH_TOKENS:
             self.flush()
 
     @torch.inference_mode()

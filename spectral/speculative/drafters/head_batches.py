@@ -60,10 +60,11 @@ class QueuedPositions:
         self.tokens = 0
         self.last: dict[int, int] = {}
 
-    def add(self, batch: ForwardBatch, features: torch.Tensor) -> int:
-        """Queue `batch`'s positions; returns the tokens queued in all."""
+    def add(self, batch: ForwardBatch, features: torch.Tensor, rows: list[int]) -> int:
+        """Queue `batch`'s positions (its table `rows`, read on the host by the caller);
+        returns the tokens queued in all."""
         self.parts.append((batch.input_ids, features, batch.positions, batch.out_cache_loc))
-        for row, n in zip(batch.host_rows(), batch.extend_lens):
+        for row, n in zip(rows, batch.extend_lens):
             self.tokens += n
             self.last[row] = self.tokens - 1
         return self.tokens

@@ -227,12 +227,11 @@ class TreePlanner:
             for kind, max_nodes in req.options:
                 head = head_kind(kind)
                 node_cost = rate * node_ms * (drafted if head else rounds)
-                net, best = 0.0, 0.0
-                scale = self.request_scale(req, kind)
+                # a stale head's run at the request's last position comes with its first node
+                net = -rate * drafted * self.curves.refresh(1) if head == STALE else 0.0
+                best, scale = 0.0, self.request_scale(req, kind)
                 for n, g in enumerate(table[kind][: max(max_nodes - 1, 0)], start=1):
                     net += min(1.0, g * scale) - node_cost
-                    if head == STALE:
-                        net -= rate * drafted * self.curves.refresh(1) if n == 1 else 0.0
                     best = max(best, net - rate * draft_share[n] if head else net)
                 values.append(best)
             choice.append(values.index(max(values)))
