@@ -189,8 +189,8 @@ def main() -> None:
         default="gguf,packed,off",
         help="matmul paths to measure: gguf (a GGUF model's own blocks through spectral's "
         "kernels, exact: --quantization gguf), gguf-int8 (the same blocks through the "
-        "integer path: --quantization auto's choice on a CPU), packed (the dequantized weights packed for them: --quantization "
-        "none), off (PyTorch only: --disable-cpu-kernels)",
+        "integer path: --quantization auto's choice on a CPU), packed (the dequantized "
+        "weights packed for them: --quantization none), off (PyTorch only: --disable-cpu-kernels)",
     )
     ap.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)))
     ap.add_argument("--prefix", type=int, default=200)

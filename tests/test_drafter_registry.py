@@ -38,6 +38,9 @@ class RepeatDrafter:
     def use_graphs(self, batch_sizes: list[int]) -> dict | None:
         return None
 
+    def flush(self) -> None:
+        pass
+
     def top1(self, rows: list[int]) -> list[float | None]:
         return [None] * len(rows)
 

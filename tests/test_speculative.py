@@ -192,6 +192,36 @@ def test_eagle3_greedy_output_equals_plain_decoding(
     assert all(r.spec.verify_ct > 0 for r in reqs)
 
 
+def test_a_measured_cost_model_times_the_heads_upkeep_apart_and_outputs_stay_plain(
+    tmp_path: Path,
+    monkeypatch,
+    peaky_model_dir: str,
+    eagle3_head: str,
+    plain_outputs: list[list[int]],
+) -> None:
+    """Without a cost model file the worker measures one at start-up (and caches it): a plain
+    step's time is the target's, the head's upkeep on plain steps of 1 and 4 requests its own
+    `idle` points, and the scratch positions it queued are written before anyone is served
+    (outputs equal plain decoding's)."""
+    from spectral.worker import cost_measure
+
+    monkeypatch.setattr(cost_measure, "CACHE_DIR", tmp_path)
+    s = make_spec_scheduler(
+        peaky_model_dir,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=eagle3_head,
+        speculative_cost_model=None,
+    )
+    model = s.worker.cost_model
+    assert [n for n, _ in model.idle] == list(cost_measure.DRAFT_POINTS)
+    assert all(ms > 0 for _, ms in model.idle)
+    assert model.plain_ms(1) == pytest.approx(model.decode_ms(1) + model.idle[0][1])
+    assert s.worker.drafter._queue.take() is None  # nothing queued is left to land later
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    reqs = run(s, prompts(20)[:8], at_once=4, temperature=0.0)
+    assert [r.output_ids for r in reqs] == plain_outputs[:8]
+
+
 def test_eagle_head_greedy_output_equals_plain_decoding(
     peaky_model_dir: str, eagle_head: str, plain_outputs: list[list[int]]
 ) -> None:

@@ -1,7 +1,8 @@
 """CostModel: what a speculative round costs on this worker, in milliseconds: `verify_ms(n)` a
-round of n tree nodes, `decode_ms(b)` a plain step of b requests, `draft_ms(b, levels)` the
-head's drafting (docs/speculative.md, "Trees sized by what a round costs"). Measured at
-start-up by `spectral.worker.cost_measure`; the tree planner reads it."""
+round of n tree nodes, `decode_ms(b)` a plain step of b requests, `idle_ms(b)` what keeping
+the drafter ready adds to that step, `draft_ms(b, levels)` the head's drafting
+(docs/speculative.md, "Trees sized by what a round costs"). Measured at start-up by
+`spectral.worker.cost_measure`; the tree planner reads it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import bisect
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Online calibration: a moving average of log(measured / predicted) over about
 # 1 / CALIBRATION_RATE steps (its first steps weighed against CALIBRATION_PRIOR pseudo-steps
@@ -35,12 +36,22 @@ class CostModel:
     decode_one: float  # ms of a plain decode step of one request
     # (requests, ms of a one-level draft, ms of each further level)
     draft: list[tuple[int, float, float]]
+    # (requests, ms a plain step of that many costs the drafter: recording the step for its
+    # next draft, its share of the queued work that recording defers)
+    idle: list[tuple[int, float]] = field(default_factory=lambda: [(1, 0.0)])
 
     def verify_ms(self, nodes: int) -> float:
         return max(interpolate(self.verify, nodes), 0.0)
 
     def decode_ms(self, batch: int) -> float:
         return max(self.decode_one + self.verify_ms(batch) - self.verify_ms(1), 1e-3)
+
+    def idle_ms(self, batch: int) -> float:
+        return max(interpolate(self.idle, batch), 0.0)
+
+    def plain_ms(self, batch: int) -> float:
+        """A plain step of `batch` requests with the drafter kept ready: what declining costs."""
+        return self.decode_ms(batch) + self.idle_ms(batch)
 
     def draft_ms(self, requests: int, levels: int) -> float:
         if not requests or levels < 1:
@@ -63,15 +74,19 @@ class CostModel:
                     (int(n), float(first), float(level))
                     for n, first, level in data.get("draft", [[1, 0.0, 0.0]])
                 ),
+                idle=sorted((int(n), float(ms)) for n, ms in data.get("idle", [[1, 0.0]])),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(
                 "a cost model is JSON with 'verify' ([[nodes, ms], ...] for one request's tree), "
                 "'decode_one' (ms) and optionally 'draft' ([[requests, ms of one level, ms of "
-                f"each further level], ...]): {err}"
+                "each further level], ...]) and 'idle' ([[requests, ms the drafter adds to a "
+                f"plain step], ...]): {err}"
             ) from err
         if not model.verify or model.verify[0][0] < 1 or model.decode_one <= 0:
             raise ValueError("a cost model needs verify points from 1 node up and decode_one > 0")
+        if not model.idle or model.idle[0][0] < 1:
+            raise ValueError("a cost model's idle points start from 1 request up")
         return model
 
     def summary(self) -> dict:
@@ -79,6 +94,7 @@ class CostModel:
         return {
             "verify_ms": {str(n): round(self.verify_ms(n), 2) for n in (1, 2, 4, 8, 16, 32)},
             "decode_ms": {str(b): round(self.decode_ms(b), 2) for b in (1, 4, 16)},
+            "idle_ms": {str(b): round(self.idle_ms(b), 3) for b in (1, 4, 16)},
             "draft_ms_one_and_three_levels": {
                 str(b): [round(self.draft_ms(b, 1), 2), round(self.draft_ms(b, 3), 2)]
                 for b in (1, 4, 16)

@@ -3,6 +3,7 @@ per-machine cache keyed by everything that changes what forwards cost."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -29,9 +30,13 @@ VERIFY_POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DRAFT_POINTS = (1, 4)
 PREFIX = 256  # tokens of context the measured requests hold (a chat prompt and its answer)
 REPEATS = 3
+# Plain steps recorded by the drafter to time its upkeep (`idle`): enough that work it queues
+# and runs in batches (a head's KV, every 64 tokens) is in the mean.
+IDLE_STEPS = 64
 # What the measurements mean: bumped when a change in the code makes cached models wrong (2: a
-# round whose trees the head did not draft queues the head's KV instead of extending it).
-MEASURE_VERSION = 2
+# round whose trees the head did not draft queues the head's KV instead of extending it; 3: a
+# plain step's time is the target's alone, the drafter's upkeep measured apart as `idle`).
+MEASURE_VERSION = 3
 
 
 def cache_key(parts: dict) -> str:
@@ -147,10 +152,11 @@ def measure(worker: SpeculativeWorker) -> CostModel:
         )
         verify.append((n, _ms(lambda wb=tree: worker.forward(wb))))
     step = batch(ForwardMode.DECODE, [prefix_ids[-1]], PREFIX)
-    decode_one = _ms(lambda: worker.forward(step))
-    draft = [(1, 0.0, 0.0)]
+    decode_one = _ms(lambda: target.forward(step))
+    draft, idle = [(1, 0.0, 0.0)], [(1, 0.0)]
     drafter = worker.drafter
     if drafter is not None:
+        idle = [(b, _idle_ms(worker, step, b)) for b in DRAFT_POINTS]
         seq = torch.tensor([PREFIX])
         draft = []
         levels = max(drafter.num_steps, 2)
@@ -166,4 +172,37 @@ def measure(worker: SpeculativeWorker) -> CostModel:
             first = _ms(lambda run=run: run(1))
             deep = _ms(lambda run=run, levels=levels: run(levels))
             draft.append((b, first, max(deep - first, 0.0) / (levels - 1)))
-    return CostModel(verify=verify, decode_one=decode_one, draft=draft)
+    return CostModel(verify=verify, decode_one=decode_one, draft=draft, idle=idle)
+
+
+def _idle_ms(worker: SpeculativeWorker, step: WorkerBatch, b: int) -> float:
+    """The mean ms the drafter adds to a plain step of `b` requests (as `worker.forward` runs
+    it after the target's forward: the features it reads, recording the step, the top-1 the
+    planner asks for) over IDLE_STEPS steps, the work it defers among them; row 0 taken `b`
+    times (its slot rewritten), what it queued written before returning."""
+    wide = dataclasses.replace(
+        step,
+        input_ids=step.input_ids * b,
+        positions=step.positions * b,
+        out_cache_loc=step.out_cache_loc * b,
+        req_pool_indices=step.req_pool_indices * b,
+        prefix_lens=step.prefix_lens * b,
+        extend_lens=step.extend_lens * b,
+        sampling=step.sampling * b,
+    )
+    drafter = worker.drafter
+    result, fb, hidden, captured = worker.target.run(wide, drafter.capture_layers)
+    next_ids = result.next_token_ids
+
+    def upkeep() -> None:
+        features = worker._features(hidden, captured) if drafter.needs_features else None
+        drafter.observe_step(fb, next_ids, features)
+        drafter.top1(wide.req_pool_indices)
+
+    upkeep()
+    start = time.perf_counter()
+    for _ in range(IDLE_STEPS):
+        upkeep()
+    ms = 1000 * (time.perf_counter() - start) / IDLE_STEPS
+    drafter.flush()
+    return ms

@@ -67,6 +67,10 @@ class Drafter(Protocol):
         tokens emitted after them, the slots they keep (request after request) and the
         target's features there; `drafted` whether this drafter drafted the round's trees."""
 
+    def flush(self) -> None:
+        """Run now whatever recording steps deferred (a head's queued KV); nothing where the
+        drafter defers nothing."""
+
     def top1(self, rows: list[int]) -> list[float | None]:
         """Per request row, the drafter's top-1 probability after its last verified token
         (None where not known): the confidence the planner sizes its next tree by."""

@@ -159,6 +159,10 @@ class DraftModelDrafter:
             self.lm.kv_pool.copy(src, dst)
             self.computed[dst] = True
 
+    def flush(self) -> None:
+        """Nothing to run now: committed tokens' KV is computed by the next draft that reads
+        it (its catch-up, part of drafting's cost)."""
+
     def top1(self, rows: list[int]) -> list[float | None]:
         """The draft's confidence is known only once it drafts (it reads the root first)."""
         return [None] * len(rows)

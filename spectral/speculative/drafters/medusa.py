@@ -196,6 +196,9 @@ class MedusaDrafter:
         the heads drafted this round's trees, `drafted`, changes nothing here)."""
         self._keep_last(batch.req_pool_indices, [len(t) for t in accepted_tokens], features)
 
+    def flush(self) -> None:
+        """Nothing is deferred: a step's hidden state is kept as it comes."""
+
     def top1(self, rows: list[int]) -> list[float | None]:
         """Not known before a draft (the heads run only when drafting)."""
         return [None] * len(rows)

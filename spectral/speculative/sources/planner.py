@@ -213,7 +213,7 @@ class TreePlanner:
         plain step's rate; `most`: the most non-root nodes any option has."""
         B = len(reqs)
         plain, rounds, drafted = self._scale
-        rate = B / (self.cost.decode_ms(B) * plain)
+        rate = B / (self.cost.plain_ms(B) * plain)
         if most < 1:
             return (0,) * B
         node_ms = (self.curves.verify(B * (1 + most)) - self.curves.verify(B)) / (B * most)
@@ -244,7 +244,7 @@ class TreePlanner:
         best gain first, for every cap on the head's trees (each level the head drafts costs
         the whole batch a step of it, so a deeper tree may pay only without the last few)."""
         B = len(reqs)
-        plain_ms = self.cost.decode_ms(B) * self._scale[0]
+        plain_ms = self.cost.plain_ms(B) * self._scale[0]
         plain = Plan([1] * B, False, float(B), plain_ms, plain_ms, choice)
         gains = []  # (gain, request, rank, drafted by the head: FRESH or STALE, else 0)
         for b, (req, c) in enumerate(zip(reqs, choice)):
@@ -332,7 +332,7 @@ class TreePlanner:
             kind = "drafted_rounds" if plan.draft_ms > 0 else "rounds"
             self.calibration[kind].observe(ms, plan.verify_ms + plan.draft_ms)
         elif mode == ForwardMode.DECODE:
-            predicted = self.cost.decode_ms(batch)
+            predicted = self.cost.plain_ms(batch)
             self.record.plain_steps += 1
             self.record.plain_measured_ms += ms
             # as the plans predict plain steps: calibrated
