@@ -494,6 +494,20 @@ def test_calibration_follows_measured_over_predicted_within_bounds() -> None:
     assert cal.factor == pytest.approx(CALIBRATION_BOUNDS[1], rel=1e-3)
 
 
+def test_a_kinds_first_round_moves_its_factor_from_the_one_its_plan_used() -> None:
+    """Plain steps timed at 1.5x the model: the first round is planned at 1.5x too, and when
+    it takes 1.5x its prediction the rounds' factor stays there (it used to restart from 1,
+    so that the next rounds were planned a third too cheap)."""
+    planner = trained_planner()
+    for _ in range(40):
+        planner.record_step(ForwardMode.DECODE, 1, 1.5 * STEEP.plain_ms(1) / 1000)
+    plan = planner.plan([PlanInput(NGRAM, 4)])
+    assert plan.speculate and plan.predicted_ms == pytest.approx(1.5 * plan.verify_ms, rel=0.05)
+    planner.record_plan(plan, plan.nodes)
+    planner.record_step(ForwardMode.TARGET_VERIFY, 1, 1.5 * plan.verify_ms / 1000)
+    assert planner.calibration["rounds"].factor == pytest.approx(1.5, rel=0.05)
+
+
 def test_rounds_slower_than_the_cost_model_turn_speculation_off() -> None:
     """A planner whose cost model says head rounds pay, while rounds take three times what
     it predicts and plain steps what it predicts: it stops planning rounds. Rounds without

@@ -150,11 +150,15 @@ class Calibration:
     def factor(self) -> float:
         return math.exp(self.log_factor)
 
-    def observe(self, measured_ms: float, predicted_ms: float) -> None:
+    def observe(self, measured_ms: float, predicted_ms: float, start: float = 1.0) -> None:
+        """One step's times; `start`: the factor its first step moves from (the factor the
+        plans used for this kind before any was timed)."""
         if predicted_ms <= 0:
             return
         lo, hi = CALIBRATION_BOUNDS
         ratio = min(hi, max(lo, measured_ms / predicted_ms))
+        if not self.count:
+            self.log_factor = math.log(start)
         self.count += 1
         rate = max(CALIBRATION_RATE, 1.0 / (self.count + CALIBRATION_PRIOR))
         self.log_factor += rate * (math.log(ratio) - self.log_factor)

@@ -30,13 +30,15 @@ VERIFY_POINTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DRAFT_POINTS = (1, 4)
 PREFIX = 256  # tokens of context the measured requests hold (a chat prompt and its answer)
 REPEATS = 3
+PASSES = 5  # of the verify curve and the plain step, interleaved
 # Plain steps recorded by the drafter to time its upkeep (`idle`): enough that work it queues
 # and runs in batches (a head's KV, every 64 tokens) is in the mean.
 IDLE_STEPS = 64
 # What the measurements mean: bumped when a change in the code makes cached models wrong (2: a
 # round whose trees the head did not draft queues the head's KV instead of extending it; 3: a
-# plain step's time is the target's alone, the drafter's upkeep measured apart as `idle`).
-MEASURE_VERSION = 3
+# plain step's time is the target's alone, the drafter's upkeep measured apart as `idle`; 4:
+# the verify curve and the plain step timed in interleaved passes).
+MEASURE_VERSION = 4
 
 
 def cache_key(parts: dict) -> str:
@@ -113,6 +115,24 @@ def _ms(fn) -> float:
     return 1000 * timed(fn)
 
 
+def interleaved_ms(fns: dict, passes: int = PASSES) -> dict:
+    """Median ms of each of `fns` (key: function) over `passes` passes that call every
+    function once, in turn (every other pass in reverse), after one call of each: a machine
+    that slows down or speeds up for a few seconds moves every point alike, so the curve's
+    shape holds (timed point after point, cached models here differed by 40% in the ratio
+    of an 8-node round to a plain step)."""
+    for fn in fns.values():
+        fn()
+    times: dict = {key: [] for key in fns}
+    order = list(fns)
+    for p in range(passes):
+        for key in order if p % 2 == 0 else order[::-1]:
+            t = time.perf_counter()
+            fns[key]()
+            times[key].append(1000 * (time.perf_counter() - t))
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
 @torch.inference_mode()
 def measure(worker: SpeculativeWorker) -> CostModel:
     """Measure the curves on `worker` before it serves anyone: request row 0 and the slots
@@ -139,7 +159,8 @@ def measure(worker: SpeculativeWorker) -> CostModel:
         )
 
     worker.forward(batch(ForwardMode.EXTEND, prefix_ids, 0))
-    verify = []
+    step = batch(ForwardMode.DECODE, [prefix_ids[-1]], PREFIX)
+    fns = {0: lambda: target.forward(step)}  # 0: a plain step, n: a round of n nodes
     for n in (p for p in VERIFY_POINTS if p <= max_nodes):
         # A chain of n - 1 given draft tokens below the root: no head draft in it.
         tree = batch(
@@ -150,9 +171,10 @@ def measure(worker: SpeculativeWorker) -> CostModel:
             draft_tokens=[[3] * (n - 1)],
             draft_parents=[list(range(n - 1))],
         )
-        verify.append((n, _ms(lambda wb=tree: worker.forward(wb))))
-    step = batch(ForwardMode.DECODE, [prefix_ids[-1]], PREFIX)
-    decode_one = _ms(lambda: target.forward(step))
+        fns[n] = lambda wb=tree: worker.forward(wb)
+    times = interleaved_ms(fns)
+    decode_one = times.pop(0)
+    verify = sorted(times.items())
     draft, idle = [(1, 0.0, 0.0)], [(1, 0.0)]
     drafter = worker.drafter
     if drafter is not None:

@@ -330,7 +330,10 @@ class TreePlanner:
             self.record.measured_ms += ms
             plan, self._pending = self._pending, None
             kind = "drafted_rounds" if plan.draft_ms > 0 else "rounds"
-            self.calibration[kind].observe(ms, plan.verify_ms + plan.draft_ms)
+            # a kind's first round moves from the factor its plan was made with
+            base = plan.verify_ms + plan.draft_ms
+            start = plan.predicted_ms / base if base > 0 else 1.0
+            self.calibration[kind].observe(ms, base, start)
         elif mode == ForwardMode.DECODE:
             predicted = self.cost.plain_ms(batch)
             self.record.plain_steps += 1
