@@ -3,10 +3,12 @@
 MT-Bench first turns (all 80, or `--quick` for the first 16; `--dataset humaneval`: HumanEval
 problems; `--dataset code-edit`: a HumanEval function and an instruction to change it), greedy
 or at `--temperature`, with the model's chat template; for each batch size (requests in flight
-at once) it prints tokens/s without speculation (measured before and after the algorithms;
-speedups are against the faster of the two, and the drift between them is printed), then with
-each algorithm: tokens/s, the average accept length τ (tokens per speculative round and
-request), and how many outputs equal the plain ones (bf16 multi-token forwards round
+at once) it prints tokens/s without speculation and with each algorithm, in `--passes` passes
+(the algorithms' order reversed every other pass, plain decoding before each pass and after the
+last, every run on an engine of its own); each run is taken against the faster of the two plain
+runs around it and a speedup is the median over the passes (the plain runs' spread is
+printed). For each algorithm: tokens/s, the average accept length τ (tokens per speculative
+round and request), and how many outputs equal the plain ones (bf16 multi-token forwards round
 differently from one-token ones, so a few may differ; float32 output is identical, which the
 tests check). HumanEval prompts give a second τ for the drafter. Results also go to
 bench/out/spec.json.
@@ -39,6 +41,7 @@ import argparse
 import contextlib
 import gc
 import json
+import statistics
 import sys
 import time
 from contextlib import AbstractContextManager
@@ -158,6 +161,13 @@ def main() -> None:
         "plain,ngram-simple,ngram-mod,draft-simple (drafting from --draft); each algorithm is "
         "also given against the fastest",
     )
+    ap.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="passes over plain decoding and every algorithm, interleaved (plain once more "
+        "after the last); each speedup the median over the passes",
+    )
     ap.add_argument("--out", default="spec.json", help="file name under bench/out")
     args = ap.parse_args()
 
@@ -190,72 +200,9 @@ def main() -> None:
         speculative_ngram_min_match_window_size=args.ngram_min_match,
         speculative_fixed_tree=args.fixed_tree,
     )
-    temp = args.temperature
     algorithms = [a for a in args.algorithms.split(",") if a]
     for size in [int(b) for b in args.batches.split(",") if b]:
-        engine = Engine(**common, max_running_requests=size)
-        prompts = [chat(engine.tokenizer, q) for q in questions]
-        plain, plain_out, _ = measure(engine, prompts, args.max_new_tokens, temp)
-        engine.shutdown()
-        print(f"batch {size:3d}  plain              {plain:7.2f} tok/s")
-        rows = []
-        for algo in algorithms:
-            name, *extras = algo.split("+")
-            engine = Engine(
-                **common,
-                max_running_requests=size,
-                speculative_algorithm=name,
-                speculative_draft_model_path=(
-                    None
-                    if name in ("NGRAM", "LOOKAHEAD")
-                    else args.medusa
-                    if name == "MEDUSA"
-                    else args.draft
-                ),
-                speculative_hybrid_ngram=args.hybrid_ngram if "NGRAM" in extras else 0,
-                speculative_hybrid_merge="MERGE" in extras,
-                speculative_hybrid_lookahead="LOOKAHEAD" in extras,
-                speculative_token_map=args.token_map if "MAP" in extras else None,
-                speculative_draft_quantization="q4_1" if "Q4" in extras else "auto",
-                **spec_options,
-            )
-            speed, out, tau = measure(engine, prompts, args.max_new_tokens, temp)
-            same = sum(a == b for a, b in zip(out, plain_out))
-            planned = engine.get_server_info()["speculative"].get("rounds", {})
-            row = {
-                "batch": size,
-                "algorithm": algo,
-                "plain_tok_s": round(plain, 2),
-                "spec_tok_s": round(speed, 2),
-                "speedup": round(speed / plain, 3),
-                "accept_length": round(tau, 3),
-                "identical_outputs": f"{same}/{len(prompts)}",
-                "tree_nodes_per_request": planned.get("tree_nodes_per_request"),
-                "predicted_gain": planned.get("predicted_gain"),
-                "measured_gain": planned.get("measured_gain"),
-            }
-            if name not in ("NGRAM", "LOOKAHEAD") and size == 1 and args.humaneval:
-                code = [chat(engine.tokenizer, p) for p in humaneval_prompts(args.humaneval)]
-                _, _, row["humaneval_accept_length"] = measure(
-                    engine, code, args.max_new_tokens, temp
-                )
-            engine.shutdown()
-            gc.collect()
-            rows.append(row)
-            extra = (
-                f", HumanEval τ {row['humaneval_accept_length']:.2f}"
-                if "humaneval_accept_length" in row
-                else ""
-            )
-            if row["tree_nodes_per_request"] is not None:
-                extra += (
-                    f", {row['tree_nodes_per_request']:.1f} nodes/round, gain predicted "
-                    f"{row['predicted_gain']:.2f} measured {row['measured_gain']:.2f}"
-                )
-            print(
-                f"batch {size:3d}  {algo:<18s} {speed:7.2f} tok/s  {speed / plain:5.2f}x  "
-                f"τ {tau:4.2f}  identical {same}/{len(prompts)}{extra}"
-            )
+        rows, prompts = run_size(args, size, algorithms, questions, common, spec_options)
         if size == 1 and args.llama_modes:
             llama = llama_runs(args, prompts)
             if llama:
@@ -263,41 +210,136 @@ def main() -> None:
                 results["llama_cpp_tok_s"] = llama
                 for row in rows:
                     row["over_llama_best"] = round(row["spec_tok_s"] / best, 3)
+                    print(
+                        f"batch {size:3d}  {row['algorithm']:<18s} "
+                        f"{row['over_llama_best']:5.2f}x llama.cpp's fastest"
+                    )
                 print(f"batch   1  llama.cpp          {llama}; the fastest {best_mode} {best:.2f}")
-        if rows:
-            # Speeds drift over a run here, and the first engine of a process runs slower
-            # (bf16 matmuls build their kernels per shape on first use: +30% between the two
-            # plain runs at batch 1): plain decoding once more, after the algorithms, and every
-            # speedup taken against the faster of the two plain runs.
-            engine = Engine(**common, max_running_requests=size)
-            again, _, _ = measure(engine, prompts, args.max_new_tokens, temp)
-            engine.shutdown()
-            gc.collect()
-            baseline = max(plain, again)
-            print(
-                f"batch {size:3d}  plain again        {again:7.2f} tok/s  "
-                f"(drift {again / plain - 1:+.1%}); against the faster, {baseline:.2f}:"
-            )
-            for row in rows:
-                row["plain_tok_s"], row["plain_tok_s_runs"] = (
-                    round(baseline, 2),
-                    [
-                        round(plain, 2),
-                        round(again, 2),
-                    ],
-                )
-                row["speedup"] = round(row["spec_tok_s"] / baseline, 3)
-                against = (
-                    f"  ({row['over_llama_best']:.2f}x llama.cpp's fastest)"
-                    if "over_llama_best" in row
-                    else ""
-                )
-                print(f"batch {size:3d}  {row['algorithm']:<18s} {row['speedup']:5.2f}x{against}")
-            results["runs"].extend(rows)
+        results["runs"].extend(rows)
     out_dir = Path(__file__).resolve().parent / "out"
     out_dir.mkdir(exist_ok=True)
     (out_dir / args.out).write_text(json.dumps(results, indent=2) + "\n")
     plot(results["runs"], out_dir / Path(args.out).with_suffix(".png").name, args.dataset)
+
+
+def spec_engine(args, common: dict, spec_options: dict, size: int, algo: str) -> Engine:
+    """An engine serving `algo` (NAME[+EXTRA...], see --algorithms) at batch `size`."""
+    name, *extras = algo.split("+")
+    return Engine(
+        **common,
+        max_running_requests=size,
+        speculative_algorithm=name,
+        speculative_draft_model_path=(
+            None
+            if name in ("NGRAM", "LOOKAHEAD")
+            else args.medusa
+            if name == "MEDUSA"
+            else args.draft
+        ),
+        speculative_hybrid_ngram=args.hybrid_ngram if "NGRAM" in extras else 0,
+        speculative_hybrid_merge="MERGE" in extras,
+        speculative_hybrid_lookahead="LOOKAHEAD" in extras,
+        speculative_token_map=args.token_map if "MAP" in extras else None,
+        speculative_draft_quantization="q4_1" if "Q4" in extras else "auto",
+        **spec_options,
+    )
+
+
+def run_size(
+    args, size: int, algorithms: list[str], questions, common: dict, spec_options: dict
+) -> tuple[list[dict], list[str]]:
+    """Every algorithm against plain decoding at batch `size`: `--passes` passes over plain
+    decoding and every algorithm (the algorithms' order reversed every other pass), and plain
+    decoding once more after the last; every run on an engine of its own (a server started
+    for it: an engine kept across passes would draft the earlier passes' outputs from its
+    n-gram index). An algorithm's run is taken against the faster of the two plain runs
+    around it, and its speedup is the median over the passes. Returns (rows, prompts)."""
+    temp = args.temperature
+
+    def run(algo: str | None, keep: bool = False):
+        engine = (
+            spec_engine(args, common, spec_options, size, algo)
+            if algo
+            else Engine(**common, max_running_requests=size)
+        )
+        prompts = [chat(engine.tokenizer, q) for q in questions]
+        speed, out, tau = measure(engine, prompts, args.max_new_tokens, temp)
+        if not keep:
+            engine.shutdown()
+            gc.collect()
+            engine = None
+        return speed, out, tau, prompts, engine
+
+    plain_runs, plain_out = [], None
+    runs: dict[str, list[tuple[float, list, float]]] = {algo: [] for algo in algorithms}
+    last: dict[str, Engine] = {}  # each algorithm's engine of its last pass, for its record
+    for p in range(args.passes + 1):
+        speed, out, _, prompts, _ = run(None)
+        plain_runs.append(speed)
+        plain_out = plain_out or out
+        print(f"batch {size:3d}  plain              {speed:7.2f} tok/s  (pass {p + 1})")
+        if p == args.passes:
+            break
+        for algo in algorithms if p % 2 == 0 else algorithms[::-1]:
+            keep = p == args.passes - 1
+            speed, out, tau, _, engine = run(algo, keep)
+            if keep:
+                last[algo] = engine
+            runs[algo].append((speed, out, tau))
+            same = sum(a == b for a, b in zip(out, plain_out))
+            print(
+                f"batch {size:3d}  {algo:<18s} {speed:7.2f} tok/s  {speed / plain_runs[-1]:5.2f}x "
+                f"τ {tau:4.2f}  identical {same}/{len(prompts)}  (pass {p + 1})"
+            )
+    rows = []
+    for algo in algorithms:
+        engine = last.pop(algo)
+        ratios = [
+            speed / max(plain_runs[p], plain_runs[p + 1])
+            for p, (speed, _, _) in enumerate(runs[algo])
+        ]
+        same = min(sum(a == b for a, b in zip(out, plain_out)) for _, out, _ in runs[algo])
+        planned = engine.get_server_info()["speculative"].get("rounds", {})
+        row = {
+            "batch": size,
+            "algorithm": algo,
+            "plain_tok_s": round(max(plain_runs), 2),
+            "plain_tok_s_runs": [round(x, 2) for x in plain_runs],
+            "spec_tok_s": round(statistics.median(x[0] for x in runs[algo]), 2),
+            "speedup": round(statistics.median(ratios), 3),
+            "speedups": [round(x, 3) for x in ratios],
+            "accept_length": round(statistics.median(x[2] for x in runs[algo]), 3),
+            "identical_outputs": f"{same}/{len(prompts)}",
+            "tree_nodes_per_request": planned.get("tree_nodes_per_request"),
+            "predicted_gain": planned.get("predicted_gain"),
+            "measured_gain": planned.get("measured_gain"),
+        }
+        name = algo.split("+")[0]
+        if name not in ("NGRAM", "LOOKAHEAD") and size == 1 and args.humaneval:
+            code = [chat(engine.tokenizer, p) for p in humaneval_prompts(args.humaneval)]
+            _, _, row["humaneval_accept_length"] = measure(engine, code, args.max_new_tokens, temp)
+        engine.shutdown()
+        gc.collect()
+        rows.append(row)
+        extra = (
+            f", HumanEval τ {row['humaneval_accept_length']:.2f}"
+            if "humaneval_accept_length" in row
+            else ""
+        )
+        if row["tree_nodes_per_request"] is not None:
+            extra += (
+                f", {row['tree_nodes_per_request']:.1f} nodes/round (last pass), gain "
+                f"predicted {row['predicted_gain']:.2f} measured {row['measured_gain']:.2f}"
+            )
+        print(
+            f"batch {size:3d}  {algo:<18s} {row['speedup']:5.2f}x (median of "
+            f"{', '.join(f'{x:.2f}' for x in ratios)})  τ {row['accept_length']:4.2f}  "
+            f"identical {row['identical_outputs']}{extra}"
+        )
+    drift = max(plain_runs) / min(plain_runs) - 1
+    listed = ", ".join(f"{x:.2f}" for x in plain_runs)
+    print(f"batch {size:3d}  plain runs {listed} tok/s (spread {drift:.1%})")
+    return rows, prompts
 
 
 def llama_runs(args, prompts: list[str]) -> dict[str, float]:

@@ -1,8 +1,10 @@
 """Speculation against plain decoding over the whole matrix: every dataset, batch size and
 algorithm in one run (issue 55: speculation that never loses).
 
-Each part is one `bench/spec.py` run in a process of its own (plain decoding twice, before and
-after the algorithms; every cell against the faster plain run): the default model (float32
+Each part is one `bench/spec.py` run in a process of its own (`--passes` passes, 3 by default,
+over plain decoding and every algorithm, plain once more after the last, every run on an
+engine of its own; a cell is the median over the passes of its run against the faster of the
+two plain runs around it): the default model (float32
 activations, so that outputs compare token for token; its weights on the path `--quantization`
 names, by default auto's: the integer path on a CPU) on MT-Bench, HumanEval and code edits at
 every batch size, with NGRAM, LOOKAHEAD, EAGLE3, EAGLE3+NGRAM and every source
@@ -31,6 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from data import pyplot  # noqa: E402
+
 from models import KIT_DIR, MODELS  # noqa: E402
 
 SINGLE = ["NGRAM", "LOOKAHEAD", "EAGLE3"]
@@ -41,7 +44,7 @@ LARGE_ALGORITHMS = ["NGRAM", "LOOKAHEAD", "STANDALONE"]
 
 def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(output file name, bench/spec.py arguments) of each part of the matrix."""
-    sizing = ["--max-new-tokens", str(args.max_new_tokens)]
+    sizing = ["--max-new-tokens", str(args.max_new_tokens), "--passes", str(args.passes)]
     if args.num_prompts:
         sizing += ["--num-prompts", str(args.num_prompts)]
     out = []
@@ -147,7 +150,7 @@ def heat_map(rows: list[dict], path: Path) -> None:
                 ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(col_keys)), [f"{d}\nbatch {b}" for d, b in col_keys], fontsize=8)
     ax.set_yticks(range(len(row_keys)), [f"{m} {a}" for m, a in row_keys], fontsize=8)
-    ax.set_title("speedup over plain decoding (the faster of two plain runs)")
+    ax.set_title("speedup over plain decoding (median of passes, each against the plain around it)")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -166,6 +169,13 @@ def main() -> None:
     ap.add_argument("--no-large", dest="large", action="store_false", help="the default model only")
     ap.add_argument("--quick", action="store_true", help="4 prompts, 48 tokens, batches 1 and 4")
     ap.add_argument("--fresh", action="store_true", help="run every part, even those in bench/out")
+    ap.add_argument(
+        "--passes",
+        type=int,
+        default=3,
+        help="interleaved passes over plain decoding and every algorithm (bench/spec.py); a "
+        "cell is the median of its passes, each against the plain runs around it",
+    )
     ap.add_argument(
         "--quantization", default="auto", help="the default model's path (auto, gguf, gguf-int8)"
     )
