@@ -5,13 +5,13 @@ problems; `--dataset code-edit`: a HumanEval function and an instruction to chan
 or at `--temperature`, with the model's chat template; for each batch size (requests in flight
 at once) it prints tokens/s without speculation and with each algorithm, in `--passes` passes
 (the algorithms' order reversed every other pass, plain decoding before each pass and after the
-last, every run on an engine of its own); each run is taken against the faster of the two plain
-runs around it and a speedup is the median over the passes (the plain runs' spread is
-printed). For each algorithm: tokens/s, the average accept length τ (tokens per speculative
-round and request), and how many outputs equal the plain ones (bf16 multi-token forwards round
-differently from one-token ones, so a few may differ; float32 output is identical, which the
-tests check). HumanEval prompts give a second τ for the drafter. Results also go to
-bench/out/spec.json.
+last, each on one engine kept across passes, every run from a flushed cache); each run is taken
+against the faster of the two plain runs around it and a speedup is the median over the passes
+(the plain runs' spread is printed). For each algorithm: tokens/s, the average accept length τ
+(tokens per speculative round and request), and how many outputs equal the plain ones (bf16
+multi-token forwards round differently from one-token ones, so a few may differ; float32 output
+is identical, which the tests check). HumanEval prompts give a second τ for the drafter.
+Results also go to bench/out/spec.json.
 
     python bench/spec.py --quick
     python bench/spec.py --algorithms EAGLE3 --draft default --batches 1
@@ -250,47 +250,34 @@ def run_size(
 ) -> tuple[list[dict], list[str]]:
     """Every algorithm against plain decoding at batch `size`: `--passes` passes over plain
     decoding and every algorithm (the algorithms' order reversed every other pass), and plain
-    decoding once more after the last; every run on an engine of its own (a server started
-    for it: an engine kept across passes would draft the earlier passes' outputs from its
-    n-gram index). An algorithm's run is taken against the faster of the two plain runs
-    around it, and its speedup is the median over the passes. Returns (rows, prompts)."""
+    decoding once more after the last, each on one engine kept across the passes (a server
+    that served the passes before; every run starts from a flushed cache: no radix hits and
+    no n-gram index of earlier runs). An algorithm's run is taken against the faster of the
+    two plain runs around it, and its speedup is the median over the passes (engines made and
+    dropped in turn in one process ran 10-20% slower one after the other here, whatever
+    they served). Returns (rows, prompts)."""
     temp = args.temperature
-
-    def run(algo: str | None, keep: bool = False):
-        engine = (
-            spec_engine(args, common, spec_options, size, algo)
-            if algo
-            else Engine(**common, max_running_requests=size)
-        )
-        prompts = [chat(engine.tokenizer, q) for q in questions]
-        speed, out, tau = measure(engine, prompts, args.max_new_tokens, temp)
-        if not keep:
-            engine.shutdown()
-            gc.collect()
-            engine = None
-        return speed, out, tau, prompts, engine
-
+    plain_engine = Engine(**common, max_running_requests=size)
+    prompts = [chat(plain_engine.tokenizer, q) for q in questions]
+    last = {algo: spec_engine(args, common, spec_options, size, algo) for algo in algorithms}
     plain_runs, plain_out = [], None
     runs: dict[str, list[tuple[float, list, float]]] = {algo: [] for algo in algorithms}
-    last: dict[str, Engine] = {}  # each algorithm's engine of its last pass, for its record
     for p in range(args.passes + 1):
-        speed, out, _, prompts, _ = run(None)
+        speed, out, _ = measure(plain_engine, prompts, args.max_new_tokens, temp)
         plain_runs.append(speed)
         plain_out = plain_out or out
         print(f"batch {size:3d}  plain              {speed:7.2f} tok/s  (pass {p + 1})")
         if p == args.passes:
             break
         for algo in algorithms if p % 2 == 0 else algorithms[::-1]:
-            keep = p == args.passes - 1
-            speed, out, tau, _, engine = run(algo, keep)
-            if keep:
-                last[algo] = engine
+            speed, out, tau = measure(last[algo], prompts, args.max_new_tokens, temp)
             runs[algo].append((speed, out, tau))
             same = sum(a == b for a, b in zip(out, plain_out))
             print(
                 f"batch {size:3d}  {algo:<18s} {speed:7.2f} tok/s  {speed / plain_runs[-1]:5.2f}x "
                 f"τ {tau:4.2f}  identical {same}/{len(prompts)}  (pass {p + 1})"
             )
+    plain_engine.shutdown()
     rows = []
     for algo in algorithms:
         engine = last.pop(algo)
@@ -328,8 +315,8 @@ def run_size(
         )
         if row["tree_nodes_per_request"] is not None:
             extra += (
-                f", {row['tree_nodes_per_request']:.1f} nodes/round (last pass), gain "
-                f"predicted {row['predicted_gain']:.2f} measured {row['measured_gain']:.2f}"
+                f", {row['tree_nodes_per_request']:.1f} nodes/round, gain predicted "
+                f"{row['predicted_gain']:.2f} measured {row['measured_gain']:.2f}"
             )
         print(
             f"batch {size:3d}  {algo:<18s} {row['speedup']:5.2f}x (median of "

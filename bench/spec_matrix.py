@@ -2,16 +2,16 @@
 algorithm in one run (issue 55: speculation that never loses).
 
 Each part is one `bench/spec.py` run in a process of its own (`--passes` passes, 3 by default,
-over plain decoding and every algorithm, plain once more after the last, every run on an
-engine of its own; a cell is the median over the passes of its run against the faster of the
-two plain runs around it): the default model (float32
+over plain decoding and every algorithm, plain once more after the last, each on one engine
+kept across the passes, every run from a flushed cache; a cell is the median over the passes of
+its run against the faster of the two plain runs around it): the default model (float32
 activations, so that outputs compare token for token; its weights on the path `--quantization`
 names, by default auto's: the integer path on a CPU) on MT-Bench, HumanEval and code edits at
 every batch size, with NGRAM, LOOKAHEAD, EAGLE3, EAGLE3+NGRAM and every source
-(EAGLE3+NGRAM+LOOKAHEAD); then the 1.5B (its integer path) with NGRAM, LOOKAHEAD and
-STANDALONE (the 0.5B drafting) at batches 1 and 4, where `python bench/models.py` has put both
-in models/. A part whose JSON is already in bench/out is read, not run again (`--fresh` runs it
-anyway), so an interrupted matrix resumes.
+(EAGLE3+NGRAM+LOOKAHEAD); then the 1.5B (its integer path) with NGRAM, LOOKAHEAD and STANDALONE
+(the 0.5B drafting) at batches 1 and 4, where `python bench/models.py` has put both in models/.
+A part whose JSON is already in bench/out is read, not run again (`--fresh` runs it anyway), so
+an interrupted matrix resumes.
 
 It prints every cell (speedup, and outputs identical to plain), whether every source is within
 0.02 of the best single source at batch 1 on each dataset, and the smallest cell last; the

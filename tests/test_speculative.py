@@ -342,6 +342,14 @@ def test_ngram_accepts_a_continuation_seen_before_and_matches_plain(
     assert [r.output_ids for r in again] == plain_outputs
     verify_rounds = sum(r.spec.verify_ct for r in again)
     assert sum(len(r.output_ids) for r in again) / verify_rounds > 3.0
+    # flush_cache forgets past requests: the radix tree's and the n-gram index's
+    assert s.spec_round.ngram.num_indexed_tokens > 0
+    assert s.flush_cache()
+    assert s.spec_round.ngram.num_indexed_tokens == 0
+    third = run(s, batch[:4], at_once=4, temperature=0.0)
+    assert [r.output_ids for r in third] == plain_outputs[:4]
+    rounds = sum(r.spec.verify_ct for r in third)  # drafted from the requests' own tokens
+    assert rounds == 0 or sum(len(r.output_ids) for r in third) / rounds < 3.0
 
 
 # Each verified node costs a twentieth of a one-token forward: trees pay only where drafts are

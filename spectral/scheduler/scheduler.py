@@ -108,10 +108,13 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked or self.grammars.compiling)
 
     def flush_cache(self) -> bool:
-        """Empty the radix cache; only when idle (returns False otherwise)."""
+        """Empty the radix cache and the n-gram index of past requests; only when idle
+        (returns False otherwise)."""
         if self.has_work:
             return False
         self.kv.tree.reset()
+        if self.spec_round is not None:
+            self.spec_round.flush()
         return True
 
     def info(self) -> dict:

@@ -104,6 +104,12 @@ class NgramDrafter:
         self._index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         self._next_seq_id = 0
 
+    def clear(self) -> None:
+        """Forget every sequence added (a flushed cache)."""
+        self._seqs.clear()
+        self._index.clear()
+        self.num_indexed_tokens = 0
+
     def add_sequence(self, tokens: list[int]) -> None:
         """Index a sequence (e.g. a finished request's prompt + output) for other requests to
         match. Only its last `max_indexed_tokens` tokens are kept; the oldest sequences are

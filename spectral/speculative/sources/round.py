@@ -53,6 +53,12 @@ class SpecRound:
             self.planner = TreePlanner(cost_model, spec.num_steps, spec.entry.acceptance_prior)
         self._plan: Plan | None = None
 
+    def flush(self) -> None:
+        """Forget past requests (the server's cache flushed): the n-gram index's corpus. What
+        the planner learnt of acceptance and costs stays."""
+        if self.ngram is not None:
+            self.ngram.clear()
+
     def plan(self, running: list[Req]) -> list[int] | None:
         """Each request's tree size (its root included), its n-gram and forced nodes set on
         `req.spec.draft_tokens`/`draft_parents`; None where a plain decode step is expected to do
