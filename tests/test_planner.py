@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from spectral.core.forward import ForwardMode
-from spectral.speculative.cost_model import CALIBRATION_BOUNDS, Calibration, CostModel, interpolate
+from spectral.speculative.cost_model import (
+    CALIBRATION_BOUNDS,
+    BatchCalibration,
+    Calibration,
+    CostModel,
+    interpolate,
+)
 from spectral.speculative.registry import get as get_algorithm
 from spectral.speculative.sources import planner as planner_module
 from spectral.speculative.sources.acceptance import (
@@ -506,6 +512,28 @@ def test_a_kinds_first_round_moves_its_factor_from_the_one_its_plan_used() -> No
     planner.record_plan(plan, plan.nodes)
     planner.record_step(ForwardMode.TARGET_VERIFY, 1, 1.5 * plan.verify_ms / 1000)
     assert planner.calibration["rounds"].factor == pytest.approx(1.5, rel=0.05)
+
+
+def test_calibration_is_kept_per_batch_size_bucket() -> None:
+    """Rounds of 2 requests at 1.2x the model and of 1 at 0.9x: each batch size is planned at
+    its bucket's factor (one that has no step yet at the nearest bucket's), not at whichever
+    size ran last."""
+    cal = BatchCalibration()
+    assert cal.factor_for(2) is None
+    for _ in range(300):
+        cal.observe(9.0, 10.0, 1)
+        cal.observe(12.0, 10.0, 2)
+    assert cal.factor_for(1) == pytest.approx(0.9, rel=1e-3)
+    assert cal.factor_for(3) == pytest.approx(1.2, rel=1e-3)
+    assert cal.factor_for(16) == pytest.approx(1.2, rel=1e-3)  # nearest: 2-3
+    assert 0.9 < cal.factor < 1.2 and cal.count == 600
+    planner = trained_planner()
+    planner.calibration["rounds"] = cal
+    for batch, factor in ((1, 0.9), (2, 1.2)):
+        plan = planner.plan([PlanInput(NGRAM, 8)] * batch)
+        assert plan.speculate
+        assert plan.predicted_ms == pytest.approx(factor * plan.verify_ms, rel=1e-3)
+    assert planner.to_dict()["calibration"]["rounds"]["by_batch"] == {"1-1": 0.9, "2-3": 1.2}
 
 
 def test_rounds_slower_than_the_cost_model_turn_speculation_off() -> None:

@@ -162,3 +162,51 @@ class Calibration:
         self.count += 1
         rate = max(CALIBRATION_RATE, 1.0 / (self.count + CALIBRATION_PRIOR))
         self.log_factor += rate * (math.log(ratio) - self.log_factor)
+
+
+class BatchCalibration:
+    """Calibration of one kind of step per batch-size bucket (1, 2-3, 4-7, 8-15, ...): what a
+    cost model measured on one request gets wrong grows with the batch (each request's own
+    context, tree and sampling; rounds at batch 4 here took 1.8x the model while those at
+    batch 1 took 1.2x), so one factor over every batch size follows whichever size ran last.
+    A batch size's factor is its bucket's, else the nearest bucket's that has steps, else
+    None (nothing timed). `factor` and `count` are over every batch size."""
+
+    def __init__(self) -> None:
+        self.overall = Calibration()
+        self.buckets: dict[int, Calibration] = {}
+
+    @property
+    def factor(self) -> float:
+        return self.overall.factor
+
+    @property
+    def count(self) -> int:
+        return self.overall.count
+
+    def factor_for(self, batch: int) -> float | None:
+        if not self.buckets:
+            return None
+        bucket = max(batch, 1).bit_length()
+        nearest = min(self.buckets, key=lambda b: (abs(b - bucket), b))
+        return self.buckets[nearest].factor
+
+    def observe(
+        self, measured_ms: float, predicted_ms: float, batch: int = 1, start: float = 1.0
+    ) -> None:
+        """A step of `batch` requests; `start` as Calibration.observe's, for the first step
+        over all sizes (a bucket's first starts from the nearest bucket's factor)."""
+        nearest = self.factor_for(batch)
+        bucket = self.buckets.setdefault(max(batch, 1).bit_length(), Calibration())
+        bucket.observe(measured_ms, predicted_ms, start if nearest is None else nearest)
+        self.overall.observe(measured_ms, predicted_ms, start)
+
+    def to_dict(self) -> dict:
+        return {
+            "factor": round(self.factor, 3),
+            "steps": self.count,
+            "by_batch": {
+                f"{1 << (b - 1)}-{(1 << b) - 1}": round(cal.factor, 3)
+                for b, cal in sorted(self.buckets.items())
+            },
+        }

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from spectral.core.forward import ForwardMode
-from spectral.speculative.cost_model import Calibration, CostCurves, CostModel
+from spectral.speculative.cost_model import BatchCalibration, CostCurves, CostModel
 from spectral.speculative.sources.acceptance import (
     HEAD,
     NGRAM_DECAY,
@@ -118,9 +118,9 @@ class TreePlanner:
         self.curves = CostCurves(cost)
         # measured against predicted: plain steps, rounds without drafting, rounds with it
         self.calibration = {
-            "plain": Calibration(),
-            "rounds": Calibration(),
-            "drafted_rounds": Calibration(),
+            "plain": BatchCalibration(),
+            "rounds": BatchCalibration(),
+            "drafted_rounds": BatchCalibration(),
         }
         self._scale = (1.0, 1.0, 1.0)  # this plan's factors, in that order
         self.record = Record()
@@ -184,7 +184,8 @@ class TreePlanner:
         factor = 1.0
         scale = []
         for cal in self.calibration.values():
-            factor = cal.factor if cal.count else factor
+            own = cal.factor_for(B)
+            factor = factor if own is None else own
             scale.append(factor)
         self._scale = tuple(scale)
         most = max((n for req in reqs for _, n in req.options), default=1) - 1
@@ -333,14 +334,15 @@ class TreePlanner:
             # a kind's first round moves from the factor its plan was made with
             base = plan.verify_ms + plan.draft_ms
             start = plan.predicted_ms / base if base > 0 else 1.0
-            self.calibration[kind].observe(ms, base, start)
+            self.calibration[kind].observe(ms, base, len(plan.nodes), start)
         elif mode == ForwardMode.DECODE:
             predicted = self.cost.plain_ms(batch)
             self.record.plain_steps += 1
             self.record.plain_measured_ms += ms
             # as the plans predict plain steps: calibrated
-            self.record.plain_predicted_ms += predicted * self.calibration["plain"].factor
-            self.calibration["plain"].observe(ms, predicted)
+            plain = self.calibration["plain"]
+            self.record.plain_predicted_ms += predicted * (plain.factor_for(batch) or 1.0)
+            plain.observe(ms, predicted, batch)
 
     def observe(
         self, kind: str, verified: int, path_ranks: list[int], scores: list[float] | None
@@ -375,10 +377,7 @@ class TreePlanner:
                 name: round((a + FAMILY_PRIOR) / (e + FAMILY_PRIOR), 3)
                 for name, (a, e) in sorted(self._family.items())
             },
-            "calibration": {
-                name: {"factor": round(cal.factor, 3), "steps": cal.count}
-                for name, cal in self.calibration.items()
-            },
+            "calibration": {name: cal.to_dict() for name, cal in self.calibration.items()},
         }
 
 
