@@ -133,7 +133,8 @@ def main() -> None:
     ap.add_argument(
         "--algorithms",
         default="EAGLE3+NGRAM,EAGLE3,NGRAM",
-        help="EAGLE3+NGRAM: the head, with n-gram trees where they match (hybrid); "
+        help="PLAIN: a second engine without speculation, timed as the algorithms are (a "
+        "control); EAGLE3+NGRAM: the head, with n-gram trees where they match (hybrid); "
         "EAGLE3+NGRAM+MERGE: the n-gram tree joins the head's there; EAGLE3+NGRAM+LOOKAHEAD: "
         "every source, LOOKAHEAD's window and pool with the n-gram trees",
     )
@@ -223,8 +224,12 @@ def main() -> None:
 
 
 def spec_engine(args, common: dict, spec_options: dict, size: int, algo: str) -> Engine:
-    """An engine serving `algo` (NAME[+EXTRA...], see --algorithms) at batch `size`."""
+    """An engine serving `algo` (NAME[+EXTRA...], see --algorithms) at batch `size`; PLAIN:
+    one without speculation, timed as the algorithms are (a control: its cell is what the
+    method gives where nothing differs)."""
     name, *extras = algo.split("+")
+    if name == "PLAIN":
+        return Engine(**common, max_running_requests=size)
     return Engine(
         **common,
         max_running_requests=size,
@@ -286,7 +291,7 @@ def run_size(
             for p, (speed, _, _) in enumerate(runs[algo])
         ]
         same = min(sum(a == b for a, b in zip(out, plain_out)) for _, out, _ in runs[algo])
-        planned = engine.get_server_info()["speculative"].get("rounds", {})
+        planned = engine.get_server_info().get("speculative", {}).get("rounds", {})
         row = {
             "batch": size,
             "algorithm": algo,
