@@ -262,9 +262,9 @@ def run_size(
     dropped in turn in one process ran 10-20% slower one after the other here, whatever
     they served). Returns (rows, prompts)."""
     temp = args.temperature
-    plain_engine = Engine(**common, max_running_requests=size)
+    plain_engine = spec_engine(args, common, spec_options, size, "PLAIN")
     prompts = [chat(plain_engine.tokenizer, q) for q in questions]
-    last = {algo: spec_engine(args, common, spec_options, size, algo) for algo in algorithms}
+    engines = {algo: spec_engine(args, common, spec_options, size, algo) for algo in algorithms}
     plain_runs, plain_out = [], None
     runs: dict[str, list[tuple[float, list, float]]] = {algo: [] for algo in algorithms}
     for p in range(args.passes + 1):
@@ -275,7 +275,7 @@ def run_size(
         if p == args.passes:
             break
         for algo in algorithms if p % 2 == 0 else algorithms[::-1]:
-            speed, out, tau = measure(last[algo], prompts, args.max_new_tokens, temp)
+            speed, out, tau = measure(engines[algo], prompts, args.max_new_tokens, temp)
             runs[algo].append((speed, out, tau))
             same = sum(a == b for a, b in zip(out, plain_out))
             print(
@@ -285,7 +285,7 @@ def run_size(
     plain_engine.shutdown()
     rows = []
     for algo in algorithms:
-        engine = last.pop(algo)
+        engine = engines.pop(algo)
         ratios = [
             speed / max(plain_runs[p], plain_runs[p + 1])
             for p, (speed, _, _) in enumerate(runs[algo])

@@ -198,10 +198,10 @@ def measure(worker: SpeculativeWorker) -> CostModel:
 
 
 def _idle_ms(worker: SpeculativeWorker, step: WorkerBatch, b: int) -> float:
-    """The mean ms the drafter adds to a plain step of `b` requests (as `worker.forward` runs
-    it after the target's forward: the features it reads, recording the step, the top-1 the
-    planner asks for) over IDLE_STEPS steps, the work it defers among them; row 0 taken `b`
-    times (its slot rewritten), what it queued written before returning."""
+    """The mean ms the drafter adds to a plain step of `b` requests (`worker.observe_step`, as
+    `worker.forward` runs it after the target's forward) over IDLE_STEPS steps, the work it
+    defers among them; row 0 taken `b` times (its slot rewritten), what it queued written
+    before returning."""
     wide = dataclasses.replace(
         step,
         input_ids=step.input_ids * b,
@@ -212,19 +212,12 @@ def _idle_ms(worker: SpeculativeWorker, step: WorkerBatch, b: int) -> float:
         extend_lens=step.extend_lens * b,
         sampling=step.sampling * b,
     )
-    drafter = worker.drafter
-    result, fb, hidden, captured = worker.target.run(wide, drafter.capture_layers)
-    next_ids = result.next_token_ids
-
-    def upkeep() -> None:
-        features = worker._features(hidden, captured) if drafter.needs_features else None
-        drafter.observe_step(fb, next_ids, features)
-        drafter.top1(wide.req_pool_indices)
-
-    upkeep()
+    result, fb, hidden, captured = worker.target.run(wide, worker.drafter.capture_layers)
+    args = (fb, wide.req_pool_indices, result.next_token_ids, hidden, captured)
+    worker.observe_step(*args)
     start = time.perf_counter()
     for _ in range(IDLE_STEPS):
-        upkeep()
+        worker.observe_step(*args)
     ms = 1000 * (time.perf_counter() - start) / IDLE_STEPS
-    drafter.flush()
+    worker.drafter.flush()
     return ms

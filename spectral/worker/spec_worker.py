@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from spectral.constrained import GrammarFollower
-from spectral.core.forward import ForwardMode
+from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.transfer import stage
 from spectral.core.worker_io import RequestSampling, WorkerBatch, WorkerResult
 from spectral.speculative.cost_model import CostModel
@@ -84,13 +84,27 @@ class SpeculativeWorker:
                 wb.draft_next_ids or [-1] * batch.batch_size, result.next_token_ids
             )
         ]
-        # A prefill or a plain decode step: the drafter only records it (a head queues its
-        # keys and values, a draft model the tokens); a request's next draft catches up first,
-        # so plain steps cost the drafter little.
+        result.draft_top1 = self.observe_step(
+            batch, wb.req_pool_indices, next_ids, hidden, captured
+        )
+        return result
+
+    def observe_step(
+        self,
+        batch: ForwardBatch,
+        rows: list[int],
+        next_ids: list[int],
+        hidden: torch.Tensor,
+        captured: list[torch.Tensor],
+    ) -> list[float | None]:
+        """What keeping the drafter ready costs a prefill or plain decode step (the cost
+        model's `idle` times it): the drafter only records the step (a head queues its keys
+        and values, a draft model the tokens; a request's next draft catches up first, so
+        plain steps cost it little). Returns its top-1 per request (`rows`: the batch's table
+        rows, on the host), for the planner."""
         features = self._features(hidden, captured) if self.drafter.needs_features else None
         self.drafter.observe_step(batch, next_ids, features)
-        result.draft_top1 = self.drafter.top1(wb.req_pool_indices)
-        return result
+        return self.drafter.top1(rows)
 
     def _features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(captured, dim=-1) if captured else hidden

@@ -139,6 +139,16 @@ class TreePlanner:
         accepted, expected = self._family.get(family(kind), (0.0, 0.0))
         return req.scale((accepted + FAMILY_PRIOR) / (expected + FAMILY_PRIOR))
 
+    def factors(self, batch: int) -> tuple[float, float, float]:
+        """The calibration factors a plan for `batch` requests uses (plain steps, rounds,
+        drafted rounds): each its bucket's, or the one before it where its kind has no step."""
+        factor, out = 1.0, []
+        for cal in self.calibration.values():
+            own = cal.factor_for(batch)
+            factor = factor if own is None else own
+            out.append(factor)
+        return tuple(out)
+
     def plan(self, reqs: list[PlanInput]) -> Plan:
         """The plan of the highest expected tokens per second (`best_plan`), or after
         PROBE_EVERY plans in a row without a round, one the model expects to break even."""
@@ -146,7 +156,7 @@ class TreePlanner:
             self._version,
             tuple((r.kind, r.max_nodes, r.accepted, r.expected, r.others) for r in reqs),
         )
-        factors = [math.log(cal.factor) for cal in self.calibration.values()]
+        factors = [math.log(f) for f in self.factors(len(reqs))]
         last = self._declined_at
         if (
             last is not None
@@ -180,14 +190,7 @@ class TreePlanner:
         `EXHAUSTIVE_CHOICES` of them, else each request's best by its own expected net gain,
         everyone's first source, and everyone's last."""
         B = len(reqs)
-        # Each factor is the one before it until a step of its own kind has been timed.
-        factor = 1.0
-        scale = []
-        for cal in self.calibration.values():
-            own = cal.factor_for(B)
-            factor = factor if own is None else own
-            scale.append(factor)
-        self._scale = tuple(scale)
+        self._scale = self.factors(B)
         most = max((n for req in reqs for _, n in req.options), default=1) - 1
         kinds = {kind for req in reqs for kind, _ in req.options}
         table = {kind: self.stats_for(kind).gains(most) for kind in kinds}
