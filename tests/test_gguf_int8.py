@@ -135,6 +135,9 @@ def test_activation_quantization_equals_the_reference(build):
     x = torch.randn((9, 96), generator=gen) * torch.logspace(-30, 30, 9)[:, None]
     x[3, :32] = 0.0  # an all-zero block: d = 0, q = 0
     x[4, 5] = 1e30  # one huge value: the rest of its block rounds to 0
+    # halves, where rounding to the nearest even integer and away from zero differ (amax 127:
+    # x * 127 / amax is x itself)
+    x[5, 32:64] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5] * 4)
     q, d, s = BUILDS[build].quantize_q8(x)
     eq, ed, es = quantize_reference(x.numpy())
     assert np.array_equal(q.numpy(), eq) and np.array_equal(s.numpy(), es)
