@@ -6,9 +6,13 @@ Measured in one run, each beside its own baseline:
 - a 2-token request's latency beside a maximal fan-out (one /generate batch of
   --max-request-sequences prompts, long outputs), against the same request alone; the fan-out
   is then abandoned (its client disconnects, which aborts it);
-- the same with a /v1/completions fan-out (prompts x n).
+- the same with a /v1/completions fan-out (prompts x n);
+- the same 2-token request while a JSON schema with a 20,000-value enum compiles (and then
+  generates), against it alone (`--compile-only` runs just this, `--speculative-algorithm` on
+  a speculative server, whose worker follows grammars too).
 
     python bench/hostile.py [--fan-out-tokens 256] [--dtype bfloat16]
+    python bench/hostile.py --compile-only [--speculative-algorithm EAGLE3]
 
 Prints a table of ratios and writes bench/out/hostile.json.
 """
@@ -103,15 +107,58 @@ async def beside_fan_out(url: str, path: str, body: dict, rows: int) -> dict:
     }
 
 
+ENUM_VALUES = 20000
+
+
+async def beside_a_compile(url: str) -> dict:
+    """The small request's latency alone, then over and over while a request under a huge
+    enum schema compiles and runs."""
+    values = [f"value-{i}" for i in range(ENUM_VALUES)]
+    schema = {"type": "object", "properties": {"v": {"enum": values}}, "required": ["v"]}
+    body = {
+        "text": "Pick one:",
+        "sampling_params": {
+            "max_new_tokens": 16,
+            "temperature": 0,
+            "json_schema": json.dumps(schema),
+        },
+    }
+    async with httpx.AsyncClient(base_url=url, timeout=900) as http:
+        for _ in range(3):  # warm-up
+            await small_latency(http)
+        alone = [await small_latency(http) for _ in range(10)]
+        t0 = time.perf_counter()
+        huge = asyncio.create_task(http.post("/generate", json=body))
+        beside = []
+        while not huge.done():
+            beside.append(await small_latency(http))
+        res = await huge
+        took = time.perf_counter() - t0
+    return {
+        "small_alone_s_median": statistics.median(alone),
+        "small_beside_s_median": statistics.median(beside) if beside else None,
+        "small_beside_s_max": max(beside) if beside else None,
+        "small_beside_count": len(beside),
+        "enum_status": res.status_code,
+        "enum_took_s": took,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--fan-out-tokens", type=int, default=256)
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--speculative-algorithm", default=None)
     ns = ap.parse_args()
     defaults = ServerArgs()
-    proc, url = start_server("--dtype", ns.dtype)
+    spec = ["--speculative-algorithm", ns.speculative_algorithm] if ns.speculative_algorithm else []
+    proc, url = start_server("--dtype", ns.dtype, *spec)
     try:
-        results = {"huge_bodies": refuse_huge_bodies(url, proc.pid)}
+        results = {"compile": asyncio.run(beside_a_compile(url))}
+        if ns.compile_only:
+            return report(results, None)
+        results["huge_bodies"] = refuse_huge_bodies(url, proc.pid)
         seqs, rows = defaults.max_request_sequences, defaults.max_running_requests
         params = {"max_new_tokens": ns.fan_out_tokens, "ignore_eos": True, "temperature": 0.7}
         results["generate_batch"] = asyncio.run(
@@ -139,6 +186,26 @@ def main() -> None:
         )
     finally:
         stop_server(proc)
+    report(results, seqs)
+
+
+def report(results: dict, seqs: int | None) -> None:
+    c = results["compile"]
+    if c["small_beside_s_median"] is None:
+        print(f"the enum request ended ({c['enum_status']}) before a small one could be timed")
+    else:
+        print(
+            f"{ENUM_VALUES}-value enum schema: {c['enum_status']} after {c['enum_took_s']:.1f} s; "
+            f"2-token request beside it {c['small_beside_s_median']:.3f} s median (max "
+            f"{c['small_beside_s_max']:.3f}, {c['small_beside_count']} requests), "
+            f"{c['small_alone_s_median']:.3f} s alone: "
+            f"{c['small_beside_s_median'] / c['small_alone_s_median']:.2f}x"
+        )
+    out = Path(__file__).parent / "out"
+    out.mkdir(exist_ok=True)
+    (out / "hostile.json").write_text(json.dumps(results, indent=2))
+    if "huge_bodies" not in results:
+        return
     h = results["huge_bodies"]
     print(f"50 MB bodies refused with {h['statuses']}")
     print(
@@ -159,9 +226,6 @@ def main() -> None:
             f"{r['small_beside_s_median'] / r['small_alone_s_median']:.1f}x "
             f"(fan-out finished meanwhile: {r['fan_out_finished_meanwhile']})"
         )
-    out = Path(__file__).parent / "out"
-    out.mkdir(exist_ok=True)
-    (out / "hostile.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

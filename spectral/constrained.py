@@ -7,7 +7,10 @@ More in docs/internals.md ("Structured outputs")."""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,9 +54,34 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+# Compiles at once: a long one (a schema with a 20,000-value enum takes seconds) leaves the
+# other slot to the next grammar.
+COMPILE_THREADS = 2
+# xgrammar's own threads within one compile (they inherit their caller's priority).
+COMPILE_THREADS_EACH = 2
+# Compiled grammars kept (by kind and text, least recently used first out): at most this many,
+# and at most this many bytes of them (xgrammar's measure; a 20,000-value enum is ~46 MB).
+CACHE_ENTRIES = 256
+CACHE_BYTES = 512 * 2**20
+# The compiling threads' nice value: against the model's threads at 0 they get about a tenth of
+# a contended core (19 would starve them for as long as the model runs).
+COMPILE_NICENESS = 10
+
+
+def lower_thread_priority(niceness: int = COMPILE_NICENESS) -> None:
+    """Lower the calling thread's priority to `niceness` (Linux: a thread's own nice value,
+    which the threads it starts inherit); elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+        except OSError:  # a sandbox that refuses it: the compile runs, at normal priority
+            pass
+
+
 class GrammarBackend:
-    """Compiles grammars for one model's vocabulary (cached by kind and text) and makes the
-    matchers that follow them."""
+    """Compiles grammars for one model's vocabulary and makes the matchers that follow them.
+    Compiles run on COMPILE_THREADS threads of the lowest priority; compiled grammars (and
+    failures) are kept by kind and text within CACHE_ENTRIES and CACHE_BYTES."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         xgr = _xgrammar()
@@ -62,20 +90,50 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids
         )
-        self.compiler = xgr.GrammarCompiler(info, max_threads=2)
-        self._compiled: dict[tuple[str, str], Future] = {}
+        # xgrammar's cache is unbounded: this one keeps what is compiled, within its bounds.
+        self.compiler = xgr.GrammarCompiler(
+            info, max_threads=COMPILE_THREADS_EACH, cache_enabled=False
+        )
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
 
     def compile_later(self, kind: str, text: str) -> Future:
         """The compiled grammar, compiled on a thread of its own (xgrammar releases the GIL, so
-        the scheduler keeps stepping meanwhile: a large schema takes up to a second). Failures
-        are kept too: the same bad text fails at once the next time."""
+        the scheduler keeps stepping meanwhile). Failures are kept too: the same bad text fails
+        at once the next time."""
         key = (kind, text)
-        if key not in self._compiled:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
-            self._compiled[key] = self._pool.submit(self._compile, kind, text)
-        return self._compiled[key]
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                COMPILE_THREADS,
+                thread_name_prefix="grammar-compile",
+                initializer=lower_thread_priority,
+            )
+        self._compiled[key] = future = self._pool.submit(self._compile, kind, text)
+        self._evict()
+        return future
+
+    def cache_info(self) -> dict[str, int]:
+        """Grammars kept, the bytes of the compiled ones, and the bounds."""
+        return {
+            "entries": len(self._compiled),
+            "bytes": sum(map(_compiled_bytes, self._compiled.values())),
+            "max_entries": CACHE_ENTRIES,
+            "max_bytes": CACHE_BYTES,
+        }
+
+    def _evict(self) -> None:
+        """Forget the least recently asked-for compiled grammars beyond the bounds (compiles
+        still running stay: a request waits on each)."""
+        total = sum(map(_compiled_bytes, self._compiled.values()))
+        for key, future in list(self._compiled.items()):
+            if len(self._compiled) <= CACHE_ENTRIES and total <= CACHE_BYTES:
+                break
+            if future.done():
+                total -= _compiled_bytes(future)
+                del self._compiled[key]
 
     def compile(self, kind: str, text: str) -> Any:
         return self.compile_later(kind, text).result()
@@ -98,6 +156,13 @@ class GrammarBackend:
         stops = sorted(set(self.stop_token_ids) | set(extra_stop_ids))
         matcher = xgr.GrammarMatcher(self.compile(kind, text), override_stop_tokens=stops)
         return Grammar(matcher, self.vocab_size)
+
+
+def _compiled_bytes(future: Future) -> int:
+    """What a finished compile holds (0 for one running or failed)."""
+    if not future.done() or future.exception() is not None:
+        return 0
+    return int(future.result().memory_size_bytes)
 
 
 T = TypeVar("T")
@@ -140,6 +205,11 @@ class GrammarFollower:
         self.capacity = capacity
         # rid -> (grammar kind and text, extra stop ids), matcher, output it has accepted
         self._followed: OrderedDict[str, tuple[tuple, Grammar, list[int]]] = OrderedDict()
+
+    def ready(self, kind: str, text: str) -> bool:
+        """Whether the grammar has compiled here (a failed compile counts: the scheduler refuses
+        its requests); starts the compile where it has not."""
+        return self.backend.get().compile_later(kind, text).done()
 
     def follow(
         self, rid: str, grammar: tuple[str, str], stop_ids: Sequence[int], output: list[int]

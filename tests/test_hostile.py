@@ -9,6 +9,7 @@ depend on the batch) with a 64-token context and fault injection on (requests wh
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -32,6 +33,7 @@ MAX_RUNNING = 4
 CONTEXT = 64  # so that whatever a fuzzer asks for is served in a moment
 BODY_LIMIT = 4 * 2**20
 FUZZ_EXAMPLES = 15
+COMPILE_TIMEOUT_S = 0.5  # a 20,000-value enum takes seconds to compile
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,8 @@ def hostile(peaky_model_dir):
         str(BODY_LIMIT),
         "--fault-injection",
         "detokenizer,scheduler,worker",
+        "--grammar-compile-timeout",
+        str(COMPILE_TIMEOUT_S),
     )
     before = server_processes(proc)
     assert len(before) >= 4  # the server, its detokenizer, scheduler and worker
@@ -304,6 +308,26 @@ def test_a_small_request_is_served_beside_a_maximal_fan_out(server):
     # generate their CONTEXT tokens (waiting for a free row would have taken longer than that).
     first_done = min(out["meta_info"]["e2e_latency"] for out in big_res.json())
     assert small.json()["meta_info"]["e2e_latency"] < first_done
+
+
+def test_a_grammar_past_the_compile_timeout_gets_a_400_naming_the_limit(server):
+    """A JSON schema with a 20,000-value enum compiles for seconds: its request is refused with
+    a 400 naming --grammar-compile-timeout, and a plain request sent beside it is served."""
+    schema = {"type": "object", "properties": {"v": {"enum": [f"v{i}" for i in range(20000)]}}}
+    params = {"max_new_tokens": 4, "json_schema": json.dumps(schema)}
+    huge = {"text": "Pick:", "sampling_params": params}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+            refused = asyncio.create_task(http.post("/generate", json=huge))
+            small = await http.post("/generate", json=generate("Quick", rid="beside-a-compile"))
+            return await refused, small
+
+    refused, small = asyncio.run(run())
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]
+    assert f"longer than --grammar-compile-timeout ({COMPILE_TIMEOUT_S:g} s)" in message
+    assert small.status_code == 200 and small.json()["meta_info"]["completion_tokens"] == 4
 
 
 def test_the_openapi_document_is_typed_and_documents_400(server):

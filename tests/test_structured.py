@@ -304,3 +304,83 @@ def test_a_grammar_compiles_while_the_others_decode_and_a_failed_compile_is_refu
     assert s.grammars.backend().compile_later("regex", "(held|back)").done()
     assert held.output_ids[-1] == 2 and len(held.output_ids) <= 4
     assert scheduler_leaks(s) == []
+
+
+def test_a_compile_past_the_timeout_is_refused_and_kept_when_it_ends(peaky_model_dir, monkeypatch):
+    """A request whose grammar has not compiled within --grammar-compile-timeout is refused
+    with a reason naming the limit, while the others decode; the compile goes on and, once it
+    ends, a request with the same grammar joins at once. Compiles run on threads of the lowest
+    priority (Linux: COMPILE_NICENESS)."""
+    import os
+    import sys
+    import threading
+    import time
+
+    from spectral.constrained import COMPILE_NICENESS, GrammarBackend
+    from spectral.core.req import Req
+    from spectral.sampling_params import SamplingParams
+    from tests.conftest import make_scheduler, scheduler_leaks
+
+    release = threading.Event()
+    niceness: list[int] = []
+    compile_now = GrammarBackend._compile
+
+    def slow_compile(self, kind, text):
+        if sys.platform.startswith("linux"):
+            niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        release.wait(timeout=30)
+        return compile_now(self, kind, text)
+
+    monkeypatch.setattr(GrammarBackend, "_compile", slow_compile)
+    s = make_scheduler(peaky_model_dir, grammar_compile_timeout=0.3)
+    free = Req("free", [5, 6, 7], SamplingParams(max_new_tokens=40, temperature=0.0))
+    slow = Req("slow", [5, 6, 8], SamplingParams(max_new_tokens=12, regex="(held|back)"))
+    s.add_request(free)
+    s.add_request(slow)
+    start = time.monotonic()
+    rejected: list[tuple[str, str]] = []
+    while not rejected and time.monotonic() - start < 10:
+        s.step()
+        rejected += s.grammars.take_rejected()
+    assert time.monotonic() - start >= 0.3 and len(free.output_ids) > 0  # others decoded
+    assert rejected == [
+        ("slow", "regex: compiling it took longer than --grammar-compile-timeout (0.3 s)")
+    ]
+    assert slow.finished_reason.type == "abort" and s.grammars.compiling == []
+    release.set()
+    compiled = s.grammars.backend().compile_later("regex", "(held|back)")
+    compiled.result(timeout=30)
+    again = Req("again", [5, 6, 9], SamplingParams(max_new_tokens=12, regex="(held|back)"))
+    s.add_request(again)
+    while s.has_work:
+        s.step()
+    assert again.finished_reason.type == "stop" and free.finished_reason is not None
+    assert s.grammars.take_rejected() == []
+    if sys.platform.startswith("linux"):
+        assert niceness and set(niceness) == {COMPILE_NICENESS}
+    assert scheduler_leaks(s) == []
+
+
+def test_compiled_grammars_are_kept_within_their_bounds(tokenizer, monkeypatch):
+    """The least recently asked-for compiled grammars go first beyond CACHE_ENTRIES or
+    CACHE_BYTES (xgrammar's own cache, unbounded, is off); a forgotten grammar compiles again."""
+    import spectral.constrained as constrained
+
+    monkeypatch.setattr(constrained, "CACHE_ENTRIES", 3)
+    backend = constrained.GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    regexes = [f"(a|b){{{i}}}" for i in range(1, 6)]
+    first = backend.compile_later("regex", regexes[0])
+    first.result(timeout=30)
+    for text in regexes[1:]:
+        backend.compile_later("regex", text).result(timeout=30)
+        backend.compile_later("regex", regexes[0])  # asked for again: the most recent
+    info = backend.cache_info()
+    assert info["entries"] == 3 and info["bytes"] > 0
+    assert backend.compile_later("regex", regexes[0]) is first  # kept
+    assert backend.compile_later("regex", regexes[1]).result(timeout=30) is not None  # anew
+    bound = backend.cache_info()["bytes"] // 3
+    monkeypatch.setattr(constrained, "CACHE_BYTES", bound)
+    last = backend.compile_later("regex", "(e|f)+")  # eviction runs as a grammar is added
+    added = last.result(timeout=30).memory_size_bytes  # counted once compiled
+    assert 0 < backend.cache_info()["bytes"] - added <= bound
+    assert backend.cache_info()["entries"] < 3

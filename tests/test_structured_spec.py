@@ -269,3 +269,63 @@ def test_sampled_outputs_match_their_grammars_under_every_algorithm(
     finally:
         if algorithm not in shared:
             engine.shutdown()
+
+
+def test_a_request_joins_once_the_speculative_worker_has_its_grammar_too(
+    peaky_model_dir, tmp_path, monkeypatch
+):
+    """The worker masks draft trees with matchers of its own (in a server, in its own process).
+    A request under a grammar waits until the worker has compiled it as well, so that no round
+    waits for a compile while the others decode; once it has, the request joins and its tokens
+    are plain decoding's under the grammar; nothing leaks."""
+    import threading
+
+    from spectral.core.req import Req
+    from spectral.sampling_params import SamplingParams
+    from tests.conftest import make_scheduler, scheduler_leaks
+    from tests.test_speculative import make_spec_scheduler
+
+    regex = "(yes|no), [0-9]{2,4}"
+    release = threading.Event()
+    held: list[GrammarBackend] = []  # the worker's compiler: its compile of `regex` waits
+    compile_now = GrammarBackend._compile
+
+    def held_compile(self, kind, text):
+        if self in held and text == regex:
+            release.wait(timeout=30)
+        return compile_now(self, kind, text)
+
+    monkeypatch.setattr(GrammarBackend, "_compile", held_compile)
+    head = make_random_head(tmp_path / "head", peaky_model_dir, "eagle3")
+    s = make_spec_scheduler(
+        peaky_model_dir, speculative_algorithm="EAGLE3", speculative_draft_model_path=head
+    )
+    held.append(s.worker.grammars.backend.get())
+
+    def reqs():
+        free = Req("free", [5, 6, 7], SamplingParams(max_new_tokens=24, temperature=0.0))
+        ruled_params = SamplingParams(max_new_tokens=16, temperature=0.0, regex=regex)
+        ruled = Req("ruled", [5, 6, 8], ruled_params)
+        return free, ruled
+
+    plain = make_scheduler(peaky_model_dir)
+    expected = reqs()
+    for req in expected:
+        plain.add_request(req)
+    while plain.has_work:
+        plain.step()
+    free, ruled = reqs()
+    s.add_request(free)
+    s.add_request(ruled)
+    ours = s.grammars.backend().compile_later("regex", regex)
+    for _ in range(8):
+        s.step()
+    assert ours.done() and ours.exception() is None  # the scheduler's compile is done
+    assert ruled in s.grammars.compiling and len(free.output_ids) > 0
+    assert s.stats.spec_verify_ct > 0  # rounds went on meanwhile
+    release.set()
+    while s.has_work:
+        s.step()
+    assert [free.output_ids, ruled.output_ids] == [r.output_ids for r in expected]
+    assert s.grammars.take_rejected() == []
+    assert scheduler_leaks(s) == []

@@ -91,6 +91,7 @@ class ServerArgs:
     max_stop_length: int = 256
     max_rid_length: int = 256
     max_top_logprobs_num: int = 20
+    grammar_compile_timeout: float = 300.0
     # Testing only: stages that fail on purpose (see spectral.faults)
     fault_injection: str | None = None
 
@@ -136,6 +137,10 @@ class ServerArgs:
             not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1
         ):
             raise ValueError(f"cuda_graph_bs must list batch sizes >= 1 (got {self.cuda_graph_bs})")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(
+                f"grammar_compile_timeout must be > 0 seconds (got {self.grammar_compile_timeout})"
+            )
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {self.max_prefill_tokens})")
         for name in (

@@ -170,6 +170,10 @@ HELP: dict[str, dict[str, str]] = {
         "max_top_logprobs_num": (
             "most top logprobs per token (top_logprobs_num, logprobs, top_logprobs)"
         ),
+        "grammar_compile_timeout": (
+            "seconds a request waits for its regex, json_schema or ebnf to compile before it is "
+            "refused (400); compiles run at the lowest priority, beside the model"
+        ),
     },
     "testing": {
         "fault_injection": (

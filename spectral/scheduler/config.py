@@ -22,6 +22,7 @@ class SchedulerConfig:
     chunked_prefill_size: int | None = None
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
+    grammar_compile_timeout: float = 300.0  # seconds a request waits for its grammar
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -39,4 +40,5 @@ class SchedulerConfig:
             chunked_prefill_size=args.chunked_prefill_size,
             schedule_policy=args.schedule_policy,
             disable_radix_cache=args.disable_radix_cache,
+            grammar_compile_timeout=args.grammar_compile_timeout,
         )

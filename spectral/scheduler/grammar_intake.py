@@ -1,8 +1,10 @@
 """GrammarIntake: requests under a grammar wait here, off the scheduler's queues, until their
-grammar has compiled (on xgrammar's threads); the steps of everyone else go on meanwhile."""
+grammar has compiled (on threads of the lowest priority); the steps of everyone else go on
+meanwhile. One that waits longer than the compile timeout is refused."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
@@ -13,13 +15,29 @@ from spectral.sampling_params import InvalidRequestError
 
 # With only grammars compiling, how long a step waits for one to finish.
 COMPILE_POLL_S = 0.005
+# How long a request waits for its grammar by default (--grammar-compile-timeout; SGLang's
+# grammar timeout is the same).
+COMPILE_TIMEOUT_S = 300.0
 
 
 class GrammarIntake:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+        timeout_s: float = COMPILE_TIMEOUT_S,
+        worker_ready: Callable[[str, str], bool] | None = None,
+    ) -> None:
+        """`worker_ready(kind, text)`: whether the worker has compiled the grammar too (a
+        speculative worker masks draft trees with matchers of its own), starting its compile;
+        a request joins once both have, so that no step waits for one."""
         # The compiler: made for the first request under a grammar, or ahead of it (`start`).
         self._backend = MadeAhead(lambda: GrammarBackend(tokenizer, vocab_size, stop_token_ids))
+        self.timeout_s = timeout_s
+        self.worker_ready = worker_ready or (lambda kind, text: True)
         self.compiling: list[Req] = []
+        self._since: dict[str, float] = {}  # rid -> when it began to wait
         self.rejected: list[tuple[str, str]] = []  # (rid, why): refused after they were queued
 
     def start(self) -> None:
@@ -38,7 +56,9 @@ class GrammarIntake:
         if grammar is None or req.grammar is not None:
             return False
         self.backend().compile_later(*grammar)
+        self.worker_ready(*grammar)  # the worker's compile runs beside this one
         self.compiling.append(req)
+        self._since[req.rid] = time.monotonic()
         return True
 
     def take_compiled(self, idle: bool, admit: Callable[[Req], None]) -> None:
@@ -49,18 +69,36 @@ class GrammarIntake:
         if idle:
             wait(compiles, timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
         pending = []
+        now = time.monotonic()
         for req, compiled in zip(self.compiling, compiles):
-            if not compiled.done():
-                pending.append(req)
+            grammar = req.sampling_params.grammar
+            done = compiled.done() and (
+                compiled.exception() is not None or self.worker_ready(*grammar)
+            )
+            if not done:
+                if now - self._since[req.rid] <= self.timeout_s:
+                    pending.append(req)
+                    continue
+                # The compile goes on (a thread cannot be stopped) and is kept when it ends.
+                self._refuse(
+                    req,
+                    f"{grammar[0]}: compiling it took longer than "
+                    f"--grammar-compile-timeout ({self.timeout_s:g} s)",
+                )
                 continue
+            del self._since[req.rid]
             try:
                 self.attach(req)
             except InvalidRequestError as err:
-                req.finished_reason = FinishReason("abort", message=str(err))
-                self.rejected.append((req.rid, str(err)))
+                self._refuse(req, str(err))
                 continue
             admit(req)
         self.compiling = pending
+
+    def _refuse(self, req: Req, why: str) -> None:
+        req.finished_reason = FinishReason("abort", message=why)
+        self.rejected.append((req.rid, why))
+        self._since.pop(req.rid, None)
 
     def attach(self, req: Req) -> None:
         """Give a request with a regex, json_schema or ebnf its matcher (the grammar compiled
@@ -86,5 +124,6 @@ class GrammarIntake:
         for req in self.compiling:
             if req.rid == rid:
                 self.compiling.remove(req)
+                del self._since[rid]
                 return req
         return None

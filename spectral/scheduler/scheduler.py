@@ -56,7 +56,13 @@ class Scheduler:
         self.spec_round: SpecRound | None = None
         if spec is not None:
             self.spec_round = SpecRound(spec, worker.cost_model, tokenizer, config.max_context_len)
-        self.grammars = GrammarIntake(tokenizer, config.vocab_size, config.eos_token_ids)
+        self.grammars = GrammarIntake(
+            tokenizer,
+            config.vocab_size,
+            config.eos_token_ids,
+            config.grammar_compile_timeout,
+            worker.grammar_ready,
+        )
         self.finish = FinishChecker(tokenizer, config.eos_token_ids, config.max_context_len)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []

@@ -110,7 +110,8 @@ class BatchStrOut:
 
 
 # ---- scheduler <-> model worker -------------------------------------------------------------
-# One WorkerBatch in, one WorkerResult (or StepFailed) out per step; WorkerReady or
+# One WorkerBatch in, one WorkerResult (or StepFailed) out per step, or a GrammarQuery in and
+# a GrammarStatus out between steps; WorkerReady or
 # WorkerFailed once, at start-up. With tensor parallelism rank 0 publishes every WorkerBatch
 # to the other ranks, and a Heartbeat while it has none for them.
 
@@ -144,6 +145,22 @@ class StepFailed:
     """The worker raised on one batch (the message says what); it goes on serving."""
 
     error: str
+
+
+@message
+@dataclass
+class GrammarQuery:
+    """Whether the worker has compiled this grammar (it starts the compile if not): asked
+    before a request under it joins, so that no step waits for a compile (speculation)."""
+
+    kind: str
+    text: str
+
+
+@message
+@dataclass
+class GrammarStatus:
+    ready: bool
 
 
 @message

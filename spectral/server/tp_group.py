@@ -27,7 +27,7 @@ import zmq
 from spectral.args import ServerArgs
 from spectral.server.child import hand_model, spawn_child, stop_children, wait_for_work
 from spectral.server.ipc import recv_message, send_message
-from spectral.server.messages import Heartbeat
+from spectral.server.messages import GrammarQuery, Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,9 @@ def rank_main(args: ServerArgs, ipc_dir: str, rank: int, model, ctx: zmq.Context
         batch = recv_message(inbox)
         seen[0] = time.monotonic()
         if isinstance(batch, Heartbeat):
+            continue
+        if isinstance(batch, GrammarQuery):  # rank 0 answers; this rank starts its compile
+            worker.grammar_ready(batch.kind, batch.text)
             continue
         worker.forward(batch)
 

@@ -25,7 +25,13 @@ from spectral.server.child import (
     wait_for_work,
 )
 from spectral.server.ipc import recv_message, send_message
-from spectral.server.messages import StepFailed, WorkerFailed, WorkerReady
+from spectral.server.messages import (
+    GrammarQuery,
+    GrammarStatus,
+    StepFailed,
+    WorkerFailed,
+    WorkerReady,
+)
 from spectral.server.tp_group import TP_RANK_ENV, WORKER_MODULE, RankFanout, join_group, rank_main
 from spectral.speculative.cost_model import CostModel
 
@@ -76,7 +82,10 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
     while wait_for_work(inbox, parent, fanout.watch if fanout else None):
         batch = recv_message(inbox)
         if fanout is not None:
-            fanout.publish(batch)
+            fanout.publish(batch)  # a GrammarQuery too: every rank masks its own trees
+        if isinstance(batch, GrammarQuery):
+            send_message(outbox, GrammarStatus(worker.grammar_ready(batch.kind, batch.text)))
+            continue
         try:
             reply = worker.forward(batch)
         except Exception as err:  # one batch's failure must not end the process
@@ -140,6 +149,10 @@ class RemoteWorker:
         code = self.process.poll()
         if code is not None:
             raise WorkerDiedError(f"the model worker process exited with code {code}")
+
+    def grammar_ready(self, kind: str, text: str) -> bool:
+        send_message(self.batches, GrammarQuery(kind, text))
+        return self._receive(READY_TIMEOUT_S).ready
 
     def forward(self, batch: WorkerBatch) -> WorkerResult:
         send_message(self.batches, batch)

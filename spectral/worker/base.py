@@ -20,5 +20,9 @@ class Worker(Protocol):
 
     def forward(self, batch: WorkerBatch) -> WorkerResult: ...
 
+    def grammar_ready(self, kind: str, text: str) -> bool:
+        """Whether the worker can mask draft trees under this grammar now (always, where it
+        follows none); starts its compile where it has not, without waiting for it."""
+
     def graph_info(self) -> dict | None:
         """The graph runner's buckets, capture time and memory (None: no runner)."""

@@ -293,6 +293,9 @@ class ModelWorker:
         if on_gpu:
             self.graphs.capture()
 
+    def grammar_ready(self, kind: str, text: str) -> bool:
+        return True  # plain steps: the scheduler's own matchers mask them
+
     def graph_info(self) -> dict | None:
         """The graph runner's summary for /get_server_info (None: no runner)."""
         return self.graphs.summary() if self.graphs is not None else None

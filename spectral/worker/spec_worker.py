@@ -64,6 +64,9 @@ class SpeculativeWorker:
         # Requests' rounds verified without the host (`_round_on_device`).
         self.rounds_on_device = 0
 
+    def grammar_ready(self, kind: str, text: str) -> bool:
+        return self.grammars is None or self.grammars.ready(kind, text)
+
     def graph_info(self) -> dict | None:
         """The target's graph runner's summary, with the drafter's under `draft` (None where
         the drafter has no static path)."""
