@@ -187,6 +187,10 @@ class MadeAhead(Generic[T]):
             self._making = pool.submit(self._make)
             pool.shutdown(wait=False)  # its thread ends with this one task
 
+    def peek(self) -> T | None:
+        """The value where it has been made, else None (without making it)."""
+        return self._value
+
     def get(self) -> T:
         if self._value is None:
             self._value = self._making.result() if self._making else self._make()

@@ -15,6 +15,11 @@ import httpx
 from spectral.server.data_parallel import free_port  # noqa: F401 (tests import it here)
 
 
+def launch_command(*flags: str) -> list[str]:
+    """The command line that launches a server with `flags`."""
+    return [sys.executable, "-m", "spectral.launch_server", *flags]
+
+
 def start_server(
     *flags: str, timeout: float = 120.0, log: Path | None = None
 ) -> tuple[subprocess.Popen, str]:
@@ -23,16 +28,7 @@ def start_server(
     port = free_port()
     out = open(log, "w") if log is not None else None  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "spectral.launch_server",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            *flags,
-        ],
+        launch_command("--port", str(port), "--log-level", "warning", *flags),
         start_new_session=True,
         stdout=out,
         stderr=subprocess.STDOUT if out is not None else None,

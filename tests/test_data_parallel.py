@@ -10,14 +10,20 @@ import concurrent.futures
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.server_utils import alive, cmdline, descendants, free_port, run_bench_serving
+from tests.server_utils import (
+    alive,
+    cmdline,
+    descendants,
+    free_port,
+    launch_command,
+    run_bench_serving,
+)
 
 pytest.importorskip("sglang_router", reason="make test installs sglang-router (spectral[router])")
 
@@ -37,10 +43,7 @@ def engine(peaky_model_dir):
 def cluster(peaky_model_dir):
     port = free_port(3)  # the router's and its two servers'
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "spectral.launch_server",
+        launch_command(
             "--model-path",
             peaky_model_dir,
             "--dtype",
@@ -55,7 +58,7 @@ def cluster(peaky_model_dir):
             "warning",
             "--served-model-name",
             "smollm2",
-        ],
+        ),
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"

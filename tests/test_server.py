@@ -270,6 +270,18 @@ def test_model_info_names_the_architecture_and_the_features_it_uses(server):
     assert info["quantization"] == "none"  # a HF directory's weights, as stored
 
 
+def test_server_info_reports_the_pools_bytes_and_every_caches_size_and_bound(server):
+    """The KV pool (16384 tokens of SmolLM2-135M in float32: 30 layers x K, V x 3 heads x 64)
+    is committed at start and reported in bytes; the grammar cache with its bounds."""
+    from spectral.constrained import CACHE_BYTES, CACHE_ENTRIES
+
+    info = httpx.get(f"{server}/get_server_info", headers=HEADERS).json()
+    assert info["memory"]["kv_pool"] == {"bytes": 30 * 2 * 16385 * 3 * 64 * 4, "committed": True}
+    grammars = info["caches"]["grammars"]
+    assert grammars["max_entries"] == CACHE_ENTRIES and grammars["max_bytes"] == CACHE_BYTES
+    assert 0 <= grammars["bytes"] <= CACHE_BYTES and 0 <= grammars["entries"] <= CACHE_ENTRIES
+
+
 def test_a_non_streaming_client_that_gives_up_frees_its_request(server):
     body = {
         "text": "Tell me everything.",

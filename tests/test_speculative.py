@@ -342,10 +342,13 @@ def test_ngram_accepts_a_continuation_seen_before_and_matches_plain(
     assert [r.output_ids for r in again] == plain_outputs
     verify_rounds = sum(r.spec.verify_ct for r in again)
     assert sum(len(r.output_ids) for r in again) / verify_rounds > 3.0
-    # flush_cache forgets past requests: the radix tree's and the n-gram index's
-    assert s.spec_round.ngram.num_indexed_tokens > 0
+    # flush_cache forgets past requests: the radix tree's and the n-gram index's (whose size
+    # and bound /get_server_info reports)
+    index = s.info()["caches"]["ngram_index"]
+    assert index == {"tokens": s.spec_round.ngram.num_indexed_tokens, "max_tokens": 1_000_000}
+    assert index["tokens"] > 0
     assert s.flush_cache()
-    assert s.spec_round.ngram.num_indexed_tokens == 0
+    assert s.info()["caches"]["ngram_index"]["tokens"] == 0
     third = run(s, batch[:4], at_once=4, temperature=0.0)
     assert [r.output_ids for r in third] == plain_outputs[:4]
     rounds = sum(r.spec.verify_ct for r in third)  # drafted from the requests' own tokens

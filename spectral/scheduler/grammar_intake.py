@@ -9,7 +9,13 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
-from spectral.constrained import GrammarBackend, MadeAhead, clean_error
+from spectral.constrained import (
+    CACHE_BYTES,
+    CACHE_ENTRIES,
+    GrammarBackend,
+    MadeAhead,
+    clean_error,
+)
 from spectral.core.req import FinishReason, Req
 from spectral.sampling_params import InvalidRequestError
 
@@ -44,6 +50,13 @@ class GrammarIntake:
         """Make the compiler on a thread now (about a second), instead of pausing every running
         request at the first request under a grammar."""
         self._backend.start()
+
+    def cache_info(self) -> dict[str, int]:
+        """The compiled grammars kept and their bounds (none before the compiler is made)."""
+        backend = self._backend.peek()
+        if backend is not None:
+            return backend.cache_info()
+        return {"entries": 0, "bytes": 0, "max_entries": CACHE_ENTRIES, "max_bytes": CACHE_BYTES}
 
     def backend(self) -> GrammarBackend:
         """The compiler (and its cache of compiled grammars)."""

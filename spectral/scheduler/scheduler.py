@@ -128,7 +128,8 @@ class Scheduler:
         speculation its cost model, acceptance by rank, the last plan and predicted against
         measured gains."""
         out = {
-            "memory": self.kv.memory(),
+            "memory": self.kv.memory() | {"kv_pool": self.worker.kv_pool_info()},
+            "caches": self._caches(),
             "requests": {
                 "running": len(self.running) + (1 if self.chunked else 0),
                 "waiting": len(self.waiting),
@@ -140,6 +141,17 @@ class Scheduler:
         graphs = self.worker.graph_info()
         if graphs is not None:
             out["cuda_graph"] = graphs
+        return out
+
+    def _caches(self) -> dict:
+        """Every cache besides the KV pool's radix tree, with its size and bound."""
+        out: dict = {"grammars": self.grammars.cache_info()}
+        ngram = self.spec_round.ngram if self.spec_round is not None else None
+        if ngram is not None:
+            out["ngram_index"] = {
+                "tokens": ngram.num_indexed_tokens,
+                "max_tokens": ngram.max_indexed_tokens,
+            }
         return out
 
     # ---- the step ----------------------------------------------------------------------------

@@ -129,6 +129,8 @@ class WorkerReady:
     cost_model: dict | None = None
     # The graph runner's summary (ModelWorker.graph_info), for /get_server_info
     graphs: dict | None = None
+    # The KV pool's bytes and commitment (Worker.kv_pool_info), for /get_server_info
+    kv_pool: dict | None = None
 
 
 @message

@@ -74,7 +74,12 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
         send_message(outbox, WorkerFailed(f"{type(err).__name__}: {err}"))
         raise
     cost = worker.cost_model
-    ready = WorkerReady(worker.num_kv_slots, cost.to_dict() if cost else None, worker.graph_info())
+    ready = WorkerReady(
+        worker.num_kv_slots,
+        cost.to_dict() if cost else None,
+        worker.graph_info(),
+        worker.kv_pool_info(),
+    )
     send_message(outbox, ready)
     if worker.grammars is not None:  # speculative: the worker follows grammar requests itself
         worker.grammars.backend.start()
@@ -149,6 +154,9 @@ class RemoteWorker:
         code = self.process.poll()
         if code is not None:
             raise WorkerDiedError(f"the model worker process exited with code {code}")
+
+    def kv_pool_info(self) -> dict:
+        return self.ready.kv_pool or {}
 
     def grammar_ready(self, kind: str, text: str) -> bool:
         send_message(self.batches, GrammarQuery(kind, text))

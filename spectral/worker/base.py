@@ -20,6 +20,10 @@ class Worker(Protocol):
 
     def forward(self, batch: WorkerBatch) -> WorkerResult: ...
 
+    def kv_pool_info(self) -> dict:
+        """The KV pool's bytes and whether they were committed at start (`draft_bytes`: a
+        drafter's own pool), for /get_server_info."""
+
     def grammar_ready(self, kind: str, text: str) -> bool:
         """Whether the worker can mask draft trees under this grammar now (always, where it
         follows none); starts its compile where it has not, without waiting for it."""

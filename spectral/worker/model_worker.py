@@ -29,15 +29,58 @@ logger = logging.getLogger(__name__)
 
 
 def free_memory_bytes(device: str) -> int:
-    """Free accelerator memory, or the system's available memory for the CPU."""
+    """Free accelerator memory, or for the CPU the system's available memory (MemAvailable),
+    within what the process's cgroup still allows where it sets a limit (cgroup v2)."""
     if device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
         return int(free)
+    available = None
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read available memory; pass --max-total-tokens")
+                available = int(line.split()[1]) * 1024
+    if available is None:
+        raise RuntimeError("cannot read available memory; pass --max-total-tokens")
+    left = cgroup_memory_left()
+    return available if left is None else min(available, left)
+
+
+# cgroup v1 writes "no limit" as a number near 2**63.
+NO_CGROUP_LIMIT = 2**60
+
+
+def cgroup_memory_left(
+    root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup"
+) -> int | None:
+    """The memory limit less the usage of this process's cgroup (v1's memory controller, else
+    v2's; `membership` lists its cgroups), or None where neither sets a limit."""
+    try:
+        with open(membership) as f:
+            lines = [line.strip().split(":", 2) for line in f]
+    except OSError:
+        return None
+    places = [
+        (f"{root}/memory{path}", "memory.limit_in_bytes", "memory.usage_in_bytes")
+        for _, controllers, path in lines
+        if "memory" in controllers.split(",")
+    ]
+    places += [
+        (f"{root}{path}", "memory.max", "memory.current")
+        for _, controllers, path in lines
+        if controllers == ""
+    ]
+    for base, limit_file, usage_file in places:
+        try:
+            with open(f"{base.rstrip('/')}/{limit_file}") as f:
+                limit = f.read().strip()
+            with open(f"{base.rstrip('/')}/{usage_file}") as f:
+                used = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= NO_CGROUP_LIMIT:
+            return None
+        return max(int(limit) - used, 0)
+    return None
 
 
 class ModelWorker:
@@ -107,9 +150,14 @@ class ModelWorker:
                     f"fewer than the context length {max_context_len}; "
                     "free memory or raise --mem-fraction-static"
                 )
+        KVPool.check_fits(
+            max_total_tokens, per_token, free_memory_bytes(device), f"of {device} memory is free"
+        )
         self.num_kv_slots = max_total_tokens
         logger.info(
-            "KV pool: %d tokens (%.1f MiB)", max_total_tokens, max_total_tokens * per_token / 2**20
+            "KV pool: %d tokens (%.1f MiB, committed at start)",
+            max_total_tokens,
+            max_total_tokens * per_token / 2**20,
         )
         self.kv_pool = KVPool(
             max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device
@@ -295,6 +343,9 @@ class ModelWorker:
 
     def grammar_ready(self, kind: str, text: str) -> bool:
         return True  # plain steps: the scheduler's own matchers mask them
+
+    def kv_pool_info(self) -> dict:
+        return {"bytes": self.kv_pool.nbytes, "committed": self.kv_pool.committed}
 
     def graph_info(self) -> dict | None:
         """The graph runner's summary for /get_server_info (None: no runner)."""

@@ -67,6 +67,11 @@ class SpeculativeWorker:
     def grammar_ready(self, kind: str, text: str) -> bool:
         return self.grammars is None or self.grammars.ready(kind, text)
 
+    def kv_pool_info(self) -> dict:
+        info = self.target.kv_pool_info()
+        draft_pool = getattr(self.drafter, "kv_pool", None)
+        return info | ({"draft_bytes": draft_pool.nbytes} if draft_pool is not None else {})
+
     def graph_info(self) -> dict | None:
         """The target's graph runner's summary, with the drafter's under `draft` (None where
         the drafter has no static path)."""
