@@ -83,6 +83,23 @@ def cgroup_memory_left(
     return None
 
 
+def pool_tokens(
+    asked: int | None, per_token: int, device: str, mem_fraction: float, context_len: int
+) -> int:
+    """The KV pool's tokens: `asked`, or what `mem_fraction` of the free memory holds (at
+    least a context's worth); RuntimeError naming the sizes where that does not fit."""
+    tokens = asked
+    if tokens is None:
+        tokens = int(free_memory_bytes(device) * mem_fraction) // per_token
+        if tokens < context_len:
+            raise RuntimeError(
+                f"only {tokens} tokens of KV cache fit in memory, fewer than the context length "
+                f"{context_len}; free memory or raise --mem-fraction-static"
+            )
+    KVPool.check_fits(tokens, per_token, free_memory_bytes(device), f"of {device} memory is free")
+    return tokens
+
+
 class ModelWorker:
     cost_model = None  # no speculation here (the Worker interface's optional parts)
     grammars = None
@@ -142,16 +159,8 @@ class ModelWorker:
                 weight_bytes(self.model) / 2**20,
             )
         per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
-        if max_total_tokens is None:
-            max_total_tokens = int(free_memory_bytes(device) * mem_fraction_static) // per_token
-            if max_total_tokens < max_context_len:
-                raise RuntimeError(
-                    f"only {max_total_tokens} tokens of KV cache fit in memory, "
-                    f"fewer than the context length {max_context_len}; "
-                    "free memory or raise --mem-fraction-static"
-                )
-        KVPool.check_fits(
-            max_total_tokens, per_token, free_memory_bytes(device), f"of {device} memory is free"
+        max_total_tokens = pool_tokens(
+            max_total_tokens, per_token, device, mem_fraction_static, max_context_len
         )
         self.num_kv_slots = max_total_tokens
         logger.info(
