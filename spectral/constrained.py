@@ -12,7 +12,7 @@ import re
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 from typing import Any, Generic, TypeVar
@@ -116,13 +116,7 @@ class GrammarBackend:
         return future
 
     def cache_info(self) -> dict[str, int]:
-        """Grammars kept, the bytes of the compiled ones, and the bounds."""
-        return {
-            "entries": len(self._compiled),
-            "bytes": sum(map(_compiled_bytes, self._compiled.values())),
-            "max_entries": CACHE_ENTRIES,
-            "max_bytes": CACHE_BYTES,
-        }
+        return cache_info(self._compiled.values())
 
     def _evict(self) -> None:
         """Forget the least recently asked-for compiled grammars beyond the bounds (compiles
@@ -156,6 +150,16 @@ class GrammarBackend:
         stops = sorted(set(self.stop_token_ids) | set(extra_stop_ids))
         matcher = xgr.GrammarMatcher(self.compile(kind, text), override_stop_tokens=stops)
         return Grammar(matcher, self.vocab_size)
+
+
+def cache_info(compiled: Collection[Future]) -> dict[str, int]:
+    """Grammars kept, the bytes of the compiled ones, and the cache's bounds."""
+    return {
+        "entries": len(compiled),
+        "bytes": sum(map(_compiled_bytes, compiled)),
+        "max_entries": CACHE_ENTRIES,
+        "max_bytes": CACHE_BYTES,
+    }
 
 
 def _compiled_bytes(future: Future) -> int:

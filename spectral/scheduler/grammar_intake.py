@@ -9,13 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
-from spectral.constrained import (
-    CACHE_BYTES,
-    CACHE_ENTRIES,
-    GrammarBackend,
-    MadeAhead,
-    clean_error,
-)
+from spectral.constrained import GrammarBackend, MadeAhead, cache_info, clean_error
 from spectral.core.req import FinishReason, Req
 from spectral.sampling_params import InvalidRequestError
 
@@ -43,7 +37,6 @@ class GrammarIntake:
         self.timeout_s = timeout_s
         self.worker_ready = worker_ready or (lambda kind, text: True)
         self.compiling: list[Req] = []
-        self._since: dict[str, float] = {}  # rid -> when it began to wait
         self.rejected: list[tuple[str, str]] = []  # (rid, why): refused after they were queued
 
     def start(self) -> None:
@@ -54,9 +47,7 @@ class GrammarIntake:
     def cache_info(self) -> dict[str, int]:
         """The compiled grammars kept and their bounds (none before the compiler is made)."""
         backend = self._backend.peek()
-        if backend is not None:
-            return backend.cache_info()
-        return {"entries": 0, "bytes": 0, "max_entries": CACHE_ENTRIES, "max_bytes": CACHE_BYTES}
+        return backend.cache_info() if backend is not None else cache_info(())
 
     def backend(self) -> GrammarBackend:
         """The compiler (and its cache of compiled grammars)."""
@@ -71,7 +62,6 @@ class GrammarIntake:
         self.backend().compile_later(*grammar)
         self.worker_ready(*grammar)  # the worker's compile runs beside this one
         self.compiling.append(req)
-        self._since[req.rid] = time.monotonic()
         return True
 
     def take_compiled(self, idle: bool, admit: Callable[[Req], None]) -> None:
@@ -82,14 +72,14 @@ class GrammarIntake:
         if idle:
             wait(compiles, timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
         pending = []
-        now = time.monotonic()
+        now = time.perf_counter()  # the clock of Req.created_at
         for req, compiled in zip(self.compiling, compiles):
             grammar = req.sampling_params.grammar
             done = compiled.done() and (
                 compiled.exception() is not None or self.worker_ready(*grammar)
             )
             if not done:
-                if now - self._since[req.rid] <= self.timeout_s:
+                if now - req.created_at <= self.timeout_s:
                     pending.append(req)
                     continue
                 # The compile goes on (a thread cannot be stopped) and is kept when it ends.
@@ -99,7 +89,6 @@ class GrammarIntake:
                     f"--grammar-compile-timeout ({self.timeout_s:g} s)",
                 )
                 continue
-            del self._since[req.rid]
             try:
                 self.attach(req)
             except InvalidRequestError as err:
@@ -111,7 +100,6 @@ class GrammarIntake:
     def _refuse(self, req: Req, why: str) -> None:
         req.finished_reason = FinishReason("abort", message=why)
         self.rejected.append((req.rid, why))
-        self._since.pop(req.rid, None)
 
     def attach(self, req: Req) -> None:
         """Give a request with a regex, json_schema or ebnf its matcher (the grammar compiled
@@ -137,6 +125,5 @@ class GrammarIntake:
         for req in self.compiling:
             if req.rid == rid:
                 self.compiling.remove(req)
-                del self._since[rid]
                 return req
         return None

@@ -61,7 +61,9 @@ class Scheduler:
             config.vocab_size,
             config.eos_token_ids,
             config.grammar_compile_timeout,
-            worker.grammar_ready,
+            # only a speculative worker follows grammars (a plain one would answer True after
+            # a trip to its process)
+            worker.grammar_ready if spec is not None else None,
         )
         self.finish = FinishChecker(tokenizer, config.eos_token_ids, config.max_context_len)
         self.waiting: deque[Req] = deque()

@@ -88,15 +88,16 @@ def pool_tokens(
 ) -> int:
     """The KV pool's tokens: `asked`, or what `mem_fraction` of the free memory holds (at
     least a context's worth); RuntimeError naming the sizes where that does not fit."""
-    tokens = asked
-    if tokens is None:
-        tokens = int(free_memory_bytes(device) * mem_fraction) // per_token
-        if tokens < context_len:
-            raise RuntimeError(
-                f"only {tokens} tokens of KV cache fit in memory, fewer than the context length "
-                f"{context_len}; free memory or raise --mem-fraction-static"
-            )
-    KVPool.check_fits(tokens, per_token, free_memory_bytes(device), f"of {device} memory is free")
+    free = free_memory_bytes(device)
+    if asked is not None:
+        KVPool.check_fits(asked, per_token, free, f"of {device} memory is free")
+        return asked
+    tokens = int(free * mem_fraction) // per_token  # fits: mem_fraction < 1
+    if tokens < context_len:
+        raise RuntimeError(
+            f"only {tokens} tokens of KV cache fit in memory, fewer than the context length "
+            f"{context_len}; free memory or raise --mem-fraction-static"
+        )
     return tokens
 
 
