@@ -15,8 +15,11 @@ Per minute it records requests by outcome (ok, 4xx by reason, 5xx, lost: accepte
 answered), p50/p99 latency of the ok ones and time to first token of the streams; a summary
 checks the issue's bounds (no lost request and no 5xx outside the faults' own, RSS growth from
 minute 5 to the end <= 2%, p99 in the last 5 minutes within 1.2x of minutes 5-10, serving again
-within 10 s of each fault). Writes bench/out/soak-<name>.json and .png (name: plain, eagle3,
-... with -dp2 for two servers).
+within 10 s of each fault). The servers' grammar cache is bounded at `--grammar-cache-mib`
+(16; the server's default is 512), small enough to fill before minute 5 with the hostile
+schemas, each new: growth after that is what keeping the cache at its bound costs. Writes
+bench/out/soak-<name>.json and .png (name: plain, eagle3, ... with -dp2 for two servers) and
+the server's output beside them (.log).
 
     python bench/soak.py [--minutes 30] [--rate 2] [--speculative-algorithm EAGLE3] [--dp-size 2]
 """
@@ -140,14 +143,18 @@ class Soak:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
         self.flags = ["--max-request-bytes", str(BODY_LIMIT), "--dtype", ns.dtype]
+        self.flags += ["--grammar-cache-mib", str(ns.grammar_cache_mib)]
         if ns.speculative_algorithm:
             self.flags += ["--speculative-algorithm", ns.speculative_algorithm]
         if ns.dp_size > 1:
             self.flags += ["--dp-size", str(ns.dp_size)]
-        self.proc, self.url = start_server(*self.flags, timeout=600)
         self.name = (ns.speculative_algorithm or "plain").lower() + (
             f"-dp{ns.dp_size}" if ns.dp_size > 1 else ""
         )
+        OUT.mkdir(exist_ok=True)
+        # The server's own output (its warnings and any traceback) beside the figures.
+        self.log = OUT / f"soak-{self.name}.log"
+        self.proc, self.url = start_server(*self.flags, timeout=600, log=self.log)
         self.urls = self.server_urls()  # fixed: a restarted server takes its port again
         self.restarted: list = []
         self.minutes: list[dict] = []
@@ -234,9 +241,10 @@ class Soak:
 
     def restart(self, line: list[str]) -> bool:
         """The killed server's command again, on its port, until it answers /health."""
-        proc = subprocess.Popen(
-            line, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        with open(self.log.with_suffix(".restarted.log"), "a") as out:
+            proc = subprocess.Popen(
+                line, start_new_session=True, stdout=out, stderr=subprocess.STDOUT
+            )
         self.restarted.append(proc)
         url = f"http://127.0.0.1:{line[line.index('--port') + 1]}"
         for _ in range(600):
@@ -400,6 +408,13 @@ def main() -> None:
     ap.add_argument("--speculative-algorithm", default=None)
     ap.add_argument("--dp-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--grammar-cache-mib",
+        type=int,
+        default=16,
+        help="the servers' bound (the hostile schemas are new each time, so the cache fills to "
+        "it within the first minutes: from there RSS shows what evicting costs)",
+    )
     ns = ap.parse_args()
     random.seed(ns.seed)
     soak = Soak(ns)

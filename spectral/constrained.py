@@ -62,7 +62,7 @@ COMPILE_THREADS_EACH = 2
 # Compiled grammars kept (by kind and text, least recently used first out): at most this many,
 # and at most this many bytes of them (xgrammar's measure; a 20,000-value enum is ~46 MB).
 CACHE_ENTRIES = 256
-CACHE_BYTES = 512 * 2**20
+CACHE_BYTES = 512 * 2**20  # the default of --grammar-cache-mib
 # The compiling threads' nice value: against the model's threads at 0 they get about a tenth of
 # a contended core (19 would starve them for as long as the model runs).
 COMPILE_NICENESS = 10
@@ -81,10 +81,17 @@ def lower_thread_priority(niceness: int = COMPILE_NICENESS) -> None:
 class GrammarBackend:
     """Compiles grammars for one model's vocabulary and makes the matchers that follow them.
     Compiles run on COMPILE_THREADS threads of the lowest priority; compiled grammars (and
-    failures) are kept by kind and text within CACHE_ENTRIES and CACHE_BYTES."""
+    failures) are kept by kind and text within CACHE_ENTRIES and `cache_bytes`."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        cache_bytes: int | None = None,
+    ) -> None:
         xgr = _xgrammar()
+        self.cache_bytes = CACHE_BYTES if cache_bytes is None else cache_bytes
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         info = xgr.TokenizerInfo.from_huggingface(
@@ -116,14 +123,15 @@ class GrammarBackend:
         return future
 
     def cache_info(self) -> dict[str, int]:
-        return cache_info(self._compiled.values())
+        return cache_info(self._compiled.values(), self.cache_bytes)
 
     def _evict(self) -> None:
-        """Forget the least recently asked-for compiled grammars beyond the bounds (compiles
-        still running stay: a request waits on each)."""
+        """Forget the least recently asked-for compiled grammars beyond the bounds. Compiles
+        still running stay (their size is not known yet: the next call counts them), and so
+        does the most recent one (a request is about to use it)."""
         total = sum(map(_compiled_bytes, self._compiled.values()))
-        for key, future in list(self._compiled.items()):
-            if len(self._compiled) <= CACHE_ENTRIES and total <= CACHE_BYTES:
+        for key, future in list(self._compiled.items())[:-1]:
+            if len(self._compiled) <= CACHE_ENTRIES and total <= self.cache_bytes:
                 break
             if future.done():
                 total -= _compiled_bytes(future)
@@ -144,21 +152,29 @@ class GrammarBackend:
             return self.compiler.compile_regex(text)
         return self.compiler.compile_grammar(text)
 
-    def matcher(self, kind: str, text: str, extra_stop_ids: Sequence[int] = ()) -> Grammar:
-        """A matcher at the grammar's start; the request's own stop token ids end it too."""
+    def matcher(
+        self, kind: str, text: str, extra_stop_ids: Sequence[int] = (), compiled: Any = None
+    ) -> Grammar:
+        """A matcher at the grammar's start; the request's own stop token ids end it too.
+        `compiled`: the grammar's compile, where the caller kept it (the cache may have let
+        it go since), else it is looked up (and compiled again where it was let go). Compiles
+        that ended since the last call count against the cache's bounds from here."""
         xgr = _xgrammar()
+        if compiled is None:
+            compiled = self.compile(kind, text)
+        self._evict()
         stops = sorted(set(self.stop_token_ids) | set(extra_stop_ids))
-        matcher = xgr.GrammarMatcher(self.compile(kind, text), override_stop_tokens=stops)
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
         return Grammar(matcher, self.vocab_size)
 
 
-def cache_info(compiled: Collection[Future]) -> dict[str, int]:
+def cache_info(compiled: Collection[Future], max_bytes: int = CACHE_BYTES) -> dict[str, int]:
     """Grammars kept, the bytes of the compiled ones, and the cache's bounds."""
     return {
         "entries": len(compiled),
         "bytes": sum(map(_compiled_bytes, compiled)),
         "max_entries": CACHE_ENTRIES,
-        "max_bytes": CACHE_BYTES,
+        "max_bytes": max_bytes,
     }
 
 
@@ -213,11 +229,21 @@ class GrammarFollower:
         self.capacity = capacity
         # rid -> (grammar kind and text, extra stop ids), matcher, output it has accepted
         self._followed: OrderedDict[str, tuple[tuple, Grammar, list[int]]] = OrderedDict()
+        # The compiles reported ready, kept until a request follows them (the cache may let
+        # them go meanwhile; compiling again would hold the whole server back).
+        self._ready: OrderedDict[tuple[str, str], Future] = OrderedDict()
 
     def ready(self, kind: str, text: str) -> bool:
         """Whether the grammar has compiled here (a failed compile counts: the scheduler refuses
         its requests); starts the compile where it has not."""
-        return self.backend.get().compile_later(kind, text).done()
+        compiled = self.backend.get().compile_later(kind, text)
+        if not compiled.done():
+            return False
+        self._ready[(kind, text)] = compiled
+        self._ready.move_to_end((kind, text))
+        while len(self._ready) > self.capacity:
+            self._ready.popitem(last=False)
+        return True
 
     def follow(
         self, rid: str, grammar: tuple[str, str], stop_ids: Sequence[int], output: list[int]
@@ -226,7 +252,9 @@ class GrammarFollower:
         key = (grammar, tuple(stop_ids))
         entry = self._followed.pop(rid, None)
         if entry is None or entry[0] != key or output[: len(entry[2])] != entry[2]:
-            entry = (key, self.backend.get().matcher(*grammar, stop_ids), [])
+            compiled = self._ready.pop(tuple(grammar), None)
+            result = compiled.result() if compiled is not None else None
+            entry = (key, self.backend.get().matcher(*grammar, stop_ids, result), [])
         _, matched, done = entry
         for token in output[len(done) :]:
             if not matched.accept(token):

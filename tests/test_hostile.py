@@ -34,6 +34,7 @@ CONTEXT = 64  # so that whatever a fuzzer asks for is served in a moment
 BODY_LIMIT = 4 * 2**20
 FUZZ_EXAMPLES = 15
 COMPILE_TIMEOUT_S = 0.5  # a 20,000-value enum takes seconds to compile
+GRAMMAR_CACHE_MIB = 3  # a 300-value enum's schema compiles to ~2 MB
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,8 @@ def hostile(peaky_model_dir):
         "detokenizer,scheduler,worker",
         "--grammar-compile-timeout",
         str(COMPILE_TIMEOUT_S),
+        "--grammar-cache-mib",
+        str(GRAMMAR_CACHE_MIB),
     )
     before = server_processes(proc)
     assert len(before) >= 4  # the server, its detokenizer, scheduler and worker
@@ -308,6 +311,22 @@ def test_a_small_request_is_served_beside_a_maximal_fan_out(server):
     # generate their CONTEXT tokens (waiting for a free row would have taken longer than that).
     first_done = min(out["meta_info"]["e2e_latency"] for out in big_res.json())
     assert small.json()["meta_info"]["e2e_latency"] < first_done
+
+
+def test_compiled_grammars_are_kept_within_grammar_cache_mib(server):
+    """Two schemas of ~2 MB compiled each: the first is forgotten to keep the cache within
+    --grammar-cache-mib, which /get_server_info reports as its bound."""
+    for salt in ("a", "b"):
+        schema = {
+            "type": "object",
+            "properties": {"v": {"enum": [f"{salt}{i}" for i in range(300)]}},
+        }
+        params = {"max_new_tokens": 4, "json_schema": json.dumps(schema)}
+        res = httpx.post(server + "/generate", json={"text": "Pick:", "sampling_params": params})
+        assert res.status_code == 200, res.text
+    grammars = httpx.get(server + "/get_server_info").json()["caches"]["grammars"]
+    assert grammars["max_bytes"] == GRAMMAR_CACHE_MIB * 2**20
+    assert 2**20 < grammars["bytes"] <= GRAMMAR_CACHE_MIB * 2**20  # one of them kept
 
 
 def test_a_grammar_past_the_compile_timeout_gets_a_400_naming_the_limit(server):

@@ -345,7 +345,12 @@ def test_ngram_accepts_a_continuation_seen_before_and_matches_plain(
     # flush_cache forgets past requests: the radix tree's and the n-gram index's (whose size
     # and bound /get_server_info reports)
     index = s.info()["caches"]["ngram_index"]
-    assert index == {"tokens": s.spec_round.ngram.num_indexed_tokens, "max_tokens": 1_000_000}
+    ngram = s.spec_round.ngram
+    assert index == {
+        "tokens": ngram.num_indexed_tokens,
+        "max_tokens": 1_000_000,
+        "bytes": ngram.index.nbytes,
+    }
     assert index["tokens"] > 0
     assert s.flush_cache()
     assert s.info()["caches"]["ngram_index"]["tokens"] == 0

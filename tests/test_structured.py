@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -362,9 +363,32 @@ def test_a_compile_past_the_timeout_is_refused_and_kept_when_it_ends(peaky_model
     assert scheduler_leaks(s) == []
 
 
+def test_a_compile_reported_ready_is_used_even_after_the_cache_let_it_go(tokenizer):
+    """The worker's follower keeps each compile it reported ready until a request follows it:
+    with a cache that keeps only its newest grammar, the older one is let go, and is not
+    compiled again (that compile would hold back the whole server)."""
+    import spectral.constrained as constrained
+
+    backend = constrained.GrammarBackend(
+        tokenizer, len(tokenizer), [tokenizer.eos_token_id], cache_bytes=0
+    )
+    compiles = []
+    compile_once = backend._compile
+    backend._compile = lambda kind, text: compiles.append(text) or compile_once(kind, text)
+    follower = constrained.GrammarFollower(lambda: backend)
+    for text in ("(a|b)+", "(c|d)+"):
+        while not follower.ready("regex", text):
+            time.sleep(0.01)
+    assert backend.cache_info()["entries"] == 1  # "(a|b)+" let go
+    matcher = follower.follow("r1", ("regex", "(a|b)+"), [], [])
+    assert compiles == ["(a|b)+", "(c|d)+"]
+    assert matcher.accept(tokenizer.convert_tokens_to_ids("a"))
+
+
 def test_compiled_grammars_are_kept_within_their_bounds(tokenizer, monkeypatch):
-    """The least recently asked-for compiled grammars go first beyond CACHE_ENTRIES or
-    CACHE_BYTES (xgrammar's own cache, unbounded, is off); a forgotten grammar compiles again."""
+    """The least recently asked-for compiled grammars go first beyond CACHE_ENTRIES or the
+    bytes bound (xgrammar's own cache, unbounded, is off); a forgotten grammar compiles
+    again."""
     import spectral.constrained as constrained
 
     monkeypatch.setattr(constrained, "CACHE_ENTRIES", 3)
@@ -380,7 +404,8 @@ def test_compiled_grammars_are_kept_within_their_bounds(tokenizer, monkeypatch):
     assert backend.compile_later("regex", regexes[0]) is first  # kept
     assert backend.compile_later("regex", regexes[1]).result(timeout=30) is not None  # anew
     bound = backend.cache_info()["bytes"] // 3
-    monkeypatch.setattr(constrained, "CACHE_BYTES", bound)
+    backend.cache_bytes = bound  # --grammar-cache-mib
+    assert backend.cache_info()["max_bytes"] == bound
     last = backend.compile_later("regex", "(e|f)+")  # eviction runs as a grammar is added
     added = last.result(timeout=30).memory_size_bytes  # counted once compiled
     assert 0 < backend.cache_info()["bytes"] - added <= bound

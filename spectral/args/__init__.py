@@ -92,6 +92,7 @@ class ServerArgs:
     max_rid_length: int = 256
     max_top_logprobs_num: int = 20
     grammar_compile_timeout: float = 300.0
+    grammar_cache_mib: int = 512
     # Testing only: stages that fail on purpose (see spectral.faults)
     fault_injection: str | None = None
 
@@ -141,6 +142,8 @@ class ServerArgs:
             raise ValueError(
                 f"grammar_compile_timeout must be > 0 seconds (got {self.grammar_compile_timeout})"
             )
+        if self.grammar_cache_mib < 0:
+            raise ValueError(f"grammar_cache_mib must be >= 0 (got {self.grammar_cache_mib})")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {self.max_prefill_tokens})")
         for name in (

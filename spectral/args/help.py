@@ -174,6 +174,10 @@ HELP: dict[str, dict[str, str]] = {
             "seconds a request waits for its regex, json_schema or ebnf to compile before it is "
             "refused (400); compiles run at the lowest priority, beside the model"
         ),
+        "grammar_cache_mib": (
+            "MiB of compiled grammars kept (least recently used out first; 0 keeps none); a "
+            "speculative server's worker keeps as many of its own"
+        ),
     },
     "testing": {
         "fault_injection": (

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
-from spectral.constrained import GrammarBackend, MadeAhead, cache_info, clean_error
+from spectral.constrained import CACHE_BYTES, GrammarBackend, MadeAhead, cache_info, clean_error
 from spectral.core.req import FinishReason, Req
 from spectral.sampling_params import InvalidRequestError
 
@@ -28,12 +28,16 @@ class GrammarIntake:
         stop_token_ids: tuple[int, ...],
         timeout_s: float = COMPILE_TIMEOUT_S,
         worker_ready: Callable[[str, str], bool] | None = None,
+        cache_bytes: int | None = None,
     ) -> None:
         """`worker_ready(kind, text)`: whether the worker has compiled the grammar too (a
         speculative worker masks draft trees with matchers of its own), starting its compile;
         a request joins once both have, so that no step waits for one."""
         # The compiler: made for the first request under a grammar, or ahead of it (`start`).
-        self._backend = MadeAhead(lambda: GrammarBackend(tokenizer, vocab_size, stop_token_ids))
+        self.cache_bytes = CACHE_BYTES if cache_bytes is None else cache_bytes
+        self._backend = MadeAhead(
+            lambda: GrammarBackend(tokenizer, vocab_size, stop_token_ids, self.cache_bytes)
+        )
         self.timeout_s = timeout_s
         self.worker_ready = worker_ready or (lambda kind, text: True)
         self.compiling: list[Req] = []
@@ -47,7 +51,7 @@ class GrammarIntake:
     def cache_info(self) -> dict[str, int]:
         """The compiled grammars kept and their bounds (none before the compiler is made)."""
         backend = self._backend.peek()
-        return backend.cache_info() if backend is not None else cache_info(())
+        return backend.cache_info() if backend is not None else cache_info((), self.cache_bytes)
 
     def backend(self) -> GrammarBackend:
         """The compiler (and its cache of compiled grammars)."""
@@ -90,7 +94,7 @@ class GrammarIntake:
                 )
                 continue
             try:
-                self.attach(req)
+                self.attach(req, compiled)
             except InvalidRequestError as err:
                 self._refuse(req, str(err))
                 continue
@@ -101,15 +105,17 @@ class GrammarIntake:
         req.finished_reason = FinishReason("abort", message=why)
         self.rejected.append((req.rid, why))
 
-    def attach(self, req: Req) -> None:
+    def attach(self, req: Req, compiled: Future | None = None) -> None:
         """Give a request with a regex, json_schema or ebnf its matcher (the grammar compiled
-        once per distinct text; waits for the compile); InvalidRequestError where xgrammar
-        cannot compile it."""
+        once per distinct text; waits for the compile unless `compiled`, its finished compile,
+        is given); InvalidRequestError where xgrammar cannot compile it."""
         grammar = req.sampling_params.grammar
         if grammar is None or req.grammar is not None:
             return
+        stop_ids = req.sampling_params.stop_token_ids
         try:
-            req.grammar = self.backend().matcher(*grammar, req.sampling_params.stop_token_ids)
+            result = compiled.result() if compiled is not None else None
+            req.grammar = self.backend().matcher(*grammar, stop_ids, result)
         except RuntimeError as err:
             raise InvalidRequestError(
                 f"{grammar[0]}: xgrammar cannot compile it: {clean_error(err)}", grammar[0]

@@ -64,6 +64,7 @@ class Scheduler:
             # only a speculative worker follows grammars (a plain one would answer True after
             # a trip to its process)
             worker.grammar_ready if spec is not None else None,
+            config.grammar_cache_bytes,
         )
         self.finish = FinishChecker(tokenizer, config.eos_token_ids, config.max_context_len)
         self.waiting: deque[Req] = deque()
@@ -153,6 +154,7 @@ class Scheduler:
             out["ngram_index"] = {
                 "tokens": ngram.num_indexed_tokens,
                 "max_tokens": ngram.max_indexed_tokens,
+                "bytes": ngram.index.nbytes,  # claimed when the server starts
             }
         return out
 

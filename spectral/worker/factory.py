@@ -50,7 +50,7 @@ def create_worker(
         head_tree_size=spec.num_draft_tokens if drafter is not None else None,
         merge_given_trees=spec.hybrid_merge,
         report_node_choices=spec.uses_lookahead,
-        grammars=GrammarFollower(lambda: grammar_backend(model)),
+        grammars=GrammarFollower(lambda: grammar_backend(model, args.grammar_cache_mib * 2**20)),
     )
     if graph_sizes:
         worker.use_graphs(
@@ -189,11 +189,11 @@ def load_draft_lm(
     return worker, tokenizer.get_vocab()
 
 
-def grammar_backend(model: ResolvedModel) -> GrammarBackend:
+def grammar_backend(model: ResolvedModel, cache_bytes: int) -> GrammarBackend:
     """The worker's grammar compiler (made for its first request under a grammar): the
-    model's vocabulary and stop tokens, as the scheduler's."""
+    model's vocabulary and stop tokens, and the cache's bound, as the scheduler's."""
     return GrammarBackend(
-        load_tokenizer(model.tokenizer_dir), model.vocab_size, model.stop_token_ids
+        load_tokenizer(model.tokenizer_dir), model.vocab_size, model.stop_token_ids, cache_bytes
     )
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import struct
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from spectral.speculative.sources.ngram_index import NgramIndex
+
 MAX_MATCHES = 8
 WEIGHT_BASE = 2 * MAX_MATCHES + 1
-_RECENCY_STRIDE = 1 << 40  # recency = source * stride + position: later sources rank newer
 _INT32 = struct.Struct("=i")  # tokens are packed as native-order int32
 _TOKEN_BYTES = _INT32.size
 
@@ -99,39 +99,21 @@ class NgramDrafter:
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.max_indexed_tokens = max_indexed_tokens
-        self.num_indexed_tokens = 0
-        self._seqs: OrderedDict[int, list[int]] = OrderedDict()
-        self._index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-        self._next_seq_id = 0
+        self.index = NgramIndex(max_indexed_tokens, min_ngram, max_ngram)
+
+    @property
+    def num_indexed_tokens(self) -> int:
+        return self.index.num_tokens
 
     def clear(self) -> None:
         """Forget every sequence added (a flushed cache)."""
-        self._seqs.clear()
-        self._index.clear()
-        self.num_indexed_tokens = 0
+        self.index.clear()
 
     def add_sequence(self, tokens: list[int]) -> None:
         """Index a sequence (e.g. a finished request's prompt + output) for other requests to
         match. Only its last `max_indexed_tokens` tokens are kept; the oldest sequences are
-        evicted to make room. Costs O(len(tokens) * (max_ngram - min_ngram + 1))."""
-        tokens = list(tokens[max(0, len(tokens) - self.max_indexed_tokens) :])
-        if len(tokens) <= self.min_ngram:
-            return
-        while self.num_indexed_tokens + len(tokens) > self.max_indexed_tokens:
-            self._evict_oldest()
-        seq_id = self._next_seq_id
-        self._next_seq_id += 1
-        self._seqs[seq_id] = tokens
-        self.num_indexed_tokens += len(tokens)
-        index = self._index
-        for key, start in self._ngrams(tokens):
-            bucket = index.get(key)
-            if bucket is None:
-                index[key] = [(seq_id, start)]
-                continue
-            if len(bucket) == MAX_MATCHES:
-                del bucket[0]
-            bucket.append((seq_id, start))
+        evicted to make room."""
+        self.index.add(tokens)
 
     def propose(
         self, context: list[int], state: NgramState | None = None
@@ -144,22 +126,24 @@ class NgramDrafter:
             return [], []
         data = (state if state is not None else NgramState()).sync(context)
         root = _TrieNode(0)
-        seen: set[tuple[int, int]] = set()
-        own = self._next_seq_id
+        # Occurrences seen: the corpus's by position, the context's own as -1 - start. The
+        # context ranks newer than the whole corpus (recency past its last position).
+        seen: set[int] = set()
+        own = self.index.total
         longest = 0
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             weight = WEIGHT_BASE**n
             matched = len(seen)
             for start in _self_matches(data, n):
-                if (own, start) not in seen:
-                    seen.add((own, start))
+                if -1 - start not in seen:
+                    seen.add(-1 - start)
                     cont = context[start : start + self.max_depth]
-                    root.add_path(cont, weight, own * _RECENCY_STRIDE + start)
-            for seq_id, start in self._index.get(tuple(context[-n:]), ()):
-                if (seq_id, start) not in seen:
-                    seen.add((seq_id, start))
-                    cont = self._seqs[seq_id][start : start + self.max_depth]
-                    root.add_path(cont, weight, seq_id * _RECENCY_STRIDE + start)
+                    root.add_path(cont, weight, own + start)
+            for start in self.index.matches(context[-n:], MAX_MATCHES):
+                if start not in seen:
+                    seen.add(start)
+                    cont = self.index.continuation(start, self.max_depth)
+                    root.add_path(cont, weight, start)
             if len(seen) > matched and not longest:
                 longest = n
             if len(seen) >= MAX_MATCHES:
@@ -186,28 +170,6 @@ class NgramDrafter:
             tokens.append(token)
             parents.append(parent)
             index = len(tokens)
-
-    def _ngrams(self, tokens: list[int]) -> Iterator[tuple[tuple[int, ...], int]]:
-        """Each indexed n-gram of `tokens` that has a continuation, with the continuation's
-        start."""
-        for n in range(self.min_ngram, self.max_ngram + 1):
-            ngrams = zip(*(tokens[i : len(tokens) - n + i] for i in range(n)))
-            yield from zip(ngrams, range(n, len(tokens)))
-
-    def _evict_oldest(self) -> None:
-        seq_id, tokens = self._seqs.popitem(last=False)
-        self.num_indexed_tokens -= len(tokens)
-        index = self._index
-        for key, _ in self._ngrams(tokens):
-            bucket = index.get(key)
-            if bucket is None:
-                continue
-            # Buckets are in insertion order and this is the oldest sequence: its occurrences
-            # are at the front.
-            while bucket and bucket[0][0] == seq_id:
-                del bucket[0]
-            if not bucket:
-                del index[key]
 
 
 def _self_matches(data: bytearray, n: int) -> Iterator[int]:
