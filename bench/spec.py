@@ -29,6 +29,8 @@ print(s.get_paths()["stdlib"])')"
     # +Q4: the draft's layers quantized again to 4 bits at load (--speculative-draft-quantization)
     # Medusa heads (spectral train-medusa writes them), beside NGRAM:
     python bench/spec.py --batches 1 --algorithms MEDUSA,NGRAM --medusa models/medusa-smollm2-135m
+    # REST: a datastore of the standard library (bench/rest.py builds it), alone and with NGRAM:
+    python bench/spec.py ... --algorithms NGRAM,REST,NGRAM+REST --datastore bench/out/stdlib-ds
 
 Trees are sized per round by the tree planner from the measured cost model (`--fixed-tree`:
 every round the full tree); each row also prints the tree nodes verified per request and round
@@ -148,6 +150,12 @@ def main() -> None:
         help="STANDALONE+MAP: the draft's hot-token map (`spectral token-map` writes one)",
     )
     ap.add_argument("--hybrid-ngram", type=int, default=8, help="EAGLE3+NGRAM: n-gram tree size")
+    ap.add_argument(
+        "--datastore",
+        default=None,
+        help="REST (alone) and NAME+REST: a datastore (`spectral datastore build`) joining the "
+        "n-gram trees",
+    )
     ap.add_argument("--ngram-min-match", type=int, default=None)
     ap.add_argument("--num-steps", type=int, default=None)
     ap.add_argument("--topk", type=int, default=None)
@@ -236,7 +244,7 @@ def spec_engine(args, common: dict, spec_options: dict, size: int, algo: str) ->
         speculative_algorithm=name,
         speculative_draft_model_path=(
             None
-            if name in ("NGRAM", "LOOKAHEAD")
+            if name in ("NGRAM", "LOOKAHEAD", "REST")
             else args.medusa
             if name == "MEDUSA"
             else args.draft
@@ -246,6 +254,7 @@ def spec_engine(args, common: dict, spec_options: dict, size: int, algo: str) ->
         speculative_hybrid_lookahead="LOOKAHEAD" in extras,
         speculative_token_map=args.token_map if "MAP" in extras else None,
         speculative_draft_quantization="q4_1" if "Q4" in extras else "auto",
+        speculative_datastore=args.datastore if "REST" in (name, *extras) else None,
         **spec_options,
     )
 
@@ -307,7 +316,7 @@ def run_size(
             "measured_gain": planned.get("measured_gain"),
         }
         name = algo.split("+")[0]
-        if name not in ("NGRAM", "LOOKAHEAD") and size == 1 and args.humaneval:
+        if name not in ("NGRAM", "LOOKAHEAD", "REST") and size == 1 and args.humaneval:
             code = [chat(engine.tokenizer, p) for p in humaneval_prompts(args.humaneval)]
             _, _, row["humaneval_accept_length"] = measure(engine, code, args.max_new_tokens, temp)
         engine.shutdown()

@@ -1,6 +1,6 @@
 """The `spectral` command: `serve` runs the HTTP server, `demo` an offline generation demo,
-`token-map` writes a draft's hot-token map, `train-eagle3` trains a draft head,
-`train-medusa` trains Medusa heads."""
+`token-map` writes a draft's hot-token map, `datastore build` a REST datastore,
+`train-eagle3` trains a draft head, `train-medusa` trains Medusa heads."""
 
 from __future__ import annotations
 
@@ -81,6 +81,35 @@ def token_map_main(argv: list[str]) -> None:
     print(f"wrote {len(ids)} of {len(tokenizer)} token ids to {ns.output}")
 
 
+def datastore_main(argv: list[str]) -> None:
+    """`spectral datastore build`: a REST datastore for --speculative-datastore."""
+    from spectral.models.resolve import model_files_dir
+    from spectral.models.resolved import load_tokenizer
+    from spectral.speculative.sources.datastore import build
+
+    parser = argparse.ArgumentParser(
+        prog="spectral datastore",
+        description="Build a datastore for REST drafting (--speculative-datastore): text "
+        "files, directories (their source and text files) and JSONL files (a record's "
+        "text, content or code field) tokenized with the model's tokenizer, their suffixes "
+        "sorted, written as .npy files with a manifest.",
+    )
+    parser.add_argument("action", choices=["build"])
+    parser.add_argument("--model", required=True, help="the served model (its tokenizer)")
+    parser.add_argument("--output", required=True, help="the datastore directory to write")
+    parser.add_argument("sources", nargs="+", help="files, directories, JSONL files")
+    ns = parser.parse_args(argv)
+    tokenizer = load_tokenizer(model_files_dir(ns.model))
+    try:
+        manifest = build(tokenizer, ns.sources, ns.output, model=ns.model)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+    print(
+        f"wrote {ns.output}: {manifest['tokens']:,} tokens of {manifest['documents']:,} "
+        f"documents, {manifest['bytes'] / 2**20:.1f} MiB, in {manifest['build_seconds']} s"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "train-eagle3":
@@ -96,11 +125,14 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "token-map":
         token_map_main(argv[1:])
         return
+    if argv and argv[0] == "datastore":
+        datastore_main(argv[1:])
+        return
     parser = argparse.ArgumentParser(
         prog="spectral",
         epilog="spectral train-eagle3 --help: train an EAGLE-3 draft head; spectral "
         "train-medusa --help: train Medusa heads; spectral token-map "
-        "--help: a draft's hot-token map",
+        "--help: a draft's hot-token map; spectral datastore build --help: a REST datastore",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the HTTP server (native and OpenAI-compatible API)")

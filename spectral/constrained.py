@@ -7,6 +7,8 @@ More in docs/internals.md ("Structured outputs")."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import re
 import sys
@@ -78,6 +80,23 @@ def lower_thread_priority(niceness: int = COMPILE_NICENESS) -> None:
             pass
 
 
+def release_freed_memory() -> None:
+    """Give the pages malloc holds free back to the system (glibc's malloc_trim: a compile's
+    working memory and an evicted grammar would otherwise stay in the process's RSS as its
+    high-water mark); elsewhere nothing."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 class GrammarBackend:
     """Compiles grammars for one model's vocabulary and makes the matchers that follow them.
     Compiles run on COMPILE_THREADS threads of the lowest priority; compiled grammars (and
@@ -130,17 +149,27 @@ class GrammarBackend:
         still running stay (their size is not known yet: the next call counts them), and so
         does the most recent one (a request is about to use it)."""
         total = sum(map(_compiled_bytes, self._compiled.values()))
+        evicted = False
         for key, future in list(self._compiled.items())[:-1]:
             if len(self._compiled) <= CACHE_ENTRIES and total <= self.cache_bytes:
                 break
             if future.done():
                 total -= _compiled_bytes(future)
                 del self._compiled[key]
+                evicted = True
+        if evicted:
+            release_freed_memory()
 
     def compile(self, kind: str, text: str) -> Any:
         return self.compile_later(kind, text).result()
 
     def _compile(self, kind: str, text: str) -> Any:
+        try:
+            return self._compile_now(kind, text)
+        finally:
+            release_freed_memory()  # the compile's working memory
+
+    def _compile_now(self, kind: str, text: str) -> Any:
         if kind == "json_schema":
             # Any whitespace between elements, as SGLang allows, but at most
             # MAX_JSON_WHITESPACE characters in a row: sampled small models otherwise fill
@@ -217,6 +246,11 @@ class MadeAhead(Generic[T]):
         return self._value
 
 
+# Compiles reported ready kept for the requests about to follow them (beyond: looked up in
+# the cache again, compiled again only where it let them go too).
+READY_KEPT = 64
+
+
 class GrammarFollower:
     """The worker's own matchers for the requests under a grammar, each advanced along the
     committed output the scheduler sends every step (the scheduler's matchers live in its
@@ -224,7 +258,12 @@ class GrammarFollower:
     extends what was followed (a reused rid) starts over. The least recently seen requests are
     forgotten beyond `capacity` (followed again from the start if they come back)."""
 
-    def __init__(self, make_backend: Callable[[], GrammarBackend], capacity: int = 1024) -> None:
+    def __init__(
+        self,
+        make_backend: Callable[[], GrammarBackend],
+        capacity: int = 1024,
+        ready_capacity: int = READY_KEPT,
+    ) -> None:
         self.backend = MadeAhead(make_backend)  # the server's worker starts it once ready
         self.capacity = capacity
         # rid -> (grammar kind and text, extra stop ids), matcher, output it has accepted
@@ -232,6 +271,7 @@ class GrammarFollower:
         # The compiles reported ready, kept until a request follows them (the cache may let
         # them go meanwhile; compiling again would hold the whole server back).
         self._ready: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self.ready_capacity = ready_capacity
 
     def ready(self, kind: str, text: str) -> bool:
         """Whether the grammar has compiled here (a failed compile counts: the scheduler refuses
@@ -241,9 +281,16 @@ class GrammarFollower:
             return False
         self._ready[(kind, text)] = compiled
         self._ready.move_to_end((kind, text))
-        while len(self._ready) > self.capacity:
+        while len(self._ready) > self.ready_capacity:
             self._ready.popitem(last=False)
         return True
+
+    def retain(self, rids: Collection[str]) -> None:
+        """Forget the matchers of requests other than `rids` (those of a round: the others
+        have finished, or are followed again from the start when they come back). A kept
+        matcher keeps its compiled grammar alive, past the cache's bound."""
+        for rid in [rid for rid in self._followed if rid not in rids]:
+            del self._followed[rid]
 
     def follow(
         self, rid: str, grammar: tuple[str, str], stop_ids: Sequence[int], output: list[int]

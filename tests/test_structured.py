@@ -385,6 +385,40 @@ def test_a_compile_reported_ready_is_used_even_after_the_cache_let_it_go(tokeniz
     assert matcher.accept(tokenizer.convert_tokens_to_ids("a"))
 
 
+def test_the_follower_forgets_requests_that_left_the_round(tokenizer):
+    """A matcher kept for a finished request would keep its compiled grammar alive past the
+    cache's bound: a round's requests are the ones kept; one that comes back is followed
+    again from its start (its output replayed), to the same state."""
+    import spectral.constrained as constrained
+
+    backend = constrained.GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    follower = constrained.GrammarFollower(lambda: backend)
+    a = tokenizer.convert_tokens_to_ids("a")
+    first = follower.follow("r1", ("regex", "a+b"), [], [a])
+    other = follower.follow("r2", ("regex", "a+b"), [], [])
+    follower.retain({"r2"})
+    assert follower.follow("r2", ("regex", "a+b"), [], []) is other
+    again = follower.follow("r1", ("regex", "a+b"), [], [a, a])
+    assert again is not first and not again.terminated
+    assert again.accept(tokenizer.convert_tokens_to_ids("b"))
+
+
+def test_memory_freed_by_a_compile_or_an_eviction_is_given_back(tokenizer, monkeypatch):
+    """malloc_trim after each compile (its working memory) and each eviction; without it
+    glibc keeps the freed pages as the process's high-water mark."""
+    import spectral.constrained as constrained
+
+    trims = []
+    monkeypatch.setattr(constrained, "release_freed_memory", lambda: trims.append(1))
+    backend = constrained.GrammarBackend(
+        tokenizer, len(tokenizer), [tokenizer.eos_token_id], cache_bytes=0
+    )
+    backend.compile("regex", "(a|b)+")
+    assert len(trims) == 1
+    backend.compile_later("regex", "(c|d)+").result(timeout=30)  # "(a|b)+" evicted
+    assert len(trims) == 3
+
+
 def test_compiled_grammars_are_kept_within_their_bounds(tokenizer, monkeypatch):
     """The least recently asked-for compiled grammars go first beyond CACHE_ENTRIES or the
     bytes bound (xgrammar's own cache, unbounded, is off); a forgotten grammar compiles

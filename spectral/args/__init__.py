@@ -66,6 +66,7 @@ class ServerArgs:
     speculative_draft_quantization: str = "auto"
     speculative_cost_model: str | None = None
     speculative_token_map: str | None = None
+    speculative_datastore: str | None = None
     speculative_lookahead_window: int | None = None
     speculative_lookahead_ngram: int | None = None
     speculative_lookahead_guesses: int | None = None
@@ -170,6 +171,8 @@ class ServerArgs:
             from spectral import faults
 
             faults.parse_stages(self.fault_injection)  # raises on an unknown stage
+        if self.speculative_datastore and not self.speculative_algorithm:
+            self.speculative_algorithm = "REST"  # a datastore alone drafts by itself
         _ = self.spec  # raises on a bad combination
 
     @functools.cached_property

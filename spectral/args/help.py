@@ -112,6 +112,11 @@ HELP: dict[str, dict[str, str]] = {
             "a cost model JSON to plan trees by instead of measuring one at start-up (cached per "
             "machine under ~/.cache/spectral/cost_models)"
         ),
+        "speculative_datastore": (
+            "a datastore directory (`spectral datastore build`): the continuations of the "
+            "longest suffix it holds join the n-gram trees (REST); alone with "
+            "--speculative-algorithm REST, or beside NGRAM, LOOKAHEAD or a drafter's n-gram trees"
+        ),
         "speculative_token_map": (
             "STANDALONE: the token ids the draft model drafts from (FR-Spec; SGLang's torch.save'd "
             "tensor or a JSON list; `spectral token-map` writes one): its LM head keeps only those "

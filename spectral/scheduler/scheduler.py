@@ -156,6 +156,13 @@ class Scheduler:
                 "max_tokens": ngram.max_indexed_tokens,
                 "bytes": ngram.index.nbytes,  # claimed when the server starts
             }
+        if ngram is not None and ngram.datastore is not None:
+            store = ngram.datastore  # memory-mapped: its pages are the page cache's
+            out["datastore"] = {
+                "path": str(store.path),
+                "tokens": store.manifest["tokens"],
+                "bytes": store.nbytes,
+            }
         return out
 
     # ---- the step ----------------------------------------------------------------------------

@@ -41,6 +41,8 @@ class Algorithm:
     acceptance_prior: tuple[float, float] | None = None
     # takes --speculative-token-map (the draft's vocabulary restricted)
     token_map: bool = False
+    # drafts from a datastore (--speculative-datastore) alone: no n-gram matches of its own
+    datastore_only: bool = False
 
     @property
     def model_free(self) -> bool:
@@ -122,3 +124,4 @@ register(
 )
 register(Algorithm("NGRAM", (3, 1, 4)))
 register(Algorithm("LOOKAHEAD", (3, 1, 6), lookahead=True))
+register(Algorithm("REST", (4, 1, 8), datastore_only=True))

@@ -56,6 +56,8 @@ class SpecSettings:
     lookahead: tuple[int, int, int] = DEFAULT_LOOKAHEAD
     # a drafter's n-gram trees also carry LOOKAHEAD's window and pool
     hybrid_lookahead: bool = False
+    # REST: a datastore (`spectral datastore build`) whose continuations join the n-gram trees
+    datastore: str | None = None
 
     @property
     def entry(self) -> Algorithm:
@@ -79,7 +81,13 @@ class SpecSettings:
 
     @property
     def uses_ngram(self) -> bool:
+        """The scheduler drafts n-gram trees (from the text seen, a datastore, or both)."""
         return self.entry.model_free or self.hybrid_ngram > 0
+
+    @property
+    def ngram_matches(self) -> bool:
+        """Its n-gram trees match the context and past requests (not REST's: datastore only)."""
+        return not self.entry.datastore_only
 
     @property
     def ngram_tree_shape(self) -> tuple[int, int]:
@@ -126,6 +134,7 @@ class SpecSettings:
             token_map=token_map(entry, args),
             lookahead=lookahead_settings(args),
             hybrid_lookahead=hybrid_lookahead,
+            datastore=datastore_path(entry, args, hybrid),
         )
 
 
@@ -236,6 +245,22 @@ def token_map(entry: Algorithm, args: Any) -> str | None:
         raise ValueError(
             "--speculative-token-map restricts a draft model's vocabulary: it goes with "
             f"--speculative-algorithm {takes} (got {entry.name})"
+        )
+    return path
+
+
+def datastore_path(entry: Algorithm, args: Any, hybrid: int) -> str | None:
+    """--speculative-datastore, where the algorithm drafts n-gram trees for it to join."""
+    path = args.speculative_datastore
+    if entry.datastore_only and not path:
+        raise ValueError(
+            f"--speculative-algorithm {entry.name} drafts from a datastore: give "
+            "--speculative-datastore DIR (`spectral datastore build` makes one)"
+        )
+    if path and not (entry.model_free or hybrid):
+        raise ValueError(
+            "--speculative-datastore joins the n-gram trees: with "
+            f"{entry.name} it needs --speculative-hybrid-ngram >= 2"
         )
     return path
 

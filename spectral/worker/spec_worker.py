@@ -343,6 +343,8 @@ class SpeculativeWorker:
         """Per request under a grammar (by batch index), the bitmask of each tree node: the
         tokens its grammar allows after the node's path."""
         masks: dict[int, torch.Tensor] = {}
+        if self.grammars is not None:  # the requests of no round since have finished
+            self.grammars.retain({s.rid for s in sampling if s.params.grammar is not None})
         for b, s in enumerate(sampling):
             grammar = s.params.grammar
             if grammar is None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 
-HEAD, NGRAM = "head", "ngram"
+HEAD, NGRAM, REST = "head", "ngram", "rest"
+# A datastore's trees count apart by the length matched, longer ones together.
+REST_LONGEST_BUCKET = 8
 # The head's confidence before it drafts (its top-1 probability after the last verified token)
 # splits its statistics: rounds starting from a confident head are accepted far more often.
 HEAD_CONFIDENCE = (0.3, 0.6, 0.85)
@@ -34,6 +36,11 @@ def head_bucket(top1: float | None) -> str:
 def ngram_bucket(match_len: int) -> str:
     """The statistics an n-gram tree counts in, by the length of the suffix it matched."""
     return f"{NGRAM}:{match_len}"
+
+
+def rest_bucket(match_len: int) -> str:
+    """The statistics of a tree from the datastore alone, by the length of suffix it matched."""
+    return f"{REST}:{min(match_len, REST_LONGEST_BUCKET)}"
 
 
 def family(kind: str) -> str:

@@ -14,9 +14,13 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from spectral.speculative.sources.datastore import Datastore
 from spectral.speculative.sources.ngram_index import NgramIndex
 
 MAX_MATCHES = 8
+# A datastore lookup (REST): the longest suffix it tries, and the occurrences it reads.
+DATASTORE_WINDOW = 16
+DATASTORE_RESULTS = 32
 WEIGHT_BASE = 2 * MAX_MATCHES + 1
 _INT32 = struct.Struct("=i")  # tokens are packed as native-order int32
 _TOKEN_BYTES = _INT32.size
@@ -34,6 +38,8 @@ class NgramState:
     # Length of the longest suffix the last `propose` matched (0: none): a longer match is
     # followed by its continuation far more often, so the tree planner counts acceptance apart.
     match_len: int = 0
+    # ... and of the one the datastore matched (0: none, or no datastore)
+    retrieved_len: int = 0
 
     def sync(self, context: list[int]) -> bytearray:
         """Pack the tokens appended since the last call; return the whole packing."""
@@ -82,7 +88,11 @@ class NgramDrafter:
         min_ngram: int = 1,
         max_ngram: int = 4,
         max_indexed_tokens: int = 1_000_000,
+        datastore: Datastore | None = None,
+        ngrams: bool = True,
     ) -> None:
+        """`datastore`: a corpus whose continuations join the tree (REST); `ngrams` False:
+        the datastore's alone (no matches in the context or the server's past requests)."""
         if max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0 (got {max_nodes})")
         if max_depth < 1:
@@ -99,7 +109,9 @@ class NgramDrafter:
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.max_indexed_tokens = max_indexed_tokens
-        self.index = NgramIndex(max_indexed_tokens, min_ngram, max_ngram)
+        self.ngrams = ngrams
+        self.index = NgramIndex(max_indexed_tokens if ngrams else 0, min_ngram, max_ngram)
+        self.datastore = datastore
 
     @property
     def num_indexed_tokens(self) -> int:
@@ -131,7 +143,8 @@ class NgramDrafter:
         seen: set[int] = set()
         own = self.index.total
         longest = 0
-        for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
+        top = min(self.max_ngram, len(context)) if self.ngrams else 0
+        for n in range(top, self.min_ngram - 1, -1):
             weight = WEIGHT_BASE**n
             matched = len(seen)
             for start in _self_matches(data, n):
@@ -148,9 +161,27 @@ class NgramDrafter:
                 longest = n
             if len(seen) >= MAX_MATCHES:
                 break
+        retrieved = self._retrieve(context, root)
         if state is not None:
-            state.match_len = longest
+            state.match_len, state.retrieved_len = longest, retrieved
         return self._best_first(root)
+
+    def _retrieve(self, context: list[int], root: _TrieNode) -> int:
+        """Add the datastore's continuations of the context's longest suffix it holds to the
+        trie, weighted together as MAX_MATCHES n-gram matches of that length (at most
+        max_ngram) and ranked after every other match; returns the length matched."""
+        if self.datastore is None:
+            return 0
+        found = self.datastore.lookup(
+            context, DATASTORE_WINDOW, DATASTORE_RESULTS, self.max_depth, self.min_ngram
+        )
+        if not found.continuations:
+            return 0
+        total = WEIGHT_BASE ** min(found.match_len, self.max_ngram) * MAX_MATCHES
+        weight = max(1, total // len(found.continuations))
+        for k, cont in enumerate(found.continuations):
+            root.add_path(cont, weight, -1 - k)
+        return found.match_len
 
     def _best_first(self, root: _TrieNode) -> tuple[list[int], list[int]]:
         """The `max_nodes` most probable trie nodes, each emitted after its parent."""

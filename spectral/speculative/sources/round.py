@@ -13,7 +13,8 @@ from spectral.core.forward import ForwardMode
 from spectral.core.req import FinishReason, Req
 from spectral.speculative.cost_model import CostModel
 from spectral.speculative.settings import SpecSettings
-from spectral.speculative.sources.acceptance import head_bucket, ngram_bucket
+from spectral.speculative.sources.acceptance import head_bucket, ngram_bucket, rest_bucket
+from spectral.speculative.sources.datastore import Datastore
 from spectral.speculative.sources.lookahead import LookaheadDrafter, LookaheadState
 from spectral.speculative.sources.ngram import NgramDrafter, NgramState
 from spectral.speculative.sources.planner import Plan, PlanInput, TreePlanner
@@ -39,11 +40,17 @@ class SpecRound:
         self.ngram: NgramDrafter | None = None
         if spec.uses_ngram:
             max_nodes, max_depth = spec.ngram_tree_shape
+            datastore = None
+            if spec.datastore is not None:
+                datastore = Datastore(spec.datastore)
+                datastore.check_tokenizer(tokenizer)
             self.ngram = NgramDrafter(
                 max_nodes=max_nodes,
                 max_depth=max_depth,
                 min_ngram=spec.ngram_min_match,
                 max_ngram=spec.ngram_max_match,
+                datastore=datastore,
+                ngrams=spec.ngram_matches,
             )
         self.lookahead: LookaheadDrafter | None = None
         if spec.uses_lookahead:
@@ -120,9 +127,14 @@ class SpecRound:
         if self.ngram is not None:
             if req.spec.ngram is None:
                 req.spec.ngram = NgramState()
-            tokens, parents = self.ngram.propose(req.all_ids, req.spec.ngram)
+            state = req.spec.ngram
+            tokens, parents = self.ngram.propose(req.all_ids, state)
             if tokens or not self.spec.has_drafter:
-                tree, kind = (tokens, parents), ngram_bucket(req.spec.ngram.match_len)
+                # the datastore's alone (no n-gram match) count apart
+                kind = ngram_bucket(state.match_len)
+                if not state.match_len and state.retrieved_len:
+                    kind = rest_bucket(state.retrieved_len)
+                tree = (tokens, parents)
         if self.lookahead is not None:
             if req.spec.lookahead is None:
                 req.spec.lookahead = LookaheadState()
