@@ -136,7 +136,8 @@ class NgramDrafter:
         matches. `state` (see NgramState) spares packing the whole context again."""
         if not context or self.max_nodes == 0:
             return [], []
-        data = (state if state is not None else NgramState()).sync(context)
+        # the packed context serves the context's own matches only (none for REST alone)
+        data = (state if state is not None else NgramState()).sync(context) if self.ngrams else b""
         root = _TrieNode(0)
         # Occurrences seen: the corpus's by position, the context's own as -1 - start. The
         # context ranks newer than the whole corpus (recency past its last position).
