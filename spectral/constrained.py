@@ -144,17 +144,21 @@ class GrammarBackend:
     def cache_info(self) -> dict[str, int]:
         return cache_info(self._compiled.values(), self.cache_bytes)
 
+    def holds(self, key: tuple[str, str]) -> bool:
+        """Whether the cache keeps the compile of grammar `key` (kind, text)."""
+        return key in self._compiled
+
     def _evict(self) -> None:
         """Forget the least recently asked-for compiled grammars beyond the bounds. Compiles
         still running stay (their size is not known yet: the next call counts them), and so
         does the most recent one (a request is about to use it)."""
-        total = sum(map(_compiled_bytes, self._compiled.values()))
+        total = sum(map(compiled_bytes, self._compiled.values()))
         evicted = False
         for key, future in list(self._compiled.items())[:-1]:
             if len(self._compiled) <= CACHE_ENTRIES and total <= self.cache_bytes:
                 break
             if future.done():
-                total -= _compiled_bytes(future)
+                total -= compiled_bytes(future)
                 del self._compiled[key]
                 evicted = True
         if evicted:
@@ -201,13 +205,13 @@ def cache_info(compiled: Collection[Future], max_bytes: int = CACHE_BYTES) -> di
     """Grammars kept, the bytes of the compiled ones, and the cache's bounds."""
     return {
         "entries": len(compiled),
-        "bytes": sum(map(_compiled_bytes, compiled)),
+        "bytes": sum(map(compiled_bytes, compiled)),
         "max_entries": CACHE_ENTRIES,
         "max_bytes": max_bytes,
     }
 
 
-def _compiled_bytes(future: Future) -> int:
+def compiled_bytes(future: Future) -> int:
     """What a finished compile holds (0 for one running or failed)."""
     if not future.done() or future.exception() is not None:
         return 0
@@ -244,73 +248,6 @@ class MadeAhead(Generic[T]):
         if self._value is None:
             self._value = self._making.result() if self._making else self._make()
         return self._value
-
-
-# Compiles reported ready kept for the requests about to follow them (beyond: looked up in
-# the cache again, compiled again only where it let them go too).
-READY_KEPT = 64
-
-
-class GrammarFollower:
-    """The worker's own matchers for the requests under a grammar, each advanced along the
-    committed output the scheduler sends every step (the scheduler's matchers live in its
-    process). A request seen again continues from where it was; one whose output no longer
-    extends what was followed (a reused rid) starts over. The least recently seen requests are
-    forgotten beyond `capacity` (followed again from the start if they come back)."""
-
-    def __init__(
-        self,
-        make_backend: Callable[[], GrammarBackend],
-        capacity: int = 1024,
-        ready_capacity: int = READY_KEPT,
-    ) -> None:
-        self.backend = MadeAhead(make_backend)  # the server's worker starts it once ready
-        self.capacity = capacity
-        # rid -> (grammar kind and text, extra stop ids), matcher, output it has accepted
-        self._followed: OrderedDict[str, tuple[tuple, Grammar, list[int]]] = OrderedDict()
-        # The compiles reported ready, kept until a request follows them (the cache may let
-        # them go meanwhile; compiling again would hold the whole server back).
-        self._ready: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self.ready_capacity = ready_capacity
-
-    def ready(self, kind: str, text: str) -> bool:
-        """Whether the grammar has compiled here (a failed compile counts: the scheduler refuses
-        its requests); starts the compile where it has not."""
-        compiled = self.backend.get().compile_later(kind, text)
-        if not compiled.done():
-            return False
-        self._ready[(kind, text)] = compiled
-        self._ready.move_to_end((kind, text))
-        while len(self._ready) > self.ready_capacity:
-            self._ready.popitem(last=False)
-        return True
-
-    def retain(self, rids: Collection[str]) -> None:
-        """Forget the matchers of requests other than `rids` (those of a round: the others
-        have finished, or are followed again from the start when they come back). A kept
-        matcher keeps its compiled grammar alive, past the cache's bound."""
-        for rid in [rid for rid in self._followed if rid not in rids]:
-            del self._followed[rid]
-
-    def follow(
-        self, rid: str, grammar: tuple[str, str], stop_ids: Sequence[int], output: list[int]
-    ) -> Grammar:
-        """The matcher of request `rid` after `output`."""
-        key = (grammar, tuple(stop_ids))
-        entry = self._followed.pop(rid, None)
-        if entry is None or entry[0] != key or output[: len(entry[2])] != entry[2]:
-            compiled = self._ready.pop(tuple(grammar), None)
-            result = compiled.result() if compiled is not None else None
-            entry = (key, self.backend.get().matcher(*grammar, stop_ids, result), [])
-        _, matched, done = entry
-        for token in output[len(done) :]:
-            if not matched.accept(token):
-                raise RuntimeError(f"token {token} does not continue the request's grammar")
-        entry = (key, matched, list(output))
-        self._followed[rid] = entry
-        while len(self._followed) > self.capacity:
-            self._followed.popitem(last=False)
-        return matched
 
 
 class Grammar:

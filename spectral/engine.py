@@ -18,7 +18,6 @@ import torch
 
 from spectral import faults
 from spectral.args import ServerArgs
-from spectral.constrained import GrammarFollower
 from spectral.core.req import Req
 from spectral.logprobs import logprob_meta
 from spectral.models.resolved import resolve_model
@@ -26,6 +25,7 @@ from spectral.sampling_params import InvalidRequestError, SamplingParams
 from spectral.scheduler.scheduler import build_scheduler
 from spectral.server.worker_process import RemoteWorker
 from spectral.worker.factory import create_worker
+from spectral.worker.grammar_follower import GrammarFollower
 
 logger = logging.getLogger(__name__)
 

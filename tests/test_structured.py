@@ -17,6 +17,7 @@ import torch
 import xgrammar as xgr  # the oracle's matcher and kernel
 
 from spectral.constrained import allocate_bitmask, apply_bitmask
+from spectral.worker.grammar_follower import GrammarFollower
 
 PERSON = {
     "type": "object",
@@ -178,7 +179,8 @@ def test_a_prepared_follower_builds_its_compiler_once_on_a_thread_of_its_own(tok
     on another thread (the first grammar round does not load it inside a step), once."""
     import threading
 
-    from spectral.constrained import GrammarBackend, GrammarFollower
+    from spectral.constrained import GrammarBackend
+    from spectral.worker.grammar_follower import GrammarFollower
 
     built_on = []
 
@@ -369,20 +371,47 @@ def test_a_compile_reported_ready_is_used_even_after_the_cache_let_it_go(tokeniz
     compiled again (that compile would hold back the whole server)."""
     import spectral.constrained as constrained
 
+    one = constrained.GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    # The cache keeps only the newest; the one let go fits the bound beside it.
+    size = max(one.compile("regex", t).memory_size_bytes for t in ("(a|b)+", "(c|d)+"))
     backend = constrained.GrammarBackend(
-        tokenizer, len(tokenizer), [tokenizer.eos_token_id], cache_bytes=0
+        tokenizer, len(tokenizer), [tokenizer.eos_token_id], cache_bytes=size
     )
     compiles = []
     compile_once = backend._compile
     backend._compile = lambda kind, text: compiles.append(text) or compile_once(kind, text)
-    follower = constrained.GrammarFollower(lambda: backend)
+    follower = GrammarFollower(lambda: backend)
     for text in ("(a|b)+", "(c|d)+"):
         while not follower.ready("regex", text):
             time.sleep(0.01)
+    follower.follow("r2", ("regex", "(c|d)+"), [], [])  # a matcher: the cache evicts
     assert backend.cache_info()["entries"] == 1  # "(a|b)+" let go
     matcher = follower.follow("r1", ("regex", "(a|b)+"), [], [])
     assert compiles == ["(a|b)+", "(c|d)+"]
     assert matcher.accept(tokenizer.convert_tokens_to_ids("a"))
+
+
+def test_ready_compiles_no_request_came_for_stay_within_the_cache_bound(tokenizer):
+    """A request may never be followed in the worker (it finished before a round, or its
+    rounds were declined): the ready compiles kept for such requests, beyond what the cache
+    itself holds, stay within the cache's byte bound (the newest always kept), where 64 of
+    any size were kept before (a soak's worker grew ~3 MiB a minute)."""
+    import spectral.constrained as constrained
+
+    texts = [f"(a{i}|b{i})+" for i in range(16)]
+    one = constrained.GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    bound = 3 * one.compile("regex", texts[0]).memory_size_bytes
+    backend = constrained.GrammarBackend(
+        tokenizer, len(tokenizer), [tokenizer.eos_token_id], cache_bytes=bound
+    )
+    follower = GrammarFollower(lambda: backend)
+    for text in texts:
+        while not follower.ready("regex", text):
+            time.sleep(0.01)
+    kept = follower._ready
+    extra = sum(f.result().memory_size_bytes for k, f in kept.items() if not backend.holds(k))
+    assert 0 < extra <= bound and ("regex", texts[-1]) in kept
+    assert len(kept) < len(texts)
 
 
 def test_the_follower_forgets_requests_that_left_the_round(tokenizer):
@@ -392,7 +421,7 @@ def test_the_follower_forgets_requests_that_left_the_round(tokenizer):
     import spectral.constrained as constrained
 
     backend = constrained.GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
-    follower = constrained.GrammarFollower(lambda: backend)
+    follower = GrammarFollower(lambda: backend)
     a = tokenizer.convert_tokens_to_ids("a")
     first = follower.follow("r1", ("regex", "a+b"), [], [a])
     other = follower.follow("r2", ("regex", "a+b"), [], [])

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from spectral.constrained import GrammarFollower
 from spectral.core.worker_io import WorkerBatch, WorkerResult
 from spectral.speculative.cost_model import CostModel
+from spectral.worker.grammar_follower import GrammarFollower
 
 
 class Worker(Protocol):

@@ -9,11 +9,12 @@ from pathlib import Path
 import torch
 
 from spectral.args import ServerArgs
-from spectral.constrained import GrammarBackend, GrammarFollower
+from spectral.constrained import GrammarBackend
 from spectral.core.model import ResolvedModel
 from spectral.layers.parallel import TensorParallel
 from spectral.models.resolved import load_tokenizer
 from spectral.speculative.drafters.base import DrafterContext, file_stamp
+from spectral.worker.grammar_follower import GrammarFollower
 from spectral.worker.graph_runner import DEFAULT_BATCH_SIZES, default_max_batch_size
 from spectral.worker.model_worker import ModelWorker
 from spectral.worker.spec_worker import SpeculativeWorker

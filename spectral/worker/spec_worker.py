@@ -11,7 +11,6 @@ import dataclasses
 
 import torch
 
-from spectral.constrained import GrammarFollower
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.transfer import stage
 from spectral.core.worker_io import RequestSampling, WorkerBatch, WorkerResult
@@ -29,6 +28,7 @@ from spectral.speculative.verify import (
     accept_greedy_on_device,
     unpack_accepted,
 )
+from spectral.worker.grammar_follower import GrammarFollower
 from spectral.worker.model_worker import ModelWorker
 from spectral.worker.spec_verify import round_result, verify_trees
 
