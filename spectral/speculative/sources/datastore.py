@@ -39,6 +39,7 @@ TEXT_SUFFIXES = frozenset(
     ".yaml .yml .json .html .css .sql".split()
 )
 RECORD_FIELDS = ("text", "content", "code")
+WALKED_SUFFIXES = TEXT_SUFFIXES | {".jsonl"}
 # Directories a walk does not enter: installed packages, caches, version control.
 SKIP_DIRS = frozenset(
     "site-packages dist-packages node_modules __pycache__ .git .hg .venv venv .tox".split()
@@ -79,7 +80,7 @@ def _walk(root: Path) -> Iterator[Path]:
         if path.is_dir() and not path.is_symlink():
             if path.name not in SKIP_DIRS:
                 yield from _walk(path)
-        elif path.is_file() and path.suffix in TEXT_SUFFIXES | {".jsonl"}:
+        elif path.is_file() and path.suffix in WALKED_SUFFIXES:
             yield path
 
 

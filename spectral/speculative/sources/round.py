@@ -130,10 +130,12 @@ class SpecRound:
             state = req.spec.ngram
             tokens, parents = self.ngram.propose(req.all_ids, state)
             if tokens or not self.spec.has_drafter:
-                # the datastore's alone (no n-gram match) count apart
-                kind = ngram_bucket(state.match_len)
-                if not state.match_len and state.retrieved_len:
-                    kind = rest_bucket(state.retrieved_len)
+                # the datastore's (asked where no n-gram matched) count apart
+                kind = (
+                    rest_bucket(state.retrieved_len)
+                    if state.retrieved_len
+                    else ngram_bucket(state.match_len)
+                )
                 tree = (tokens, parents)
         if self.lookahead is not None:
             if req.spec.lookahead is None:
