@@ -1,5 +1,11 @@
 """How freed memory goes back to the system (glibc's malloc, Linux; elsewhere nothing here).
 
+glibc gives each new thread a heap ("arena") of its own, up to 8 a core, and each keeps the free
+memory around what lives in it: a process whose threads come and go through big short-lived
+work (the scheduler's grammar compiles) grows by an arena's high-water mark every time a thread
+first runs it. `share_thread_arenas` keeps such a process at two: the main thread's, and one
+that every other thread shares.
+
 glibc serves a large block from its heap once a block that large has been freed, and keeps it
 there when freed again: a model load's temporaries (rows decoded a slice at a time, packed
 pieces) then stay resident beside the weights they became. `eager_release` maps and unmaps
@@ -14,7 +20,8 @@ import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+M_MMAP_THRESHOLD = -3  # mallopt's parameters (malloc.h)
+M_ARENA_MAX = -8
 LOAD_THRESHOLD = 1 << 20  # while loading: blocks from 1 MiB up are mapped on their own
 SERVE_THRESHOLD = 32 << 20  # after: glibc's own ceiling for the threshold it moves itself
 
@@ -46,3 +53,29 @@ def eager_release() -> Iterator[None]:
     finally:
         libc.mallopt(M_MMAP_THRESHOLD, SERVE_THRESHOLD)
         libc.malloc_trim(0)
+
+
+def share_thread_arenas() -> None:
+    """From here on, every thread but the main one allocates from one shared arena (call it
+    before the process starts threads: arenas made before stay)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(M_ARENA_MAX, 2)
+
+
+def arena_count() -> int:
+    """How many arenas glibc's malloc has made in this process (its `malloc_info` report); 0
+    elsewhere."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "malloc_info"):
+        return 0
+    libc.open_memstream.restype = ctypes.c_void_p
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    buf, size = ctypes.c_char_p(), ctypes.c_size_t()
+    stream = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+    report = ctypes.string_at(buf, size.value).decode()
+    libc.free(buf)
+    return report.count("<heap nr=")
