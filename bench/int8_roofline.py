@@ -53,8 +53,9 @@ def packed(kernels, tile: str, fmt: str, n: int, k: int) -> tuple[torch.Tensor, 
 
 def tile_rate(kernels, data: torch.Tensor, layout: str, m: int, n: int, k: int) -> float:
     """Multiply-adds a second of the tile over m rows, x quantized once beforehand."""
-    q, d, s = kernels.quantize_q8(torch.randn(m, k))
-    seconds = timed(lambda: kernels.gguf_linear_q8(q, d, s, data, layout, n, None, False), 9)
+    q, d, s, *shift = kernels.quantize_q8(torch.randn(m, k), layout in ("Q4_K", "Q6_K"))
+    shift = shift[0] if shift else None
+    seconds = timed(lambda: kernels.gguf_linear_q8(q, d, s, data, layout, n, None, False, shift), 9)
     return m * n * k / seconds
 
 

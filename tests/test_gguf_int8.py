@@ -1,8 +1,11 @@
 """The integer path over GGUF blocks (`--quantization gguf-int8`) against a NumPy reference of
 the same arithmetic, bit for bit, on every build this CPU runs: activations quantized per block
 of 32 (q = rint(x * 127 / amax), d = amax / 127, s = sum q), integer block sums, and their float32
-combination block after block (u = dw * isum (+ mw * s), acc = acc + d * u). Every format, 1..65
-rows; a row's result the same alone or among 64 at any position."""
+combination block after block (u = dw * isum (+ mw * s), acc = acc + d * u); for Q4_K and Q6_K
+activations per superblock of 256 (its step, each block on it or up to 8 times finer), the blocks'
+sums times their integer scales and steps added in int32 and combined in float32 once a
+superblock. Every format, 1..65 rows; a row's result the
+same alone or among 64 at any position."""
 
 from __future__ import annotations
 
@@ -16,7 +19,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spectral.kernels.cpu_kernels import KERNEL_DIR, load_cpu_kernels
-from spectral.layers.gguf_blocks import BLOCKS, BlockParts, decode, pack_blocks, pack_int8
+from spectral.layers.gguf_blocks import (
+    BLOCKS,
+    BlockParts,
+    decode,
+    k_parts,
+    pack_blocks,
+    pack_int8,
+    q6_k_parts,
+)
 from tests.test_cpu_kernels import NARROWER, cpu_flags
 from tests.test_gguf_blocks import random_blocks
 
@@ -33,20 +44,32 @@ FORMATS = sorted(BLOCKS)
 F32 = np.float32
 
 
-def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """float32 [m, k] -> (q int8 [m, k], d float32 [m, k / 32], s int32 [m, k / 32])."""
+def quantize_reference(x: np.ndarray, superblocks: bool = False) -> tuple[np.ndarray, ...]:
+    """float32 [m, k] -> (q int8 [m, k], d float32 [m, k / 32], s int32 [m, k / 32]); with
+    `superblocks`, d the superblock's (amax / 127 of its 256 inputs) and each block quantized on
+    that step / 2^e, the largest e <= 3 its own amax allows, and a fourth: shift = 3 - e."""
     m, k = x.shape
     blocks = x.reshape(m, k // 32, 32)
     amax = np.abs(blocks).max(axis=-1)
+    top = np.repeat(amax.reshape(m, k // 256, 8).max(axis=-1), 8, -1) if superblocks else amax
+    e = np.zeros_like(amax, dtype=np.int32)
+    if superblocks:
+        for finer in (1, 2, 3):
+            e = np.where(amax * F32(2**finer) <= top, finer, e)
     with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, F32(127) / amax, F32(0)).astype(F32)
+        inv = np.where(top > 0, F32(127) / top, F32(0)).astype(F32)
+    inv = (inv * (2.0**e).astype(F32)).astype(F32)
     q = np.rint(blocks * inv[..., None]).astype(np.int32)
-    return q.reshape(m, k).astype(np.int8), (amax / F32(127)).astype(F32), q.sum(-1, dtype=np.int32)
+    out = q.reshape(m, k).astype(np.int8), (top / F32(127)).astype(F32), q.sum(-1, dtype=np.int32)
+    return (*out, (3 - e).astype(np.int8)) if superblocks else out
 
 
-def linear_reference(x: np.ndarray, parts: BlockParts) -> np.ndarray:
+def linear_reference(x: np.ndarray, parts: BlockParts, raw=None, fmt: str = "") -> np.ndarray:
     """float32 [m, n]: x quantized, dotted with the parts' quants per block of 32 in integers,
-    combined in float32 block after block."""
+    combined in float32 block after block; Q4_K and Q6_K (`raw` blocks of `fmt`) as
+    k_linear_reference."""
+    if fmt in ("Q4_K", "Q6_K"):
+        return k_linear_reference(x, raw, fmt)
     q, d, s = quantize_reference(x)
     m, k = x.shape
     nb = k // 32
@@ -69,6 +92,41 @@ def linear_reference(x: np.ndarray, parts: BlockParts) -> np.ndarray:
             if mins is not None:
                 u = u + mins[:, b] * s[:, b, None].astype(F32)
         acc = acc + d[:, b, None] * u
+    return acc
+
+
+def k_linear_reference(x: np.ndarray, raw: np.ndarray, fmt: str) -> np.ndarray:
+    """float32 [m, n] through Q4_K or Q6_K blocks: x quantized per superblock, each block's (Q6_K:
+    each half's) integer sums times its integer scale and 2^shift added over the superblock (I;
+    Q4_K also M, the minimums times x's block sums and 2^shift), then u = d * I (+ -dmin * M),
+    acc = acc + (dx / 8) * u."""
+    q, d, s, shift = quantize_reference(x, superblocks=True)
+    times = np.left_shift(1, shift.astype(np.int64))  # [m, k / 32]
+    m, k = x.shape
+    rows = torch.from_numpy(raw)
+    if fmt == "Q4_K":
+        p = k_parts(rows, fmt)
+        wq, group = p.quants.numpy().astype(np.int64), 32
+        scales, scale, low = p.scales.numpy().astype(np.int64), p.d.numpy(), -p.dmin.numpy()
+    else:
+        scale, q6_scales, quants = (t.numpy() for t in q6_k_parts(rows))
+        wq, group, scales = quants.astype(np.int64) - 32, 16, q6_scales.astype(np.int64)
+    groups = k // group
+    isum = np.einsum(
+        "mgj,ngj->mng", q.astype(np.int64).reshape(m, groups, group), wq.reshape(-1, groups, group)
+    )
+    block_times = np.repeat(times, 32 // group, -1)[:, None]  # each group's block's 2^shift
+    sums = (isum * scales[None] * block_times).reshape(m, -1, k // 256, 256 // group).sum(-1)
+    if fmt == "Q4_K":
+        mins = p.mins.numpy().astype(np.int64)[None] * (s.astype(np.int64) * times)[:, None]
+        mins = mins.reshape(m, -1, k // 256, 8).sum(-1)
+    assert np.abs(sums).max(initial=0) < 2**31  # the tiles' int32 sums
+    acc = np.zeros((m, wq.shape[0]), F32)
+    for sb in range(k // 256):
+        u = scale[:, sb] * sums[:, :, sb].astype(F32)
+        if fmt == "Q4_K":
+            u = u + low[:, sb] * mins[:, :, sb].astype(F32)
+        acc = acc + (d[:, 8 * sb, None] * F32(1 / 8)) * u
     return acc
 
 
@@ -143,6 +201,18 @@ def test_activation_quantization_equals_the_reference(build):
     assert np.array_equal(q.numpy(), eq) and np.array_equal(s.numpy(), es)
     assert np.array_equal(d.numpy().view(np.int32), ed.view(np.int32))
     assert int(q.abs().max()) == 127
+    # per superblock (the K-quant tiles' input): each block of a row's 256 inputs on the step of
+    # their amax, or 2, 4 or 8 times finer where its own amax allows
+    wide = torch.cat([x, x.flip(0) * 1e-3, x * 3.0, torch.zeros(9, 96), x[:, :64], x[:, 32:]], 1)
+    for block, top in enumerate([8.0, 8.0, 4.0, 2.0, 1.0, 0.5, 3.0, 6.0]):
+        wide[0, 32 * block : 32 * block + 32] = 0.25
+        wide[0, 32 * block + 7] = top  # the block's amax against the superblock's 8
+    got = BUILDS[build].quantize_q8(wide, True)
+    expected = quantize_reference(wide.numpy(), superblocks=True)
+    for name, a, b in zip(("q", "d", "s", "shift"), got, expected):
+        assert np.array_equal(a.numpy().view(b.dtype), b), name
+    assert expected[3][0, :8].tolist() == [3, 3, 2, 1, 0, 0, 2, 3]  # steps 8 / 2^(3 - shift)
+    assert not np.array_equal(expected[0], quantize_reference(wide.numpy())[0])
 
 
 @settings(max_examples=50, deadline=None)
@@ -159,13 +229,13 @@ def test_int8_linear_equals_the_numpy_reference_on_every_build(fmt, n, blocks, m
     parts = decode(torch.from_numpy(raw), fmt)
     k = parts.quants.shape[1]
     x = torch.randn((m, k), generator=torch.Generator().manual_seed(seed))
-    expected = linear_reference(x.numpy(), parts)
+    expected = linear_reference(x.numpy(), parts, raw, fmt)
     for name, build in BUILDS.items():
         got = int8_linear(build, x, raw, fmt).numpy()
         assert np.array_equal(got, expected, equal_nan=True), f"{name} build, {fmt}"
     got16 = int8_linear(kernels, x.bfloat16(), raw, fmt)
     assert got16.dtype == torch.bfloat16
-    reference16 = linear_reference(x.bfloat16().float().numpy(), parts)
+    reference16 = linear_reference(x.bfloat16().float().numpy(), parts, raw, fmt)
     assert torch.equal(got16, torch.from_numpy(reference16).bfloat16())
 
 

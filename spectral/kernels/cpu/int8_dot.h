@@ -76,6 +76,24 @@ struct DotSum {
     return _mm256_madd_epi16(v, _mm256_set1_epi16(1));
 #endif
   }
+  // widen() times each lane's scale, which `scale` holds in both int16 halves of the lane
+  // (exact: the int16 sums are, and so are their products with it in int32).
+  __m256i widen_scaled(__m256i scale) const {
+#if defined(SPECTRAL_VNNI)
+    return _mm256_mullo_epi32(v, _mm256_srai_epi32(scale, 16));
+#else
+    return _mm256_madd_epi16(v, scale);
+#endif
+  }
+  // widen_minus(c) times each lane's scale (as widen_scaled).
+  __m256i widen_minus_scaled(__m256i c, __m256i scale) const {
+#if defined(SPECTRAL_VNNI)
+    return _mm256_mullo_epi32(_mm256_sub_epi32(v, _mm256_madd_epi16(c, _mm256_set1_epi16(1))),
+                              _mm256_srai_epi32(scale, 16));
+#else
+    return _mm256_madd_epi16(_mm256_sub_epi16(v, c), scale);
+#endif
+  }
   // widen() less each lane's two int16 of c. The int16 sums may have wrapped on the way (each
   // maddubs is exact, the adds wrap): the difference is exact wherever it fits int16.
   __m256i widen_minus(__m256i c) const {

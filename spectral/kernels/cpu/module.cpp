@@ -9,6 +9,7 @@
 #include "packed_linear.cpp"
 #include "quant_linear.cpp"
 #include "quant_int8_tiles.cpp"
+#include "quant_int8_k_tiles.cpp"
 #include "quant_int8_pack.cpp"
 #include "quant_int8.cpp"
 #include "int8_peak.cpp"

@@ -34,36 +34,45 @@ namespace {
 
 constexpr int kQ8Rows = 4;  // rows of x per tile
 
-// x quantized: q [m, k] int8, d [m, k / 32] float32, s [m, k / 32] int32; for Q6_K's vector
-// tiles also q6_bias [m, k / 16] (q6_biases; the other layouts leave it unread).
+// x quantized: q [m, k] int8, d [m, k / 32] float32, s [m, k / 32] int32; for the K-quant tiles
+// per superblock, with each block's shift [m, k / 32] (quantize_rows); for Q6_K's vector tiles
+// also q6_bias [m, k / 16] (q6_biases), for Q4_K's s_pairs [m, k / 64] (s_pairs; the other
+// layouts leave them unread).
 struct Q8Rows {
   const int8_t* q;
   const float* d;
   const int32_t* s;
   int64_t k;
+  const int8_t* shift = nullptr;
   const int32_t* q6_bias = nullptr;
+  const int32_t* s_pairs = nullptr;
 };
+
+// A superblock's blocks are quantized on its step divided by up to 2^kMaxFiner (quantize_rows).
+constexpr int kMaxFiner = 3;
 
 // One block of 32 inputs quantized (q = rint(x * 127 / amax), d = amax / 127, s = sum q). The
 // vector form, 8 at a time, gives the scalar loop's numbers: the same amax (max_ps skips a NaN
 // as std::max does, the accumulator its second operand), the same product rounded to the
 // nearest even integer, the same sum.
 #if defined(SPECTRAL_VEC)
-inline void quantize_block(const float* xb, int8_t* q, float* d, int32_t* s) {
+inline float block_amax(const float* xb) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4], amax8 = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(xb + 8 * i);
-    amax8 = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), amax8);
-  }
+  __m256 amax8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i)
+    amax8 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * i)), amax8);
   __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax8, 1), _mm256_castps256_ps128(amax8));
   m4 = _mm_max_ps(_mm_movehl_ps(m4, m4), m4);
   m4 = _mm_max_ss(_mm_movehdup_ps(m4), m4);
-  const float amax = _mm_cvtss_f32(m4);
-  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  return _mm_cvtss_f32(m4);
+}
+
+// q = rint(xb * inv) and s = sum q of one block of 32.
+inline void quantize_block(const float* xb, float inv_scalar, int8_t* q, int32_t* s) {
+  const __m256 inv = _mm256_set1_ps(inv_scalar);
   __m256i qi[4], sum = _mm256_setzero_si256();
   for (int i = 0; i < 4; ++i) {
-    const __m256 scaled = _mm256_mul_ps(v[i], inv);
+    const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), inv);
     qi[i] = _mm256_cvtps_epi32(
         _mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     sum = _mm256_add_epi32(sum, qi[i]);
@@ -76,33 +85,61 @@ inline void quantize_block(const float* xb, int8_t* q, float* d, int32_t* s) {
   __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-  *d = amax / 127.f;
   *s = _mm_cvtsi128_si32(s4);
 }
 #else
-inline void quantize_block(const float* xb, int8_t* q, float* d, int32_t* s) {
+inline float block_amax(const float* xb) {
   float amax = 0.f;
   for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  return amax;
+}
+
+// q = rint(xb * inv) and s = sum q of one block of 32.
+inline void quantize_block(const float* xb, float inv, int8_t* q, int32_t* s) {
   int32_t sum = 0;
   for (int64_t j = 0; j < kBlock; ++j) {
     const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
     q[j] = static_cast<int8_t>(v);
     sum += v;
   }
-  *d = amax / 127.f;
   *s = sum;
 }
 #endif
 
+// The largest e <= 3 with amax * 2^e <= top (a block of a superblock whose amax is `top` then
+// quantized on a step 2^-e times the superblock's).
+inline int finer(float amax, float top) {
+  int e = kMaxFiner;
+  while (e > 0 && !(amax * static_cast<float>(1 << e) <= top)) --e;
+  return e;
+}
+
 // x [m, k] quantized per block of 32 into q [m, k], d and s [m, k / 32] (as Q8Rows holds them).
-void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, int32_t* s) {
-  const int64_t nb = k / kBlock;
+// With `shift` [m, k / 32] (the K-quant tiles' input), per superblock of 256 inputs: d is the
+// superblock's (amax / 127 of all 256, in each of its blocks), and each block is quantized on
+// that step divided by 2^e, e = 3 - shift, the most within its own amax (q of a block with small
+// values as fine as on its own amax, up to 8 times the superblock's step).
+void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, int32_t* s,
+                   int8_t* shift) {
+  const int64_t nb = k / kBlock, span = shift ? 8 : 1;
   at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {
+    float amax[8];
     for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t b = 0; b < nb; ++b)
-        quantize_block(x + r * k + b * kBlock, q + r * k + b * kBlock, d + r * nb + b,
-                       s + r * nb + b);
+      for (int64_t b0 = 0; b0 < nb; b0 += span) {
+        float top = 0.f;
+        for (int64_t j = 0; j < span; ++j) {
+          amax[j] = block_amax(x + r * k + (b0 + j) * kBlock);
+          top = std::max(top, amax[j]);
+        }
+        const float inv = top > 0.f ? 127.f / top : 0.f;
+        for (int64_t j = 0, b = b0; j < span; ++j, ++b) {
+          const int e = shift ? finer(amax[j], top) : 0;
+          if (shift) shift[r * nb + b] = static_cast<int8_t>(kMaxFiner - e);
+          quantize_block(x + r * k + b * kBlock, inv * static_cast<float>(1 << e),
+                         q + r * k + b * kBlock, s + r * nb + b);
+          d[r * nb + b] = top / 127.f;
+        }
+      }
     }
   });
 }
@@ -123,8 +160,51 @@ void q6_biases(const int8_t* q, int64_t m, int64_t k, int32_t* bias) {
   }
 }
 
+// s [m, k / 32] times 2^shift as int16 pairs: block 2i's in the low 16 bits of s_pairs[i],
+// 2i + 1's in the high (each at most 32 * 127 * 8: it fits).
+void s_pairs(const int32_t* s, const int8_t* shift, int64_t count, int32_t* pairs) {
+  for (int64_t i = 0; i < count / 2; ++i)
+    pairs[i] = static_cast<int32_t>(
+        static_cast<uint32_t>(s[2 * i + 1] * (1 << shift[2 * i + 1])) << 16 |
+        static_cast<uint16_t>(s[2 * i] * (1 << shift[2 * i])));
+}
+
 #if defined(SPECTRAL_VEC)
 constexpr int kV = kNR / 8;  // 256-bit vectors of 8 columns x 4 inputs per group
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Each sum kept in a register as it is added to: left to itself the compiler computes a group's
+// products for every row first and spills them (a third of the instructions).
+inline void settle(DotSum& sum) { asm("" : "+v"(sum.v)); }
+
+// acc[r][v]: the products of rows xq[r]'s 32 inputs with a block of nibbles (Q4_1, Q4_K: low
+// nibbles inputs 0..15, high 16..31) of columns 8v..8v+7, in the sums' natural width.
+template <int R>
+inline void nibble_sums(const uint8_t* qw, const int8_t* const* xq, DotSum (&acc)[R][kV]) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int g = 0; g < 4; ++g) {
+    __m256i lo[kV], hi[kV];
+    for (int v = 0; v < kV; ++v) {
+      const __m256i w =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
+      lo[v] = _mm256_and_si256(w, mask);
+      hi[v] = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i xa = bcast4(xq[r] + 4 * g), xb = bcast4(xq[r] + 16 + 4 * g);
+      for (int v = 0; v < kV; ++v) {
+        acc[r][v].add(lo[v], xa);
+        acc[r][v].add(hi[v], xb);
+        settle(acc[r][v]);
+      }
+    }
+  }
+}
 
 // isum[r][v] (and, Q8_0h, isum[r][kV + v] for the last 16 inputs): the integer dot products of
 // the R rows' quants of block b with the block's columns 8v..8v+7.
@@ -133,35 +213,11 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
                        __m256i (&isum)[R][2 * kV]) {
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) xq[r] = x.q + (row0 + r) * x.k + b * kBlock;
-  auto bcast = [](const int8_t* p) {
-    int32_t v;
-    std::memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-  };
+  const auto bcast = bcast4;
   auto store = [&](int r, int half, int v, __m256i sum32) { isum[r][half * kV + v] = sum32; };
-  // Each sum kept in a register as it is added to: left to itself the compiler computes a
-  // group's products for every row first and spills them (a third of the instructions).
-  auto settle = [](DotSum& sum) { asm("" : "+v"(sum.v)); };
-  if constexpr (Kind == kQ4_1 || Kind == kQ4_K) {
-    const __m256i mask = _mm256_set1_epi8(0x0F);
+  if constexpr (Kind == kQ4_1) {
     DotSum acc[R][kV];
-    for (int g = 0; g < 4; ++g) {
-      __m256i lo[kV], hi[kV];
-      for (int v = 0; v < kV; ++v) {
-        const __m256i w =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
-        lo[v] = _mm256_and_si256(w, mask);
-        hi[v] = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256i xa = bcast(xq[r] + 4 * g), xb = bcast(xq[r] + 16 + 4 * g);
-        for (int v = 0; v < kV; ++v) {
-          acc[r][v].add(lo[v], xa);
-          acc[r][v].add(hi[v], xb);
-          settle(acc[r][v]);
-        }
-      }
-    }
+    nibble_sums<R>(qw, xq, acc);
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kV; ++v) store(r, 0, v, acc[r][v].widen());
   } else if constexpr (Kind == kQ5_0 || Kind == kQ5_1) {
@@ -204,44 +260,6 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
       for (int r = 0; r < R; ++r) {
         const __m256i sum = first[r].widen();
         store(r, 0, v, Kind == kQ5_0 ? sum : _mm256_add_epi32(sum, last[r].widen()));
-      }
-    }
-  } else if constexpr (Kind == kQ6_K) {
-    // Quants u = q + 32 (0..63) rebuilt from nibbles and high bits and taken unsigned, the
-    // first 16 inputs (low nibbles) and then the last 16 (high nibbles), and 32 x taken off at
-    // the end (x.q6_bias): the sums of q itself (at most 8 * 32 * 127 a lane) fit int16, those
-    // of u, a maddubs pair at most 2 * 63 * 127, wrap there on the way but come out exact.
-    const __m256i mask = _mm256_set1_epi8(0x0F), high_bits = _mm256_set1_epi8(0x30);
-    // Unrolled, so that each group's shifts are constants (the compiler leaves these loops be).
-#pragma GCC unroll 2
-    for (int half = 0; half < 2; ++half) {
-      DotSum acc[R][kV];
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g) {
-        const int bit = (g / 2) * 4 + half * 2;  // where the group's high bits are, put at 4
-        __m256i u[kV];
-        for (int v = 0; v < kV; ++v) {
-          const __m256i w =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
-          const __m256i h = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(qw + 16 * kNR + (g % 2) * kNR * 4 + v * 32));
-          const __m256i low = _mm256_and_si256(half ? _mm256_srli_epi16(w, 4) : w, mask);
-          const __m256i high = bit < 4   ? _mm256_slli_epi16(h, 4 - bit)
-                               : bit > 4 ? _mm256_srli_epi16(h, bit - 4)
-                                         : h;
-          u[v] = _mm256_or_si256(low, _mm256_and_si256(high, high_bits));
-        }
-        for (int r = 0; r < R; ++r) {
-          const __m256i xg = bcast(xq[r] + 16 * half + 4 * g);
-          for (int v = 0; v < kV; ++v) {
-            acc[r][v].add(u[v], xg);
-            settle(acc[r][v]);
-          }
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256i bias = _mm256_set1_epi32(x.q6_bias[(row0 + r) * x.k / 16 + 2 * b + half]);
-        for (int v = 0; v < kV; ++v) store(r, half, v, acc[r][v].widen_minus(bias));
       }
     }
   } else if constexpr (Kind == kQ8_0) {
@@ -306,21 +324,7 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
     prefetch_ahead(blk, q8_block_bytes(Kind));
     __m256 dw[kV], mw[kV];  // the block's d and m (Q8_0h: the last 16 inputs' d) per column
     for (int v = 0; v < kV; ++v) {
-      if constexpr (Kind == kQ4_K) {
-        const float* sb = reinterpret_cast<const float*>(panel + (b / 8) * 8 * kNR);
-        auto widen = [](const uint8_t* p) {
-          return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-        };
-        dw[v] = _mm256_mul_ps(_mm256_loadu_ps(sb + 8 * v), widen(blk + 8 * v));
-        mw[v] = _mm256_mul_ps(_mm256_loadu_ps(sb + kNR + 8 * v), widen(blk + kNR + 8 * v));
-      } else if constexpr (Kind == kQ6_K) {
-        const float* sb = reinterpret_cast<const float*>(panel + (b / 8) * 4 * kNR);
-        auto widen = [](const uint8_t* p) {
-          return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-        };
-        dw[v] = _mm256_mul_ps(_mm256_loadu_ps(sb + 8 * v), widen(blk + 8 * v));
-        mw[v] = _mm256_mul_ps(_mm256_loadu_ps(sb + 8 * v), widen(blk + kNR + 8 * v));
-      } else if constexpr (half_scales(Kind)) {
+      if constexpr (half_scales(Kind)) {
         const auto* h = reinterpret_cast<const __m128i*>(blk);
         dw[v] = _mm256_cvtph_ps(_mm_loadu_si128(h + v));
         if constexpr (Q != kQ8_0 && Q != kQ5_0) mw[v] = _mm256_cvtph_ps(_mm_loadu_si128(h + kV + v));
@@ -337,9 +341,9 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
       const __m256 sx = _mm256_set1_ps(static_cast<float>(x.s[(row0 + r) * nb + b]));
       for (int v = 0; v < kV; ++v) {
         __m256 u = _mm256_mul_ps(dw[v], _mm256_cvtepi32_ps(isum[r][v]));
-        if constexpr (Q == kQ4_1 || Q == kQ4_K || Q == kQ8_0m || Q == kQ5_1) {
+        if constexpr (Q == kQ4_1 || Q == kQ8_0m || Q == kQ5_1) {
           u = _mm256_add_ps(u, _mm256_mul_ps(mw[v], sx));
-        } else if constexpr (Q == kQ8_0h || Q == kQ6_K) {
+        } else if constexpr (Q == kQ8_0h) {
           u = _mm256_add_ps(u, _mm256_mul_ps(mw[v], _mm256_cvtepi32_ps(isum[r][kV + v])));
         }
         acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(dx, u));
@@ -402,15 +406,7 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
     const uint8_t* blk = blocks + b * q8_block_bytes(Kind);
     float dw[kNR], mw[kNR];
     for (int64_t c = 0; c < kNR; ++c) {
-      if constexpr (Kind == kQ4_K) {
-        const float* sb = reinterpret_cast<const float*>(panel + (b / 8) * 8 * kNR);
-        dw[c] = sb[c] * static_cast<float>(blk[c]);
-        mw[c] = sb[kNR + c] * static_cast<float>(blk[kNR + c]);
-      } else if constexpr (Kind == kQ6_K) {
-        const float* sb = reinterpret_cast<const float*>(panel + (b / 8) * 4 * kNR);
-        dw[c] = sb[c] * static_cast<float>(static_cast<int8_t>(blk[c]));
-        mw[c] = sb[c] * static_cast<float>(static_cast<int8_t>(blk[kNR + c]));
-      } else if constexpr (half_scales(Kind)) {
+      if constexpr (half_scales(Kind)) {
         const uint16_t* h = reinterpret_cast<const uint16_t*>(blk);
         dw[c] = static_cast<float>(c10::Half(h[c], c10::Half::from_bits()));
         mw[c] = Q == kQ8_0 || Q == kQ5_0
@@ -428,8 +424,8 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
       const float sx = static_cast<float>(x.s[(row0 + r) * nb + b]);
       for (int64_t c = 0; c < kNR; ++c) {
         float u = dw[c] * static_cast<float>(isum[r][c]);
-        if constexpr (Q == kQ4_1 || Q == kQ4_K || Q == kQ8_0m || Q == kQ5_1) u = u + mw[c] * sx;
-        if constexpr (Q == kQ8_0h || Q == kQ6_K)
+        if constexpr (Q == kQ4_1 || Q == kQ8_0m || Q == kQ5_1) u = u + mw[c] * sx;
+        if constexpr (Q == kQ8_0h)
           u = u + mw[c] * static_cast<float>(isum[r][kNR + c]);
         acc[r][c] = acc[r][c] + dx * u;
       }
@@ -439,44 +435,6 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
 }
 #endif
 
-template <int Kind, int R = kQ8Rows>
-void q8_tile_rows(int rows, const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
-  if constexpr (R > 1) {
-    if (rows < R) return q8_tile_rows<Kind, R - 1>(rows, x, row0, panel, out);
-  }
-  q8_tile<Kind, R>(x, row0, panel, out);
-}
-
-template <int Kind, typename O>
-void run_q8(const Q8Rows& x, int64_t m, const uint8_t* packed, int64_t n, O* out) {
-  const int64_t panels = (n + kNR - 1) / kNR;
-  const int64_t panel_bytes = q8_panel_bytes(Kind, x.k / kBlock);
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) float buf[kQ8Rows * kNR];
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t r0 = 0; r0 < m; r0 += kQ8Rows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kQ8Rows, m - r0));
-        q8_tile_rows<Kind>(rows, x, r0, packed + p * panel_bytes, buf);
-        store_tile(buf, rows, r0, n, p * kNR, out);
-      }
-    }
-  });
-}
-
 }  // namespace
-
-// x [m, k] float32 or bfloat16 -> (q int8 [m, k], d float32 [m, k / 32], s int32 [m, k / 32]).
-std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2, "x must be 2-D");
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0, "x has ", k, " columns, not a multiple of 32");
-  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
-  torch::Tensor q = torch::empty({m, k}, x.options().dtype(torch::kInt8));
-  torch::Tensor d = torch::empty({m, k / kBlock}, x.options().dtype(torch::kFloat32));
-  torch::Tensor s = torch::empty({m, k / kBlock}, x.options().dtype(torch::kInt32));
-  quantize_rows(xf.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                s.data_ptr<int32_t>());
-  return {q, d, s};
-}
 
 #pragma GCC pop_options

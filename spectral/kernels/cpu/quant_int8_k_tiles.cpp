@@ -1,0 +1,252 @@
+// The integer path's K-quant tiles (Q4_K and Q6_K in their compact layouts), x quantized per
+// superblock of 256 inputs (quantize_rows with shifts: the superblock's d, each block on that
+// step / 2^(3 - shift_b)). A block's integer sums times its integer scales, times 2^shift_b, add
+// up in int32 over the superblock, and combine in float32 once a superblock, each operation
+// rounded once:
+//
+//   Q4_K: u = d * I + (-dmin) * M,  I = sum_b 2^shift_b scale_b isum_b,  M = sum_b 2^shift_b min_b s_b
+//   Q6_K: u = d * I,                I = sum_b 2^shift_b sum_half scale_{b,half} isum_{b,half}
+//   acc = acc + (dx * 2^-3) * u
+//
+// (I at most 8 * 8 * 63 * 32 * 15 * 127 for Q4_K, 16 * 8 * 128 * 16 * 32 * 127 for Q6_K: int32
+// holds both). Per block of 32 the other layouts' tiles (quant_int8_tiles.cpp) round seven float
+// operations a row and column; these, under one a block. tests/test_gguf_int8.py holds every
+// build to a NumPy reference of this arithmetic. Then the tiles' dispatch and entry point.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "int8_dot.h"
+#include "quant_int8_layout.h"
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+// The superblock's step times this is its blocks' finest (quantize_rows).
+constexpr float kFinestStep = 1.f / (1 << kMaxFiner);
+
+#if defined(SPECTRAL_VEC)
+// sums[r][v] + block b's integer sums of rows row0 + r with columns 8v..8v+7, each times its
+// scale (Q4_K: a block's 6-bit scale; Q6_K: each half's int8 scale) and 2^shift of the row's
+// block.
+template <int Kind, int R>
+inline void scaled_block_sums(const uint8_t* blk, const Q8Rows& x, int64_t row0, int64_t b,
+                              __m256i (&sums)[R][kV]) {
+  const uint8_t* qw = blk + q8_quants_offset(Kind);
+  const int8_t* xq[R];
+  __m128i shift[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = x.q + (row0 + r) * x.k + b * kBlock;
+    shift[r] = _mm_cvtsi32_si128(x.shift[(row0 + r) * (x.k / kBlock) + b]);
+  }
+  if constexpr (Kind == kQ4_K) {
+    DotSum acc[R][kV];
+    nibble_sums<R>(qw, xq, acc);
+    for (int v = 0; v < kV; ++v) {
+      const __m256i s32 = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 8 * v)));
+      const __m256i scale = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));
+      for (int r = 0; r < R; ++r)
+        sums[r][v] = _mm256_add_epi32(
+            sums[r][v], _mm256_sll_epi32(acc[r][v].widen_scaled(scale), shift[r]));
+    }
+  } else {
+    // Quants u = q + 32 (0..63) rebuilt from nibbles and high bits and taken unsigned, the
+    // first 16 inputs (low nibbles) and then the last 16 (high nibbles), and 32 x taken off at
+    // the end (x.q6_bias): the sums of q itself (at most 8 * 32 * 127 a lane) fit int16, those
+    // of u, a maddubs pair at most 2 * 63 * 127, wrap there on the way but come out exact.
+    const __m256i mask = _mm256_set1_epi8(0x0F), high_bits = _mm256_set1_epi8(0x30);
+    // Unrolled, so that each group's shifts are constants (the compiler leaves these loops be).
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      DotSum acc[R][kV];
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const int bit = (g / 2) * 4 + half * 2;  // where the group's high bits are, put at 4
+        __m256i u[kV];
+        for (int v = 0; v < kV; ++v) {
+          const __m256i w =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
+          const __m256i h = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(qw + 16 * kNR + (g % 2) * kNR * 4 + v * 32));
+          const __m256i low = _mm256_and_si256(half ? _mm256_srli_epi16(w, 4) : w, mask);
+          const __m256i high = bit < 4   ? _mm256_slli_epi16(h, 4 - bit)
+                               : bit > 4 ? _mm256_srli_epi16(h, bit - 4)
+                                         : h;
+          u[v] = _mm256_or_si256(low, _mm256_and_si256(high, high_bits));
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i xg = bcast4(xq[r] + 16 * half + 4 * g);
+          for (int v = 0; v < kV; ++v) {
+            acc[r][v].add(u[v], xg);
+            settle(acc[r][v]);
+          }
+        }
+      }
+      __m256i scale[kV];  // the half's int8 scales, in both int16 halves of each column's lane
+      for (int v = 0; v < kV; ++v) {
+        const __m256i s32 = _mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + half * kNR + 8 * v)));
+        scale[v] = _mm256_blend_epi16(s32, _mm256_slli_epi32(s32, 16), 0xAA);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i bias = _mm256_set1_epi32(x.q6_bias[(row0 + r) * x.k / 16 + 2 * b + half]);
+        for (int v = 0; v < kV; ++v)
+          sums[r][v] = _mm256_add_epi32(
+              sums[r][v],
+              _mm256_sll_epi32(acc[r][v].widen_minus_scaled(bias, scale[v]), shift[r]));
+      }
+    }
+  }
+}
+
+// mins[r][v]: sum over superblock sb's 8 blocks of each column's minimum times row r's block sum
+// of x times 2^shift (s_pairs), two blocks a multiply-add (the minimums of blocks 2i and 2i + 1
+// side by side as int16).
+template <int R>
+inline void q4_k_min_sums(const uint8_t* blocks, const Q8Rows& x, int64_t row0, int64_t sb,
+                          __m256i (&mins)[R][kV]) {
+  const int64_t pairs = x.k / (2 * kBlock);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kV; ++v) mins[r][v] = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t* first = blocks + (8 * sb + 2 * i) * q8_block_bytes(kQ4_K) + kNR;
+    const uint8_t* second = first + q8_block_bytes(kQ4_K);
+    __m256i both[kV];
+    for (int v = 0; v < kV; ++v)
+      both[v] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(first + 8 * v)),
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(second + 8 * v))));
+    for (int r = 0; r < R; ++r) {
+      const __m256i s = _mm256_set1_epi32(x.s_pairs[(row0 + r) * pairs + 4 * sb + i]);
+      for (int v = 0; v < kV; ++v)
+        mins[r][v] = _mm256_add_epi32(mins[r][v], _mm256_madd_epi16(both[v], s));
+    }
+  }
+}
+
+// out[R][kNR]: rows row0.. of x over one panel of a K-quant layout, superblock after superblock.
+template <int Kind, int R>
+void k_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
+  const int64_t nb = x.k / kBlock;
+  const int64_t header = q8_header_bytes(Kind, nb) / (nb / 8);  // a superblock's d (and -dmin)
+  __m256 acc[R][kV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kV; ++v) acc[r][v] = _mm256_setzero_ps();
+  const uint8_t* blocks = panel + q8_header_bytes(Kind, nb);
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    __m256i sums[R][kV], mins[R][kV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kV; ++v) sums[r][v] = _mm256_setzero_si256();
+    for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
+      const uint8_t* blk = blocks + b * q8_block_bytes(Kind);
+      prefetch_ahead(blk, q8_block_bytes(Kind));
+      scaled_block_sums<Kind, R>(blk, x, row0, b, sums);
+    }
+    if constexpr (Kind == kQ4_K) q4_k_min_sums<R>(blocks, x, row0, sb, mins);
+    const float* d = reinterpret_cast<const float*>(panel + sb * header);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(x.d[(row0 + r) * nb + 8 * sb] * kFinestStep);
+      for (int v = 0; v < kV; ++v) {
+        __m256 u = _mm256_mul_ps(_mm256_loadu_ps(d + 8 * v), _mm256_cvtepi32_ps(sums[r][v]));
+        if constexpr (Kind == kQ4_K)
+          u = _mm256_add_ps(u, _mm256_mul_ps(_mm256_loadu_ps(d + kNR + 8 * v),
+                                             _mm256_cvtepi32_ps(mins[r][v])));
+        acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(dx, u));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kV; ++v) _mm256_storeu_ps(out + r * kNR + 8 * v, acc[r][v]);
+}
+#else
+// out[R][kNR]: rows row0.. of x over one panel of a K-quant layout, superblock after superblock.
+template <int Kind, int R>
+void k_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
+  const int64_t nb = x.k / kBlock;
+  const int64_t header = q8_header_bytes(Kind, nb) / (nb / 8);
+  alignas(64) float acc[R][kNR] = {};
+  alignas(64) int32_t isum[R][2 * kNR];
+  const uint8_t* blocks = panel + q8_header_bytes(Kind, nb);
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    int32_t sums[R][kNR] = {}, mins[R][kNR] = {};
+    for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
+      const uint8_t* blk = blocks + b * q8_block_bytes(Kind);
+      block_sums<Kind, R>(blk + q8_quants_offset(Kind), x, row0, b, isum);
+      for (int r = 0; r < R; ++r) {
+        const int32_t times = 1 << x.shift[(row0 + r) * nb + b];
+        for (int64_t c = 0; c < kNR; ++c) {
+          if constexpr (Kind == kQ4_K) {
+            sums[r][c] += blk[c] * isum[r][c] * times;
+            mins[r][c] += blk[kNR + c] * x.s[(row0 + r) * nb + b] * times;
+          } else {
+            sums[r][c] += (static_cast<int8_t>(blk[c]) * isum[r][c] +
+                           static_cast<int8_t>(blk[kNR + c]) * isum[r][kNR + c]) *
+                          times;
+          }
+        }
+      }
+    }
+    const float* d = reinterpret_cast<const float*>(panel + sb * header);
+    for (int r = 0; r < R; ++r) {
+      const float dx = x.d[(row0 + r) * nb + 8 * sb] * kFinestStep;
+      for (int64_t c = 0; c < kNR; ++c) {
+        float u = d[c] * static_cast<float>(sums[r][c]);
+        if constexpr (Kind == kQ4_K) u = u + d[kNR + c] * static_cast<float>(mins[r][c]);
+        acc[r][c] = acc[r][c] + dx * u;
+      }
+    }
+  }
+  std::memcpy(out, acc, sizeof(acc));
+}
+#endif
+
+template <int Kind, int R = kQ8Rows>
+void q8_tile_rows(int rows, const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
+  if constexpr (R > 1) {
+    if (rows < R) return q8_tile_rows<Kind, R - 1>(rows, x, row0, panel, out);
+  }
+  if constexpr (Kind == kQ4_K || Kind == kQ6_K) k_tile<Kind, R>(x, row0, panel, out);
+  else q8_tile<Kind, R>(x, row0, panel, out);
+}
+
+template <int Kind, typename O>
+void run_q8(const Q8Rows& x, int64_t m, const uint8_t* packed, int64_t n, O* out) {
+  const int64_t panels = (n + kNR - 1) / kNR;
+  const int64_t panel_bytes = q8_panel_bytes(Kind, x.k / kBlock);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float buf[kQ8Rows * kNR];
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t r0 = 0; r0 < m; r0 += kQ8Rows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kQ8Rows, m - r0));
+        q8_tile_rows<Kind>(rows, x, r0, packed + p * panel_bytes, buf);
+        store_tile(buf, rows, r0, n, p * kNR, out);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [m, k] float32 or bfloat16 -> (q int8 [m, k], d float32 [m, k / 32], s int32 [m, k / 32]);
+// with `superblocks`, per superblock of 256 inputs (what the K-quant tiles take), and a fourth,
+// each block's shift int8 [m, k / 32] (quantize_rows).
+std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x, bool superblocks) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % (superblocks ? 256 : kBlock) == 0, "x has ", k, " columns, not a multiple of ",
+              superblocks ? 256 : kBlock);
+  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+  torch::Tensor q = torch::empty({m, k}, x.options().dtype(torch::kInt8));
+  torch::Tensor d = torch::empty({m, k / kBlock}, x.options().dtype(torch::kFloat32));
+  torch::Tensor s = torch::empty({m, k / kBlock}, x.options().dtype(torch::kInt32));
+  torch::Tensor shift = torch::empty({superblocks ? m : 0, k / kBlock}, q.options());
+  quantize_rows(xf.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                s.data_ptr<int32_t>(), superblocks ? shift.data_ptr<int8_t>() : nullptr);
+  if (superblocks) return {q, d, s, shift};
+  return {q, d, s};
+}
+
+#pragma GCC pop_options
