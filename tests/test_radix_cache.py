@@ -41,8 +41,8 @@ def test_insert_reports_the_already_cached_length():
 def test_a_match_inside_a_node_splits_it():
     cache, _ = cache_with([1, 2, 3, 4, 5, 6])
     _, node = cache.match_prefix([1, 2, 3, 0])
-    assert node.key == [1, 2, 3]
-    assert [c.key for c in node.children.values()] == [[4, 5, 6]]
+    assert node.key.tolist() == [1, 2, 3]
+    assert [c.key.tolist() for c in node.children.values()] == [[4, 5, 6]]
     assert sorted(cache.cached_sequences()) == [[1, 2, 3, 4, 5, 6]]
     assert cache.total_size == 6
 
@@ -167,3 +167,29 @@ def test_eviction_keeps_locked_prefixes_and_conserves_slots(inserts, lock_picks,
     assert cache.protected_size == 0
     cache.evict(10**6)
     assert cache.total_size == 0 and alloc.free_count == 1000
+
+
+def test_a_cached_token_costs_the_tree_a_few_bytes():
+    """The tree grows with what the KV pool holds (the soak's scheduler: ~190 more nodes a
+    minute for half an hour): nodes keep tokens and slots as int32 arrays, 8 bytes a token
+    plus the node's own, where lists of Python ints cost ~70 and kept every token id alive."""
+    import random
+    import tracemalloc
+
+    allocator = TokenSlotAllocator(100_000)
+    cache = RadixCache(allocator)
+    rng = random.Random(0)
+    shared = [rng.randrange(1000, 50_000) for _ in range(40)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(1000):
+            tokens = shared[: rng.randrange(5, 40)]
+            tokens += [rng.randrange(1000, 50_000) for _ in range(rng.randrange(10, 60))]
+            slots = allocator.alloc(len(tokens))
+            allocator.free(slots[: cache.insert(tokens, slots)])
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert cache.total_size > 30_000
+    assert grown / cache.total_size < 24
