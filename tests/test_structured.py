@@ -478,8 +478,8 @@ def test_threads_share_one_arena_in_the_scheduler(mode, arenas):
 
     from spectral.mem.process import arena_count
 
-    if arena_count() == 0:
-        pytest.skip("not glibc's malloc: arenas are its notion")
+    if arena_count() == 0:  # not glibc's malloc: no arenas to count, and nothing is changed
+        arenas = 0
     out = subprocess.run(
         [sys.executable, "-c", ARENA_PROBE, mode], capture_output=True, text=True, check=True
     )

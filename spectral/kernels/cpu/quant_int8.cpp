@@ -25,7 +25,7 @@ torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, con
                   s.is_contiguous() && s.numel() == m * nb,
               "d and s must be contiguous float32 and int32 [m, k / 32] (quantize_q8)");
   const int64_t panels = (n + kNR - 1) / kNR;
-  const bool k_quant = kind == kQ4_K || kind == kQ6_K;
+  const bool k_quant = per_superblock(kind);
   TORCH_CHECK(!k_quant || nb % 8 == 0, layout, " rows are whole superblocks of 256");
   if (k_quant) {
     TORCH_CHECK(shift.has_value() && shift->scalar_type() == torch::kInt8 &&
@@ -82,10 +82,7 @@ c10::optional<torch::Tensor> shift_of(const std::vector<torch::Tensor>& quantize
 }
 
 // Whether the integer-path layout's tile takes x quantized per superblock of 256.
-bool takes_superblocks(const std::string& layout) {
-  const int kind = q8_kind_of(layout);
-  return kind == kQ4_K || kind == kQ6_K;
-}
+bool takes_superblocks(const std::string& layout) { return per_superblock(q8_kind_of(layout)); }
 
 // gguf_linear for a layout named "<layout>+q8": x quantized here, then gguf_linear_q8.
 torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& packed,

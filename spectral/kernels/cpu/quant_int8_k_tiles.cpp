@@ -208,7 +208,7 @@ void q8_tile_rows(int rows, const Q8Rows& x, int64_t row0, const uint8_t* panel,
   if constexpr (R > 1) {
     if (rows < R) return q8_tile_rows<Kind, R - 1>(rows, x, row0, panel, out);
   }
-  if constexpr (Kind == kQ4_K || Kind == kQ6_K) k_tile<Kind, R>(x, row0, panel, out);
+  if constexpr (per_superblock(Kind)) k_tile<Kind, R>(x, row0, panel, out);
   else q8_tile<Kind, R>(x, row0, panel, out);
 }
 

@@ -25,6 +25,8 @@
 namespace {
 
 constexpr int kQ4_K = 4, kQ6_K = 5;  // the integer path's own layouts of Q4_K, Q6_K (above)
+// Whether a layout's tile takes x quantized per superblock of 256 (quant_int8_k_tiles.cpp).
+constexpr bool per_superblock(int kind) { return kind == kQ4_K || kind == kQ6_K; }
 // Q4_1, Q8_0 and Q8_0m with their scales in float16 (kQ4_1 + kHalf, ...), where every scale is
 // one exactly (those of Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 files): a fifth fewer bytes for Q4_1.
 constexpr int kHalf = 6;
@@ -42,7 +44,7 @@ constexpr int quant_kind(int kind) {
 constexpr int64_t q8_quants_offset(int kind) {
   return kind == kQ5_0 ? 2 * kNR
          : kind == kQ5_1 ? 4 * kNR
-         : kind == kQ4_K || kind == kQ6_K ? 2 * kNR
+         : per_superblock(kind) ? 2 * kNR
          : half_scales(kind)             ? quants_offset(quant_kind(kind)) / 2
                                          : quants_offset(kind);
 }
