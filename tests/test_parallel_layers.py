@@ -6,6 +6,7 @@ rank workers (dense, or GGUF blocks cut as they load) that decode as one."""
 
 from __future__ import annotations
 
+import gc
 from types import SimpleNamespace
 
 import gguf
@@ -150,6 +151,9 @@ def _worker_rank(
         for model_dir, options in cases:
             _decode_as_one(rank, world, device, model_dir, options)
     finally:
+        # the workers' cycles hold the group: collected at exit, after destroy_process_group,
+        # gloo's threads abort the process (std::terminate) one run in five
+        gc.collect()
         dist.destroy_process_group()
 
 
