@@ -10,9 +10,10 @@ what serving it adds to a process's memory.
    token: the median and p99 time, against a plain decode step of the model measured here
    (batch 1, the mean over `--step-tokens` tokens).
 3. Memory: the process's anonymous and file-backed RSS before the datastore is opened and
-   after every lookup (the datastore's pages are file-backed, shared by every process that
-   maps it); `--synthetic-mib N` also builds a datastore of N MiB of random tokens and
-   measures the same there.
+   after every lookup (the server holds the datastore's sampled index and reads the rest
+   through pread: its pages stay in the page cache, shared, and out of the process's RSS);
+   `--synthetic-mib N` also builds a datastore of N MiB of random tokens and measures the
+   same there.
 
 Writes bench/out/rest.json.
 

@@ -5,7 +5,9 @@ continuation of it, none past its document's end)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -45,12 +47,16 @@ docs_strategy = st.lists(
     contexts=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=8), min_size=1, max_size=4),
     window=st.integers(1, 6),
     depth=st.integers(1, 5),
+    stride=st.integers(1, 5),
+    width=st.integers(1, 4),
 )
 def test_a_lookup_finds_the_longest_suffix_and_every_continuation(
-    tmp_path_factory, docs, contexts, window, depth
+    tmp_path_factory, docs, contexts, window, depth, stride, width
 ):
+    """Against a scan, whatever the index's stride and width (patterns longer than its width
+    narrow only as far as their first tokens decide)."""
     path = tmp_path_factory.mktemp("ds")
-    write(path, docs, {"tokenizer": "t"})
+    write(path, docs, {"tokenizer": "t"}, index_stride=stride, index_width=width)
     store = Datastore(path)
     for context in contexts:
         got = store.lookup(context, window, max_results=10_000, depth=depth)
@@ -70,6 +76,23 @@ def test_the_span_of_a_pattern_is_its_occurrences(tmp_path):
     assert starts == [0, 3, 9]  # documents joined with a separator after each
     lo, hi = store.span([4, 4])
     assert lo == hi
+
+
+def test_lookups_map_nothing_and_hold_only_the_index(tmp_path):
+    """The datastore is read through pread: after lookups none of its files is mapped into the
+    process (mapped pages would count in its resident memory), and what it holds is the index,
+    1/128 of the datastore at the default stride."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50, 3000).tolist() for _ in range(8)]
+    write(tmp_path, docs, {"tokenizer": "t"})
+    store = Datastore(tmp_path)
+    for doc in docs:
+        found = store.lookup(doc[:40], window=16, max_results=4, depth=8)
+        assert found.match_len == 16 and doc[40:48] in found.continuations
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        assert str(tmp_path) not in maps.read_text()
+    assert store.index_bytes <= store.nbytes / 100
 
 
 def test_build_tokenizes_files_directories_and_jsonl_with_a_manifest(tmp_path, tokenizer):

@@ -157,11 +157,12 @@ class Scheduler:
                 "bytes": ngram.index.nbytes,  # claimed when the server starts
             }
         if ngram is not None and ngram.datastore is not None:
-            store = ngram.datastore  # memory-mapped: its pages are the page cache's
+            store = ngram.datastore  # read through pread: its pages are the page cache's
             out["datastore"] = {
                 "path": str(store.path),
                 "tokens": store.manifest["tokens"],
                 "bytes": store.nbytes,
+                "resident_bytes": store.index_bytes,  # the sampled index, held in memory
             }
         return out
 

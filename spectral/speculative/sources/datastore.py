@@ -5,9 +5,11 @@ decoding).
 and version control) and JSONL records with the target's
 tokenizer into one array of int32 tokens (documents apart by SEPARATOR) and sorts its suffixes
 (pydivsufsort); both are written as .npy files beside a manifest (tokenizer fingerprint,
-sources, counts). A server memory-maps them: a lookup is a few binary searches over the
-suffix array, reading only the pages it touches, and several servers share one datastore's
-pages through the page cache.
+sources, counts) and a sampled index: the first tokens of every `index_stride`-th suffix. A
+server holds only the index in memory and reads the rest through `pread`: a lookup's binary
+searches narrow to one stride in the index, then read the few entries they compare, so nothing
+of the datastore is mapped into the process (its resident memory grows by the index alone,
+1/128 of the datastore by default) and several servers share its pages through the page cache.
 
 A lookup takes the longest suffix of a request's tokens (at most `window`) that occurs in the
 corpus and gives what followed its first `max_results` occurrences (in suffix order), each up to
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +30,15 @@ from typing import Any
 
 import numpy as np
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "manifest.json"
 TOKENS = "tokens.npy"
 SUFFIXES = "suffixes.npy"
+INDEX = "index.npy"
+# The index: every INDEX_STRIDE-th suffix's first INDEX_WIDTH tokens (64 bytes for 1,024
+# suffixes of 8 bytes each); patterns up to INDEX_WIDTH long narrow to one stride in it.
+INDEX_STRIDE = 1024
+INDEX_WIDTH = 16
 # Between documents: larger than any token id (so it sorts last) and matched by no context.
 SEPARATOR = np.iinfo(np.int32).max
 # What a directory contributes: text files by their suffix (a JSONL file's records are read
@@ -136,7 +145,13 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(doc, dtype=np.int32) for doc in ids if doc]
 
 
-def write(output: str | Path, docs: Sequence[Sequence[int]], manifest: dict) -> dict:
+def write(
+    output: str | Path,
+    docs: Sequence[Sequence[int]],
+    manifest: dict,
+    index_stride: int = INDEX_STRIDE,
+    index_width: int = INDEX_WIDTH,
+) -> dict:
     """Write documents of token ids as a datastore at `output` (a directory) with `manifest`'s
     fields (the tokenizer's fingerprint among them); returns the whole manifest."""
     from pydivsufsort import divsufsort
@@ -152,15 +167,59 @@ def write(output: str | Path, docs: Sequence[Sequence[int]], manifest: dict) -> 
     suffixes = suffixes.astype(np.int32 if len(tokens) < 2**31 else np.int64)
     np.save(out / TOKENS, tokens)
     np.save(out / SUFFIXES, suffixes)
+    np.save(out / INDEX, sampled_index(tokens, suffixes, index_stride, index_width))
     manifest = {
         "format": FORMAT,
         **manifest,
         "documents": len(docs),
         "tokens": int(len(tokens) - len(docs)),
-        "bytes": (out / TOKENS).stat().st_size + (out / SUFFIXES).stat().st_size,
+        "index_stride": index_stride,
+        "bytes": sum((out / name).stat().st_size for name in (TOKENS, SUFFIXES, INDEX)),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def sampled_index(tokens: np.ndarray, suffixes: np.ndarray, stride: int, width: int) -> np.ndarray:
+    """[ceil(n / stride), width] int32: the first `width` tokens of every `stride`-th suffix,
+    -1 past the corpus's end (below every token, as a shorter suffix sorts)."""
+    if stride < 1 or width < 1:
+        raise ValueError(f"an index takes a stride and a width of at least 1 ({stride}, {width})")
+    padded = np.concatenate([tokens, np.full(width, -1, np.int32)])
+    starts = suffixes[::stride].astype(np.int64)
+    return padded[starts[:, None] + np.arange(width)]
+
+
+class _Column:
+    """A 1-D .npy array read through `pread`: nothing of it mapped into the process."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            header = {
+                (1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0,
+            }[version]
+            shape, _, dtype = header(f)
+            self.offset = f.tell()
+        if len(shape) != 1 or dtype.kind != "i" or dtype.byteorder == ">":
+            raise ValueError(f"{path}: not a 1-D little-endian integer array ({dtype}, {shape})")
+        self.size, self.itemsize = shape[0], dtype.itemsize
+        self.code = {4: "i", 8: "q"}[dtype.itemsize]
+        self.fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
+
+    def read(self, start: int, count: int) -> list[int]:
+        """Elements start..start + count (fewer at the end)."""
+        count = min(count, self.size - start)
+        if count <= 0:
+            return []
+        data = os.pread(self.fd, count * self.itemsize, self.offset + start * self.itemsize)
+        return memoryview(data).cast(self.code).tolist()
+
+    def at(self, i: int) -> int:
+        data = os.pread(self.fd, self.itemsize, self.offset + i * self.itemsize)
+        return int.from_bytes(data, "little", signed=True)
 
 
 @dataclass
@@ -172,7 +231,7 @@ class Retrieved:
 
 
 class Datastore:
-    """A built datastore, memory-mapped (read-only)."""
+    """A built datastore: its sampled index in memory, the rest read through `pread`."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -187,18 +246,34 @@ class Datastore:
                 f"datastore {path} has format {self.manifest.get('format')!r}; this spectral "
                 f"reads format {FORMAT} (build it again)"
             )
-        self.tokens = np.load(self.path / TOKENS, mmap_mode="r")
-        self.suffixes = np.load(self.path / SUFFIXES, mmap_mode="r")
-        if len(self.tokens) != len(self.suffixes):
+        self._tokens = _Column(self.path / TOKENS)
+        self._suffixes = _Column(self.path / SUFFIXES)
+        self.size = self._suffixes.size
+        if self._tokens.size != self.size:
             raise ValueError(f"datastore {path}: tokens and suffixes differ in length")
-        # The same pages for lookups: a memoryview reads an element or a slice several times
-        # faster than NumPy indexing.
-        self._tokens = memoryview(np.asarray(self.tokens))
-        self._suffixes = memoryview(np.asarray(self.suffixes))
+        index = np.load(self.path / INDEX)
+        self.stride = int(self.manifest["index_stride"])
+        if index.ndim != 2 or len(index) != -(-self.size // self.stride):
+            raise ValueError(f"datastore {path}: its index does not match its suffixes")
+        self.index_bytes = index.nbytes
+        self.samples, self.width = index.shape
+        # a flat memoryview reads a row's slice several times faster than NumPy indexing
+        self._index = memoryview(np.ascontiguousarray(index, np.int32).reshape(-1))
 
     @property
     def nbytes(self) -> int:
-        return self.tokens.nbytes + self.suffixes.nbytes
+        """The datastore's size on disk (what is read from, not what is resident)."""
+        return self.manifest["bytes"]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The corpus's tokens, memory-mapped (to inspect it; lookups do not map it)."""
+        return np.load(self.path / TOKENS, mmap_mode="r")
+
+    @property
+    def suffixes(self) -> np.ndarray:
+        """The suffix array, memory-mapped (as `tokens`)."""
+        return np.load(self.path / SUFFIXES, mmap_mode="r")
 
     def check_tokenizer(self, tokenizer: Any) -> None:
         """ValueError where the datastore was built with another tokenizer (its ids would mean
@@ -218,8 +293,8 @@ class Datastore:
 
     def _first(self, pattern: list[int]) -> int:
         """The rank of the first suffix >= `pattern`."""
+        lo, hi = self._narrow(pattern, past=False)
         n = len(pattern)
-        lo, hi = 0, len(self.suffixes)
         while lo < hi:
             mid = (lo + hi) // 2
             if self._prefix(mid, n) < pattern:
@@ -230,8 +305,8 @@ class Datastore:
 
     def _past(self, pattern: list[int], lo: int) -> int:
         """The rank of the first suffix from `lo` whose first tokens are > `pattern`."""
-        n = len(pattern)
-        hi = len(self.suffixes)
+        start, hi = self._narrow(pattern, past=True)
+        lo, n = max(lo, start), len(pattern)
         while lo < hi:
             mid = (lo + hi) // 2
             if self._prefix(mid, n) <= pattern:
@@ -240,16 +315,42 @@ class Datastore:
                 hi = mid
         return lo
 
+    def _narrow(self, pattern: list[int], past: bool) -> tuple[int, int]:
+        """[lo, hi] holding the rank of the first suffix >= `pattern` (past: > `pattern`), from
+        the index alone. A sample whose first m = min(len, width) tokens are below the
+        pattern's is below the pattern and one above is above it; one equal to them is equal
+        to the pattern where m is its length, undecided where the pattern is longer."""
+        m = min(len(pattern), self.width)
+        key, exact = pattern[:m], m == len(pattern)
+        below = self._samples_before(key, inclusive=False)
+        upto = below if exact and not past else self._samples_before(key, inclusive=True)
+        # the samples known to be before the answer, and the first one known to be at or after it
+        before = upto if past and exact else below
+        after = below if exact and not past else upto
+        lo = 0 if before == 0 else (before - 1) * self.stride + 1
+        return lo, min(after * self.stride, self.size)
+
+    def _samples_before(self, key: list[int], inclusive: bool) -> int:
+        """How many samples have first tokens < `key` (inclusive: <=)."""
+        lo, hi, m, w = 0, self.samples, len(key), self.width
+        while lo < hi:
+            mid = (lo + hi) // 2
+            sample = self._index[mid * w : mid * w + m].tolist()
+            if sample < key or (inclusive and sample == key):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def _occurs_from(self, pattern: list[int]) -> int | None:
         """The rank of `pattern`'s first occurrence, or None where it does not occur."""
         first = self._first(pattern)
-        if first < len(self.suffixes) and self._prefix(first, len(pattern)) == pattern:
+        if first < self.size and self._prefix(first, len(pattern)) == pattern:
             return first
         return None
 
     def _prefix(self, rank: int, n: int) -> list[int]:
-        start = self._suffixes[rank]
-        return self._tokens[start : start + n].tolist()
+        return self._tokens.read(self._suffixes.at(rank), n)
 
     def lookup(
         self, context: list[int], window: int, max_results: int, depth: int, min_len: int = 1
@@ -270,9 +371,8 @@ class Datastore:
             return Retrieved(0, [])
         last = self._past(context[-best:], first)
         out = []
-        for rank in range(first, min(last, first + max_results)):
-            start = self._suffixes[rank] + best
-            cont = self._tokens[start : start + depth].tolist()
+        for start in self._suffixes.read(first, min(last - first, max_results)):
+            cont = self._tokens.read(start + best, depth)
             if SEPARATOR in cont:
                 cont = cont[: cont.index(SEPARATOR)]
             if cont:
