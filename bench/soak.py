@@ -139,6 +139,16 @@ async def held_when_idle(http: httpx.AsyncClient, urls: list[str]) -> tuple[int 
     return held, cached, indexed
 
 
+async def server_counters(http: httpx.AsyncClient, url: str) -> dict:
+    """The server's step statistics and its planner's record (rounds by kind, their acceptance
+    and calibration) at the end of a minute: what a drift in latency came from."""
+    try:
+        info = (await http.get(url + "/get_server_info")).json()
+    except (httpx.TransportError, httpx.TimeoutException, ValueError):
+        return {}
+    return {"stats": info.get("stats"), "speculative": info.get("speculative")}
+
+
 class Soak:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
@@ -191,7 +201,8 @@ class Soak:
         await fault
         held, cached, indexed = await held_when_idle(http, self.urls)
         row = self.record(index, outcomes, held)
-        return row | {"grammar_cache_mib": cached / 2**20, "ngram_index_tokens": indexed}
+        row |= {"grammar_cache_mib": cached / 2**20, "ngram_index_tokens": indexed}
+        return row | await server_counters(http, self.urls[0])
 
     async def fault_at(self, http: httpx.AsyncClient, index: int) -> None:
         if index % 10 == 3:
