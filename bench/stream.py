@@ -1,10 +1,11 @@
 """How close the GGUF matmuls come to the memory's speed when their weights are not in cache
-(as in a decode step, which streams every weight once): GB/s of weights read, the runtime's
-kernel build against the same sources built without software prefetches (the `noprefetch`
-build), at a few rows of x, on random blocks of a 1.5B model's shapes, each matrix copied
-enough times to span ~600 MB and the copies read in turn. The roof, measured in the same run:
-torch's sum over 512 MB of float32 (bench/cost_curve.py's probe). Builds alternate, five
-rounds; medians.
+(as in a decode step, which streams every weight once): GB/s of weights read by builds of the
+same sources that differ in how they ask for the weights ahead (vec.h's prefetch_ahead): no
+hint, non-temporal (`prefetch_nta`) and into every cache level (`prefetch_t0`), at a few rows
+of x, on random blocks of a 1.5B model's shapes, each matrix copied enough times to span ~600
+MB and the copies read in turn. The roof, measured in the same run: torch's sum over 512 MB of
+float32 (bench/cost_curve.py's probe). Builds alternate, five rounds; medians. The runtime's
+build takes the hint cpu_kernels.prefetch_locality() names for this CPU.
 
     python bench/stream.py [--rows 1,4] [--threads 2]
 """
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cost_curve import bandwidth_probe  # noqa: E402
-from spectral.kernels.cpu_kernels import load_cpu_kernels  # noqa: E402
+from spectral.kernels.cpu_kernels import load_cpu_kernels, prefetch_locality  # noqa: E402
 from spectral.layers.gguf_blocks import LAYOUTS, pack_blocks, pack_int8  # noqa: E402
 from tests.test_gguf_blocks import random_blocks  # noqa: E402
 
@@ -48,10 +49,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "stream.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    builds = {"prefetch": load_cpu_kernels(), "noprefetch": load_cpu_kernels("noprefetch")}
+    builds = {
+        "none": load_cpu_kernels("noprefetch"),
+        "nta": load_cpu_kernels("prefetch_nta"),
+        "t0": load_cpu_kernels("prefetch_t0"),
+    }
     if any(k is None for k in builds.values()):
         sys.exit("the CPU kernels do not build here")
-    kernels = builds["prefetch"]
+    kernels = builds["none"]
+    print(f"the runtime's build here: {'t0' if prefetch_locality() == 3 else 'nta'}")
     roof = bandwidth_probe(5)
     print(
         f"roof: a streaming read (bench/cost_curve.py's), {args.threads} threads: {roof:.1f} GB/s"
@@ -76,12 +82,12 @@ def main() -> None:
                 med = {name: statistics.median(v) for name, v in speeds.items()}
                 row = dict(format=fmt, n=n, k=k, path=path, rows=m, gb_s=med)
                 rows.append(row)
-                print(
-                    f"{fmt} {n:6d} x {k:4d} {path:5s} m={m}: no prefetch "
-                    f"{med['noprefetch']:5.1f} GB/s ({med['noprefetch'] / roof:4.0%} of the roof)"
-                    f"  prefetch {med['prefetch']:5.1f} GB/s ({med['prefetch'] / roof:4.0%})"
-                    f"  {med['prefetch'] / med['noprefetch']:.2f}x"
+                cells = "  ".join(
+                    f"{name} {med[name]:5.1f} ({med[name] / roof:3.0%}, "
+                    f"{med[name] / med['none']:.2f}x)"
+                    for name in builds
                 )
+                print(f"{fmt} {n:6d} x {k:4d} {path:5s} m={m}: GB/s  {cells}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"roof_gb_s": roof, "threads": args.threads, "rows": rows}))
     print(f"wrote {args.out}")

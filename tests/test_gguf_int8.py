@@ -39,7 +39,12 @@ BUILDS = {
     "native": kernels,
     **{isa: load_cpu_kernels(isa) for isa in {**NARROWER, **VNNI_EMULATED}},
 }
-HAS_VNNI = {"avx512_vnni", "avx512vl"} <= cpu_flags() or "avx_vnni" in cpu_flags()
+# The tiles' vectors are 512 bits wide where the CPU has AVX-512 BW, and take VNNI in that width.
+HAS_VNNI = (
+    "avx512_vnni" in cpu_flags()
+    if {"avx512bw", "avx512vl"} <= cpu_flags()
+    else {"avx512_vnni", "avx512vl"} <= cpu_flags() or "avx_vnni" in cpu_flags()
+)
 FORMATS = sorted(BLOCKS)
 F32 = np.float32
 
@@ -150,18 +155,21 @@ def test_the_int8_peak_is_a_rate_where_the_build_has_vectors_and_zero_where_not(
 
 
 @pytest.mark.parametrize(
-    "flags, vnni",
+    "flags, vnni, bits",
     [
-        (["-mavx2"], 0),
-        (["-mavx2", "-mavx512f", "-mavx512vl", "-mavx512vnni"], 1),
-        (["-mavx2", "-mavxvnni"], 1),
-        (["-mavx2", "-DSPECTRAL_VNNI_EMULATED"], 2),
+        (["-mavx2"], 0, 256),
+        (["-mavx2", "-mavx512f", "-mavx512vl", "-mavx512vnni"], 1, 256),
+        (["-mavx2", "-mavx512f", "-mavx512vl", "-mavx512bw"], 0, 512),
+        (["-mavx2", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"], 1, 512),
+        (["-mavx2", "-mavxvnni"], 1, 256),
+        (["-mavx2", "-DSPECTRAL_VNNI_EMULATED"], 2, 256),
     ],
-    ids=["avx2", "avx512-vnni", "avx-vnni", "emulated"],
+    ids=["avx2", "avx512-vnni-256", "avx512bw", "avx512bw-vnni", "avx-vnni", "emulated"],
 )
-def test_the_dot_product_compiles_for_every_instruction_set(flags, vnni, tmp_path):
-    """The VNNI forms this CPU may not run at least compile, with their instructions, under the
-    flags of the CPUs that have them (the emulated build above runs the same tile code)."""
+def test_the_dot_product_compiles_for_every_instruction_set(flags, vnni, bits, tmp_path):
+    """The forms this CPU may not run at least compile, with their instructions, under the flags
+    of the CPUs that have them: VNNI or maddubs, in 256- or 512-bit vectors (the emulated build
+    above runs the same tile code)."""
     compiler = shutil.which("c++")
     if compiler is None:
         pytest.skip("no C++ compiler (the CPU kernels do not build either)")
@@ -170,10 +178,11 @@ def test_the_dot_product_compiles_for_every_instruction_set(flags, vnni, tmp_pat
         f"""#include "int8_dot.h"
 using namespace spectral_cpu;
 static_assert(kVnni == {vnni}, "kVnni");
-__m256i run(__m256i u, __m256i s) {{
+static_assert(sizeof(IVec) * 8 == {bits}, "the vectors' width");
+IVec run(IVec u, IVec s) {{
   DotSum sum;
   sum.add(u, s);
-  return dot4_add(sum.widen(), u, s);
+  return dot4_add(iv::sign8(sum.widen(), u), u, s);
 }}
 """
     )
@@ -185,6 +194,7 @@ __m256i run(__m256i u, __m256i s) {{
     asm = (tmp_path / "dot.s").read_text()
     assert ("vpdpbusd" in asm) == (vnni == 1)
     assert ("vpmaddubsw" in asm) == (vnni == 0)
+    assert ("zmm" in asm) == (bits == 512)
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))

@@ -27,12 +27,32 @@ KERNEL_DIR = Path(__file__).parent / "cpu"
 # One translation unit, which includes the other sources (their digest keys the build).
 SOURCE = KERNEL_DIR / "module.cpp"
 
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def prefetch_locality() -> int:
+    """How the matmuls ask for the weights they read next (vec.h's prefetch_ahead), as
+    bench/stream.py measured each against no hint: into every cache level on Intel (1.05-1.53x;
+    non-temporal there 0.85-1.04x, and it kept a matrix that fits L2 out of it between calls),
+    non-temporal elsewhere (an AMD EPYC: 1.03-1.22x)."""
+    return 3 if cpu_vendor() == "GenuineIntel" else 0
+
+
 # Builds of the same sources: the widest vector unit the CPU has (what the runtime uses), and
 # narrower ones of the kernels without the fused layer (SPECTRAL_TEST_BUILD) that tests hold
 # to the same references (AVX2 on an AVX-512 CPU, the scalar loops), at -O1 to cost the suite
 # less time.
 ISA_FLAGS = {
-    "native": ["-O3"],
+    "native": ["-O3", f"-DSPECTRAL_PREFETCH_LOCALITY={prefetch_locality()}"],
     "avx2": ["-O1", "-mno-avx512f", "-DSPECTRAL_TEST_BUILD"],
     "scalar": ["-O1", "-DSPECTRAL_SCALAR", "-DSPECTRAL_TEST_BUILD"],
     # the integer path's VNNI tiles with vpdpbusd emulated in AVX2 (int8_dot.h): their code
@@ -40,6 +60,9 @@ ISA_FLAGS = {
     "vnni_emulated": ["-O1", "-mno-avx512f", "-DSPECTRAL_VNNI_EMULATED", "-DSPECTRAL_TEST_BUILD"],
     # the runtime's build without its software prefetches: bench/stream.py's baseline
     "noprefetch": ["-O3", "-DSPECTRAL_PREFETCH_AHEAD=0"],
+    # the two ways of asking for the weights ahead (vec.h's prefetch_ahead): bench/stream.py
+    "prefetch_nta": ["-O3", "-DSPECTRAL_PREFETCH_LOCALITY=0"],
+    "prefetch_t0": ["-O3", "-DSPECTRAL_PREFETCH_LOCALITY=3"],
 }
 # A build lock older than this was left by a killed build.
 STALE_LOCK_S = 900

@@ -11,7 +11,7 @@
 namespace {
 
 // Independent accumulators per thread: enough that each add waits on no other (the add's
-// latency times the adds the CPU issues a cycle), few enough to stay in the 16 registers.
+// latency times the adds the CPU issues a cycle), few enough to stay in AVX2's 16 registers.
 constexpr int kPeakChains = 12;
 // Adds between two looks at the clock.
 constexpr int64_t kPeakRounds = 4096;
@@ -20,7 +20,7 @@ constexpr int64_t kPeakRounds = 4096;
 // kPeakRounds products of u and s added to each accumulator. The sums are copied in and out so
 // that they stay in registers within (across the caller's calls to the clock they cannot), and
 // each is held in its register as it is added to (as the tiles' `settle` does).
-inline void peak_rounds(DotSum (&sums)[kPeakChains], __m256i u, __m256i s) {
+inline void peak_rounds(DotSum (&sums)[kPeakChains], IVec u, IVec s) {
   DotSum acc[kPeakChains];
   for (int c = 0; c < kPeakChains; ++c) acc[c] = sums[c];
   for (int64_t i = 0; i < kPeakRounds; ++i) {
@@ -43,14 +43,14 @@ double peak_thread(double seconds, int32_t* sink) {
   const auto start = clock::now();
   double elapsed = 0;
   do {
-    peak_rounds(acc, _mm256_set1_epi8(3), _mm256_set1_epi8(-5));
+    peak_rounds(acc, iv::bytes(3), iv::bytes(-5));
     rounds += kPeakRounds;
     elapsed = std::chrono::duration<double>(clock::now() - start).count();
   } while (elapsed < seconds);
-  __m256i total = acc[0].widen();
-  for (int c = 1; c < kPeakChains; ++c) total = _mm256_add_epi32(total, acc[c].widen());
-  *sink = _mm256_extract_epi32(total, 0);
-  return static_cast<double>(rounds) * kPeakChains * 32 / elapsed;  // 32 products an add
+  IVec total = acc[0].widen();
+  for (int c = 1; c < kPeakChains; ++c) total = iv::add32(total, acc[c].widen());
+  *sink = iv::first_lane(total);
+  return static_cast<double>(rounds) * kPeakChains * 4 * kIntLanes / elapsed;  // an add's products
 }
 #endif
 

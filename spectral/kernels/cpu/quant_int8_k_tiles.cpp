@@ -28,12 +28,12 @@ namespace {
 constexpr float kFinestStep = 1.f / (1 << kMaxFiner);
 
 #if defined(SPECTRAL_VEC)
-// sums[r][v] + block b's integer sums of rows row0 + r with columns 8v..8v+7, each times its
+// sums[r][v] + block b's integer sums of rows row0 + r with columns kIntLanes v.., each times its
 // scale (Q4_K: a block's 6-bit scale; Q6_K: each half's int8 scale) and 2^shift of the row's
 // block.
 template <int Kind, int R>
 inline void scaled_block_sums(const uint8_t* blk, const Q8Rows& x, int64_t row0, int64_t b,
-                              __m256i (&sums)[R][kV]) {
+                              IVec (&sums)[R][kV]) {
   const uint8_t* qw = blk + q8_quants_offset(Kind);
   const int8_t* xq[R];
   __m128i shift[R];
@@ -45,19 +45,16 @@ inline void scaled_block_sums(const uint8_t* blk, const Q8Rows& x, int64_t row0,
     DotSum acc[R][kV];
     nibble_sums<R>(qw, xq, acc);
     for (int v = 0; v < kV; ++v) {
-      const __m256i s32 = _mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 8 * v)));
-      const __m256i scale = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));
+      const IVec scale = iv::both_halves(iv::u8_lanes(blk + kIntLanes * v));
       for (int r = 0; r < R; ++r)
-        sums[r][v] = _mm256_add_epi32(
-            sums[r][v], _mm256_sll_epi32(acc[r][v].widen_scaled(scale), shift[r]));
+        sums[r][v] = iv::add32(sums[r][v], iv::sll32(acc[r][v].widen_scaled(scale), shift[r]));
     }
   } else {
     // Quants u = q + 32 (0..63) rebuilt from nibbles and high bits and taken unsigned, the
     // first 16 inputs (low nibbles) and then the last 16 (high nibbles), and 32 x taken off at
     // the end (x.q6_bias): the sums of q itself (at most 8 * 32 * 127 a lane) fit int16, those
     // of u, a maddubs pair at most 2 * 63 * 127, wrap there on the way but come out exact.
-    const __m256i mask = _mm256_set1_epi8(0x0F), high_bits = _mm256_set1_epi8(0x30);
+    const IVec mask = iv::bytes(0x0F), high_bits = iv::bytes(0x30);
     // Unrolled, so that each group's shifts are constants (the compiler leaves these loops be).
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
@@ -65,38 +62,32 @@ inline void scaled_block_sums(const uint8_t* blk, const Q8Rows& x, int64_t row0,
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         const int bit = (g / 2) * 4 + half * 2;  // where the group's high bits are, put at 4
-        __m256i u[kV];
+        IVec u[kV];
         for (int v = 0; v < kV; ++v) {
-          const __m256i w =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
-          const __m256i h = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(qw + 16 * kNR + (g % 2) * kNR * 4 + v * 32));
-          const __m256i low = _mm256_and_si256(half ? _mm256_srli_epi16(w, 4) : w, mask);
-          const __m256i high = bit < 4   ? _mm256_slli_epi16(h, 4 - bit)
-                               : bit > 4 ? _mm256_srli_epi16(h, bit - 4)
-                                         : h;
-          u[v] = _mm256_or_si256(low, _mm256_and_si256(high, high_bits));
+          const IVec w = group_vec(qw, g, v);
+          const IVec h = iv::load(qw + 16 * kNR + (g % 2) * kNR * 4 + v * kVecBytes);
+          const IVec low = iv::and_(half ? iv::srl16(w, 4) : w, mask);
+          const IVec high = bit < 4   ? iv::sll16(h, 4 - bit)
+                            : bit > 4 ? iv::srl16(h, bit - 4)
+                                      : h;
+          u[v] = iv::or_(low, iv::and_(high, high_bits));
         }
         for (int r = 0; r < R; ++r) {
-          const __m256i xg = bcast4(xq[r] + 16 * half + 4 * g);
+          const IVec xg = bcast4(xq[r] + 16 * half + 4 * g);
           for (int v = 0; v < kV; ++v) {
             acc[r][v].add(u[v], xg);
             settle(acc[r][v]);
           }
         }
       }
-      __m256i scale[kV];  // the half's int8 scales, in both int16 halves of each column's lane
-      for (int v = 0; v < kV; ++v) {
-        const __m256i s32 = _mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + half * kNR + 8 * v)));
-        scale[v] = _mm256_blend_epi16(s32, _mm256_slli_epi32(s32, 16), 0xAA);
-      }
+      IVec scale[kV];  // the half's int8 scales, in both int16 halves of each column's lane
+      for (int v = 0; v < kV; ++v)
+        scale[v] = iv::both_halves(iv::i8_lanes(blk + half * kNR + kIntLanes * v));
       for (int r = 0; r < R; ++r) {
-        const __m256i bias = _mm256_set1_epi32(x.q6_bias[(row0 + r) * x.k / 16 + 2 * b + half]);
+        const IVec bias = iv::words(x.q6_bias[(row0 + r) * x.k / 16 + 2 * b + half]);
         for (int v = 0; v < kV; ++v)
-          sums[r][v] = _mm256_add_epi32(
-              sums[r][v],
-              _mm256_sll_epi32(acc[r][v].widen_minus_scaled(bias, scale[v]), shift[r]));
+          sums[r][v] = iv::add32(
+              sums[r][v], iv::sll32(acc[r][v].widen_minus_scaled(bias, scale[v]), shift[r]));
       }
     }
   }
@@ -107,39 +98,37 @@ inline void scaled_block_sums(const uint8_t* blk, const Q8Rows& x, int64_t row0,
 // side by side as int16).
 template <int R>
 inline void q4_k_min_sums(const uint8_t* blocks, const Q8Rows& x, int64_t row0, int64_t sb,
-                          __m256i (&mins)[R][kV]) {
+                          IVec (&mins)[R][kV]) {
   const int64_t pairs = x.k / (2 * kBlock);
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kV; ++v) mins[r][v] = _mm256_setzero_si256();
+    for (int v = 0; v < kV; ++v) mins[r][v] = iv::zero();
   for (int i = 0; i < 4; ++i) {
     const uint8_t* first = blocks + (8 * sb + 2 * i) * q8_block_bytes(kQ4_K) + kNR;
     const uint8_t* second = first + q8_block_bytes(kQ4_K);
-    __m256i both[kV];
+    IVec both[kV];
     for (int v = 0; v < kV; ++v)
-      both[v] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(first + 8 * v)),
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(second + 8 * v))));
+      both[v] = iv::u8_pair_lanes(first + kIntLanes * v, second + kIntLanes * v);
     for (int r = 0; r < R; ++r) {
-      const __m256i s = _mm256_set1_epi32(x.s_pairs[(row0 + r) * pairs + 4 * sb + i]);
-      for (int v = 0; v < kV; ++v)
-        mins[r][v] = _mm256_add_epi32(mins[r][v], _mm256_madd_epi16(both[v], s));
+      const IVec s = iv::words(x.s_pairs[(row0 + r) * pairs + 4 * sb + i]);
+      for (int v = 0; v < kV; ++v) mins[r][v] = iv::add32(mins[r][v], iv::madd16(both[v], s));
     }
   }
 }
 
-// out[R][kNR]: rows row0.. of x over one panel of a K-quant layout, superblock after superblock.
+// out[R][kNR]: rows row0.. of x over one panel of a K-quant layout, superblock after superblock
+// (the float sums kept in out: at 8 rows they would not fit the registers beside the integer
+// ones).
 template <int Kind, int R>
 void k_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
   const int64_t nb = x.k / kBlock;
   const int64_t header = q8_header_bytes(Kind, nb) / (nb / 8);  // a superblock's d (and -dmin)
-  __m256 acc[R][kV];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kV; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int v = 0; v < kV; ++v) iv::fstore(out + r * kNR + kIntLanes * v, iv::fzero());
   const uint8_t* blocks = panel + q8_header_bytes(Kind, nb);
   for (int64_t sb = 0; sb < nb / 8; ++sb) {
-    __m256i sums[R][kV], mins[R][kV];
+    IVec sums[R][kV], mins[R][kV];
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kV; ++v) sums[r][v] = _mm256_setzero_si256();
+      for (int v = 0; v < kV; ++v) sums[r][v] = iv::zero();
     for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
       const uint8_t* blk = blocks + b * q8_block_bytes(Kind);
       prefetch_ahead(blk, q8_block_bytes(Kind));
@@ -148,18 +137,16 @@ void k_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
     if constexpr (Kind == kQ4_K) q4_k_min_sums<R>(blocks, x, row0, sb, mins);
     const float* d = reinterpret_cast<const float*>(panel + sb * header);
     for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(x.d[(row0 + r) * nb + 8 * sb] * kFinestStep);
+      const FVec dx = iv::fset1(x.d[(row0 + r) * nb + 8 * sb] * kFinestStep);
       for (int v = 0; v < kV; ++v) {
-        __m256 u = _mm256_mul_ps(_mm256_loadu_ps(d + 8 * v), _mm256_cvtepi32_ps(sums[r][v]));
+        FVec u = iv::fmul(iv::fload(d + kIntLanes * v), iv::to_float(sums[r][v]));
         if constexpr (Kind == kQ4_K)
-          u = _mm256_add_ps(u, _mm256_mul_ps(_mm256_loadu_ps(d + kNR + 8 * v),
-                                             _mm256_cvtepi32_ps(mins[r][v])));
-        acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(dx, u));
+          u = iv::fadd(u, iv::fmul(iv::fload(d + kNR + kIntLanes * v), iv::to_float(mins[r][v])));
+        float* o = out + r * kNR + kIntLanes * v;
+        iv::fstore(o, iv::fadd(iv::fload(o), iv::fmul(dx, u)));
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kV; ++v) _mm256_storeu_ps(out + r * kNR + 8 * v, acc[r][v]);
 }
 #else
 // out[R][kNR]: rows row0.. of x over one panel of a K-quant layout, superblock after superblock.

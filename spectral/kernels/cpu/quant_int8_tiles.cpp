@@ -11,14 +11,15 @@
 // never depends on the batch (tests/test_gguf_int8.py holds every build to a NumPy reference of
 // this arithmetic).
 //
-// AVX2 (the AVX-512 builds too, 256 bits at a time): `maddubs` multiplies unsigned weight
+// AVX2 (AVX-512 BW likewise, 512 bits at a time): `maddubs` multiplies unsigned weight
 // bytes by signed activation bytes and adds pairs into int16; signed weights (Q8_0, Q8_0h)
 // go in as |w| against x carrying w's sign. int16 sums stay exact: a pair is at most
 // 2 * 15 * 127 (Q4_1; eight added), 2 * 31 * 127 (Q8_0m; four), 2 * 32 * 127 (Q8_0h; four) or
 // 2 * 128 * 127 (Q8_0; widened at once); `pack_q8_layout` refuses quants outside those ranges.
 // Q6_K's quants go in unsigned (q + 32, pairs up to 2 * 63 * 127) and 32 x comes off after:
 // the int16 sums wrap on the way, but those of q, at most 8 * 32 * 127, are exact.
-// With VNNI the products go straight into int32 sums instead (int8_dot.h: the same integers).
+// With VNNI the products go straight into int32 sums instead (int8_dot.h: the same integers),
+// and Q8_0's quants go in unsigned, q + 128, with 128 times x's block sum taken off after.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -32,7 +33,12 @@
 
 namespace {
 
-constexpr int kQ8Rows = 4;  // rows of x per tile
+// Rows of x per tile: two accumulators a row, within the registers (16 at 256 bits, 32 at 512).
+#if defined(SPECTRAL_INT8_BITS) && SPECTRAL_INT8_BITS == 512
+constexpr int kQ8Rows = 8;
+#else
+constexpr int kQ8Rows = 4;
+#endif
 
 // x quantized: q [m, k] int8, d [m, k / 32] float32, s [m, k / 32] int32; for the K-quant tiles
 // per superblock, with each block's shift [m, k / 32] (quantize_rows); for Q6_K's vector tiles
@@ -170,33 +176,33 @@ void s_pairs(const int32_t* s, const int8_t* shift, int64_t count, int32_t* pair
 }
 
 #if defined(SPECTRAL_VEC)
-constexpr int kV = kNR / 8;  // 256-bit vectors of 8 columns x 4 inputs per group
-
-inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
+constexpr int kV = kNR / kIntLanes;  // vectors of kIntLanes columns x 4 inputs per group
+constexpr int kVecBytes = sizeof(IVec);
+using iv::bcast4;
 
 // Each sum kept in a register as it is added to: left to itself the compiler computes a group's
 // products for every row first and spills them (a third of the instructions).
 inline void settle(DotSum& sum) { asm("" : "+v"(sum.v)); }
 
+// The group's vector v of a block's regrouped quants.
+inline IVec group_vec(const uint8_t* qw, int g, int v) {
+  return iv::load(qw + g * kNR * 4 + v * kVecBytes);
+}
+
 // acc[r][v]: the products of rows xq[r]'s 32 inputs with a block of nibbles (Q4_1, Q4_K: low
-// nibbles inputs 0..15, high 16..31) of columns 8v..8v+7, in the sums' natural width.
+// nibbles inputs 0..15, high 16..31) of columns kIntLanes v.., in the sums' natural width.
 template <int R>
 inline void nibble_sums(const uint8_t* qw, const int8_t* const* xq, DotSum (&acc)[R][kV]) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const IVec mask = iv::bytes(0x0F);
   for (int g = 0; g < 4; ++g) {
-    __m256i lo[kV], hi[kV];
+    IVec lo[kV], hi[kV];
     for (int v = 0; v < kV; ++v) {
-      const __m256i w =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
-      lo[v] = _mm256_and_si256(w, mask);
-      hi[v] = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+      const IVec w = group_vec(qw, g, v);
+      lo[v] = iv::and_(w, mask);
+      hi[v] = iv::and_(iv::srl16(w, 4), mask);
     }
     for (int r = 0; r < R; ++r) {
-      const __m256i xa = bcast4(xq[r] + 4 * g), xb = bcast4(xq[r] + 16 + 4 * g);
+      const IVec xa = bcast4(xq[r] + 4 * g), xb = bcast4(xq[r] + 16 + 4 * g);
       for (int v = 0; v < kV; ++v) {
         acc[r][v].add(lo[v], xa);
         acc[r][v].add(hi[v], xb);
@@ -207,95 +213,94 @@ inline void nibble_sums(const uint8_t* qw, const int8_t* const* xq, DotSum (&acc
 }
 
 // isum[r][v] (and, Q8_0h, isum[r][kV + v] for the last 16 inputs): the integer dot products of
-// the R rows' quants of block b with the block's columns 8v..8v+7.
+// the R rows' quants of block b with the block's columns kIntLanes v...
 template <int Kind, int R>
 inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t b,
-                       __m256i (&isum)[R][2 * kV]) {
+                       IVec (&isum)[R][2 * kV]) {
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) xq[r] = x.q + (row0 + r) * x.k + b * kBlock;
-  const auto bcast = bcast4;
-  auto store = [&](int r, int half, int v, __m256i sum32) { isum[r][half * kV + v] = sum32; };
+  auto store = [&](int r, int half, int v, IVec sum32) { isum[r][half * kV + v] = sum32; };
   if constexpr (Kind == kQ4_1) {
     DotSum acc[R][kV];
     nibble_sums<R>(qw, xq, acc);
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kV; ++v) store(r, 0, v, acc[r][v].widen());
   } else if constexpr (Kind == kQ5_0 || Kind == kQ5_1) {
-    // Quants rebuilt from nibbles and fifth bits, eight columns at a time (the sums of two
-    // accumulators a row fit the registers then): Q5_0's less 16 as |q| against x signed by
-    // q (a group's two products at most 2 * 2 * 16 * 127, four groups fit int16), Q5_1's
+    // Quants rebuilt from nibbles and fifth bits, one vector of columns at a time (the sums of
+    // two accumulators a row fit the registers then): Q5_0's less 16 as |q| against x signed
+    // by q (a group's two products at most 2 * 2 * 16 * 127, four groups fit int16), Q5_1's
     // unsigned with the first and last 16 inputs apart (each at most 4 * 2 * 31 * 127).
-    const __m256i mask = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+    const IVec mask = iv::bytes(0x0F), fifth = iv::bytes(0x10);
     for (int v = 0; v < kV; ++v) {
-      const __m256i high =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 16 * kNR + v * 32));
+      const IVec high = iv::load(qw + 16 * kNR + v * kVecBytes);
       DotSum first[R], last[R];
       for (int g = 0; g < 4; ++g) {
-        const __m256i w =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
-        __m256i lo = _mm256_or_si256(_mm256_and_si256(w, mask),
-                                     _mm256_and_si256(_mm256_slli_epi16(high, 4 - g), fifth));
-        __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), mask),
-                                     _mm256_and_si256(_mm256_srli_epi16(high, g), fifth));
+        const IVec w = group_vec(qw, g, v);
+        IVec lo = iv::or_(iv::and_(w, mask), iv::and_(iv::sll16(high, 4 - g), fifth));
+        IVec hi = iv::or_(iv::and_(iv::srl16(w, 4), mask), iv::and_(iv::srl16(high, g), fifth));
         if constexpr (Kind == kQ5_0) {
-          const __m256i bias = _mm256_set1_epi8(16);
-          lo = _mm256_sub_epi8(lo, bias);
-          hi = _mm256_sub_epi8(hi, bias);
-          const __m256i alo = _mm256_abs_epi8(lo), ahi = _mm256_abs_epi8(hi);
+          const IVec bias = iv::bytes(16);
+          lo = iv::sub8(lo, bias);
+          hi = iv::sub8(hi, bias);
+          const IVec alo = iv::abs8(lo), ahi = iv::abs8(hi);
           for (int r = 0; r < R; ++r) {
-            const __m256i xa = bcast(xq[r] + 4 * g), xb = bcast(xq[r] + 16 + 4 * g);
-            first[r].add(alo, _mm256_sign_epi8(xa, lo));
-            first[r].add(ahi, _mm256_sign_epi8(xb, hi));
+            const IVec xa = bcast4(xq[r] + 4 * g), xb = bcast4(xq[r] + 16 + 4 * g);
+            first[r].add(alo, iv::sign8(xa, lo));
+            first[r].add(ahi, iv::sign8(xb, hi));
             settle(first[r]);
           }
         } else {
           for (int r = 0; r < R; ++r) {
-            first[r].add(lo, bcast(xq[r] + 4 * g));
+            first[r].add(lo, bcast4(xq[r] + 4 * g));
             settle(first[r]);
-            last[r].add(hi, bcast(xq[r] + 16 + 4 * g));
+            last[r].add(hi, bcast4(xq[r] + 16 + 4 * g));
             settle(last[r]);
           }
         }
       }
       for (int r = 0; r < R; ++r) {
-        const __m256i sum = first[r].widen();
-        store(r, 0, v, Kind == kQ5_0 ? sum : _mm256_add_epi32(sum, last[r].widen()));
+        const IVec sum = first[r].widen();
+        store(r, 0, v, Kind == kQ5_0 ? sum : iv::add32(sum, last[r].widen()));
       }
     }
   } else if constexpr (Kind == kQ8_0) {
     // A group's pair sums reach 2 * 128 * 127: widened at once (dot4_add) instead of summed.
+    // With VNNI the quants go in unsigned, q + 128 (their top bit flipped), against x itself,
+    // and 128 s comes off at the end; without, |q| against x signed by q.
     DotSum acc[R][kV];  // int32 sums here, whatever the build
     for (int g = 0; g < 8; ++g) {
-      __m256i w[kV], aw[kV];
+      IVec w[kV], aw[kV];
       for (int v = 0; v < kV; ++v) {
-        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
-        aw[v] = _mm256_abs_epi8(w[v]);
+        w[v] = group_vec(qw, g, v);
+        aw[v] = kVnni ? iv::xor_(w[v], iv::bytes(-128)) : iv::abs8(w[v]);
       }
       for (int r = 0; r < R; ++r) {
-        const __m256i xg = bcast(xq[r] + 4 * g);
+        const IVec xg = bcast4(xq[r] + 4 * g);
         for (int v = 0; v < kV; ++v) {
-          acc[r][v].v = dot4_add(acc[r][v].v, aw[v], _mm256_sign_epi8(xg, w[v]));
+          acc[r][v].v = dot4_add(acc[r][v].v, aw[v], kVnni ? xg : iv::sign8(xg, w[v]));
           settle(acc[r][v]);
         }
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kV; ++v) store(r, 0, v, acc[r][v].v);
+    for (int r = 0; r < R; ++r) {
+      const IVec bias = iv::words(kVnni ? 128 * x.s[(row0 + r) * (x.k / kBlock) + b] : 0);
+      for (int v = 0; v < kV; ++v) store(r, 0, v, iv::sub32(acc[r][v].v, bias));
+    }
   } else {
     // Q8_0m (unsigned quants) and Q8_0h (signed): groups 0..3 and 4..7 in int16 apart, the two
     // halves of the block (Q8_0h keeps them apart: each has its own d).
     for (int half = 0; half < 2; ++half) {
       DotSum acc[R][kV];
       for (int g = 4 * half; g < 4 * half + 4; ++g) {
-        __m256i w[kV], aw[kV];
+        IVec w[kV], aw[kV];
         for (int v = 0; v < kV; ++v) {
-          w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * kNR * 4 + v * 32));
-          aw[v] = Kind == kQ8_0h ? _mm256_abs_epi8(w[v]) : w[v];
+          w[v] = group_vec(qw, g, v);
+          aw[v] = Kind == kQ8_0h ? iv::abs8(w[v]) : w[v];
         }
         for (int r = 0; r < R; ++r) {
-          const __m256i xg = bcast(xq[r] + 4 * g);
+          const IVec xg = bcast4(xq[r] + 4 * g);
           for (int v = 0; v < kV; ++v) {
-            acc[r][v].add(aw[v], Kind == kQ8_0h ? _mm256_sign_epi8(xg, w[v]) : xg);
+            acc[r][v].add(aw[v], Kind == kQ8_0h ? iv::sign8(xg, w[v]) : xg);
             settle(acc[r][v]);
           }
         }
@@ -305,7 +310,7 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
     }
     if constexpr (Kind == kQ8_0m) {
       for (int r = 0; r < R; ++r)
-        for (int v = 0; v < kV; ++v) isum[r][v] = _mm256_add_epi32(isum[r][v], isum[r][kV + v]);
+        for (int v = 0; v < kV; ++v) isum[r][v] = iv::add32(isum[r][v], isum[r][kV + v]);
     }
   }
 }
@@ -315,43 +320,43 @@ template <int Kind, int R>
 void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
   constexpr int Q = quant_kind(Kind);  // how the block's quants are kept
   const int64_t nb = x.k / kBlock;
-  __m256 acc[R][kV];
+  FVec acc[R][kV];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kV; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int v = 0; v < kV; ++v) acc[r][v] = iv::fzero();
   const uint8_t* blocks = panel + q8_header_bytes(Kind, nb);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = blocks + b * q8_block_bytes(Kind);
     prefetch_ahead(blk, q8_block_bytes(Kind));
-    __m256 dw[kV], mw[kV];  // the block's d and m (Q8_0h: the last 16 inputs' d) per column
+    FVec dw[kV], mw[kV];  // the block's d and m (Q8_0h: the last 16 inputs' d) per column
     for (int v = 0; v < kV; ++v) {
       if constexpr (half_scales(Kind)) {
-        const auto* h = reinterpret_cast<const __m128i*>(blk);
-        dw[v] = _mm256_cvtph_ps(_mm_loadu_si128(h + v));
-        if constexpr (Q != kQ8_0 && Q != kQ5_0) mw[v] = _mm256_cvtph_ps(_mm_loadu_si128(h + kV + v));
+        const auto* h = reinterpret_cast<const uint16_t*>(blk);
+        dw[v] = iv::half_lanes(h + kIntLanes * v);
+        if constexpr (Q != kQ8_0 && Q != kQ5_0) mw[v] = iv::half_lanes(h + kNR + kIntLanes * v);
       } else {
         const float* d = reinterpret_cast<const float*>(blk);
-        dw[v] = _mm256_loadu_ps(d + 8 * v);
-        if constexpr (Kind != kQ8_0) mw[v] = _mm256_loadu_ps(d + kNR + 8 * v);
+        dw[v] = iv::fload(d + kIntLanes * v);
+        if constexpr (Kind != kQ8_0) mw[v] = iv::fload(d + kNR + kIntLanes * v);
       }
     }
-    __m256i isum[R][2 * kV];
+    IVec isum[R][2 * kV];
     block_sums<Q, R>(blk + q8_quants_offset(Kind), x, row0, b, isum);
     for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(x.d[(row0 + r) * nb + b]);
-      const __m256 sx = _mm256_set1_ps(static_cast<float>(x.s[(row0 + r) * nb + b]));
+      const FVec dx = iv::fset1(x.d[(row0 + r) * nb + b]);
+      const FVec sx = iv::fset1(static_cast<float>(x.s[(row0 + r) * nb + b]));
       for (int v = 0; v < kV; ++v) {
-        __m256 u = _mm256_mul_ps(dw[v], _mm256_cvtepi32_ps(isum[r][v]));
+        FVec u = iv::fmul(dw[v], iv::to_float(isum[r][v]));
         if constexpr (Q == kQ4_1 || Q == kQ8_0m || Q == kQ5_1) {
-          u = _mm256_add_ps(u, _mm256_mul_ps(mw[v], sx));
+          u = iv::fadd(u, iv::fmul(mw[v], sx));
         } else if constexpr (Q == kQ8_0h) {
-          u = _mm256_add_ps(u, _mm256_mul_ps(mw[v], _mm256_cvtepi32_ps(isum[r][kV + v])));
+          u = iv::fadd(u, iv::fmul(mw[v], iv::to_float(isum[r][kV + v])));
         }
-        acc[r][v] = _mm256_add_ps(acc[r][v], _mm256_mul_ps(dx, u));
+        acc[r][v] = iv::fadd(acc[r][v], iv::fmul(dx, u));
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kV; ++v) _mm256_storeu_ps(out + r * kNR + 8 * v, acc[r][v]);
+    for (int v = 0; v < kV; ++v) iv::fstore(out + r * kNR + kIntLanes * v, acc[r][v]);
 }
 #else
 // isum[r][c] (and, Q8_0h, isum[r][kNR + c] for the last 16 inputs): the integer dot products of

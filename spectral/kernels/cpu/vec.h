@@ -91,9 +91,15 @@ inline Vec::R load(const float* p) { return Vec::load(p); }
 
 // How far ahead of the block a matmul reads it asks for the weights it reads next. They stream
 // from memory once a step, and the hardware prefetchers alone kept a core at ~60% of what a
-// plain sum reads (bench/stream.py measures both builds; 0 turns the hint off).
+// plain sum reads (bench/stream.py measures the builds; 0 turns the hint off). The locality is
+// __builtin_prefetch's: 0 non-temporal (what an AMD EPYC reads fastest), 3 into every level
+// (an Intel Xeon: non-temporal lines skip its L2, and a matrix that fits there left it);
+// cpu_kernels.prefetch_locality() chooses it for the runtime's build.
 #ifndef SPECTRAL_PREFETCH_AHEAD
 #define SPECTRAL_PREFETCH_AHEAD 1024
+#endif
+#ifndef SPECTRAL_PREFETCH_LOCALITY
+#define SPECTRAL_PREFETCH_LOCALITY 0
 #endif
 constexpr int64_t kPrefetchAhead = SPECTRAL_PREFETCH_AHEAD;
 
@@ -102,7 +108,8 @@ constexpr int64_t kPrefetchAhead = SPECTRAL_PREFETCH_AHEAD;
 inline void prefetch_ahead(const void* block, int64_t bytes) {
   if constexpr (kPrefetchAhead > 0) {
     const char* p = static_cast<const char*>(block) + kPrefetchAhead;
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
+    for (int64_t off = 0; off < bytes; off += 64)
+      __builtin_prefetch(p + off, 0, SPECTRAL_PREFETCH_LOCALITY);
   }
 }
 
