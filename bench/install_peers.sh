@@ -6,6 +6,14 @@ set -u
 ROOT=${PEERS_DIR:-.peers}
 mkdir -p "$ROOT"
 
+# llama.cpp built for this CPU (GGML_NATIVE), but without its AMX kernels where the CPU has AMX:
+# built with them, llama-cpp-python 0.3.36 died with SIGSEGV in its first generation on an Intel
+# Xeon VM (2026-11-29). Empty elsewhere.
+NO_AMX=""
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
+
 install_vllm() {
     local venv=$ROOT/vllm
     [ -e "$venv/.installed" ] && return 0
@@ -23,7 +31,8 @@ install_llama() {
     [ -e "$venv/.installed" ] && return 0
     python3 -m venv "$venv" &&
     "$venv/bin/pip" install --quiet --upgrade pip &&
-    CMAKE_ARGS="-DGGML_NATIVE=ON" "$venv/bin/pip" install --quiet llama-cpp-python==0.3.36 &&
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'" \
+        "$venv/bin/pip" install --quiet llama-cpp-python==0.3.36 &&
     "$venv/bin/python" -c "import llama_cpp" && touch "$venv/.installed"
 }
 
@@ -40,6 +49,7 @@ install_llama_tools() {
     tar xzf "$src"/llama_cpp_python-0.3.36.tar.gz -C "$src" &&
     local tree=$src/llama_cpp_python-0.3.36/vendor/llama.cpp &&
     cmake -S "$tree" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF \
         >/dev/null &&
     cmake --build "$src/build" -j "$(nproc)" \
