@@ -41,8 +41,8 @@ def cpu_vendor() -> str:
 
 def prefetch_locality() -> int:
     """How the matmuls ask for the weights they read next (vec.h's prefetch_ahead), as
-    bench/stream.py measured each against no hint: into every cache level on Intel (1.05-1.53x;
-    non-temporal there 0.85-1.04x, and it kept a matrix that fits L2 out of it between calls),
+    bench/stream.py measured each against no hint: into every cache level on Intel (1.03-1.55x;
+    non-temporal there 0.72-1.04x, and it kept a matrix that fits L2 out of it between calls),
     non-temporal elsewhere (an AMD EPYC: 1.03-1.22x)."""
     return 3 if cpu_vendor() == "GenuineIntel" else 0
 
