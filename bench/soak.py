@@ -116,17 +116,22 @@ async def serving_again(http: httpx.AsyncClient, limit: float = 60.0) -> float |
     return None
 
 
-async def held_when_idle(http: httpx.AsyncClient, urls: list[str]) -> tuple[int | None, int, int]:
-    """KV tokens held by requests once every server is idle (each server read directly), the
-    bytes of their compiled-grammar caches and the tokens in their n-gram indexes (bounded
-    caches, which fill as new grammars and requests come)."""
-    held, cached, indexed = 0, 0, 0
+async def held_when_idle(
+    http: httpx.AsyncClient, urls: list[str]
+) -> tuple[int | None, int, int, dict]:
+    """KV tokens held by requests once every server is idle (each server read directly; None
+    where one did not answer or stayed busy), the bytes of their compiled-grammar caches, the
+    tokens in their n-gram indexes (bounded caches, which fill as new grammars and requests
+    come), and the first server's last /get_server_info ({} where it did not answer)."""
+    held, cached, indexed, first = 0, 0, 0, {}
     for url in urls:
         for _ in range(50):
             try:
                 info = (await http.get(url + "/get_server_info")).json()
             except (httpx.TransportError, httpx.TimeoutException, ValueError):
-                return None
+                return None, cached, indexed, first
+            if url == urls[0]:
+                first = info
             mem = info["memory"]
             if info["requests"] == {"running": 0, "waiting": 0}:
                 held += mem["total_tokens"] - mem["free_tokens"] - mem["evictable_tokens"]
@@ -135,18 +140,15 @@ async def held_when_idle(http: httpx.AsyncClient, urls: list[str]) -> tuple[int 
                 break
             await asyncio.sleep(0.2)
         else:
-            return None, cached, indexed
-    return held, cached, indexed
+            return None, cached, indexed, first
+    return held, cached, indexed, first
 
 
-async def server_counters(http: httpx.AsyncClient, url: str) -> dict:
+def server_counters(info: dict) -> dict:
     """The server's step statistics and its planner's record (rounds by kind, their acceptance
-    and calibration) at the end of a minute: what a drift in latency came from."""
-    try:
-        info = (await http.get(url + "/get_server_info")).json()
-    except (httpx.TransportError, httpx.TimeoutException, ValueError):
-        return {}
-    return {"stats": info.get("stats"), "speculative": info.get("speculative")}
+    and calibration) at the end of a minute, from its /get_server_info: what a drift in latency
+    came from."""
+    return {"stats": info.get("stats"), "speculative": info.get("speculative")} if info else {}
 
 
 class Soak:
@@ -199,10 +201,10 @@ class Soak:
             await asyncio.sleep(random.expovariate(self.ns.rate))
         await asyncio.gather(*tasks)
         await fault
-        held, cached, indexed = await held_when_idle(http, self.urls)
+        held, cached, indexed, info = await held_when_idle(http, self.urls)
         row = self.record(index, outcomes, held)
         row |= {"grammar_cache_mib": cached / 2**20, "ngram_index_tokens": indexed}
-        return row | await server_counters(http, self.urls[0])
+        return row | server_counters(info)
 
     async def fault_at(self, http: httpx.AsyncClient, index: int) -> None:
         if index % 10 == 3:
