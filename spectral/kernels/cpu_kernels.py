@@ -28,15 +28,19 @@ KERNEL_DIR = Path(__file__).parent / "cpu"
 SOURCE = KERNEL_DIR / "module.cpp"
 
 
+@functools.cache
+def cpuinfo_lines() -> tuple[str, ...]:
+    """/proc/cpuinfo's lines (Linux), else none."""
+    try:
+        return tuple(Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return ()
+
+
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    line = next((line for line in cpuinfo_lines() if line.startswith("vendor_id")), ":")
+    return line.split(":", 1)[1].strip()
 
 
 def prefetch_locality() -> int:
@@ -149,9 +153,5 @@ def _remove_stale_lock(lock: Path) -> None:
 
 def cpu_signature() -> str:
     """The processor's model and instruction-set flags (Linux), else what platform knows."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    wanted = [line for line in cpuinfo_lines() if line.startswith(("model name", "flags"))][:2]
     return "\n".join(wanted) or f"{platform.machine()} {platform.processor()}"

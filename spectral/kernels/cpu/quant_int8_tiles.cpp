@@ -283,7 +283,8 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
       }
     }
     for (int r = 0; r < R; ++r) {
-      const IVec bias = iv::words(kVnni ? 128 * x.s[(row0 + r) * (x.k / kBlock) + b] : 0);
+      IVec bias = iv::zero();  // with VNNI, what the quants' flipped top bits added: 128 s
+      if constexpr (kVnni != 0) bias = iv::words(128 * x.s[(row0 + r) * (x.k / kBlock) + b]);
       for (int v = 0; v < kV; ++v) store(r, 0, v, iv::sub32(acc[r][v].v, bias));
     }
   } else {
