@@ -586,6 +586,12 @@ def test_settings_refuse_what_cannot_work(tmp_path: Path, peaky_model_dir: str) 
             speculative_ngram_min_match_window_size=5,
             speculative_ngram_max_match_window_size=3,
         )
+    # NGRAM's trees start from one-token matches, a hybrid's from two; the flag decides over both.
+    ngram = ServerArgs(speculative_algorithm="NGRAM").spec
+    assert (ngram.ngram_min_match, ngram.ngram_max_match) == (1, 4)
+    assert ServerArgs(speculative_algorithm="EAGLE3").spec.ngram_min_match == 2
+    flagged = ServerArgs(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=3)
+    assert flagged.spec.ngram_min_match == 3
     with pytest.raises(ValueError, match="pairs n-gram drafts with a drafter"):
         ServerArgs(speculative_algorithm="NGRAM", speculative_hybrid_ngram=8)
     with pytest.raises(ValueError, match="the n-gram tree size, root included: >= 2"):

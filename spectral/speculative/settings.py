@@ -13,7 +13,6 @@ from spectral.speculative.registry import Algorithm
 DEFAULT_LOOKAHEAD = (3, 3, 2)
 # NGRAM drafts only from a suffix match of at least this many tokens (one-token matches are
 # right too rarely to pay for their verification).
-DEFAULT_NGRAM_MIN_MATCH = 2
 DEFAULT_NGRAM_MAX_MATCH = 4
 # With fixed trees (--speculative-fixed-tree), above this many running requests a round costs
 # more than it gains on a CPU; decode plainly there (the head keeps its KV, so speculation
@@ -124,7 +123,7 @@ class SpecSettings:
             tokens,
             draft_path(entry, args),
             max_batch,
-            *ngram_match(args),
+            *ngram_match(entry, args),
             hybrid,
             merge,
             fixed,
@@ -178,9 +177,9 @@ def draft_path(entry: Algorithm, args: Any) -> str | None:
     return path
 
 
-def ngram_match(args: Any) -> tuple[int, int]:
+def ngram_match(entry: Algorithm, args: Any) -> tuple[int, int]:
     """(shortest, longest) suffix an n-gram source matches."""
-    ngram_min = args.speculative_ngram_min_match_window_size or DEFAULT_NGRAM_MIN_MATCH
+    ngram_min = args.speculative_ngram_min_match_window_size or entry.ngram_min_match
     ngram_max = args.speculative_ngram_max_match_window_size or max(
         DEFAULT_NGRAM_MAX_MATCH, ngram_min
     )
