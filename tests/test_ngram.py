@@ -41,10 +41,22 @@ def test_a_tree_expands_the_most_probable_paths_first():
 
 
 def test_the_longest_matched_suffix_wins_over_a_more_frequent_shorter_one():
-    # "1 2 3" was followed by 7 once; "3" alone was followed by 8 twice.
-    context = [1, 2, 3, 7, 5, 3, 8, 4, 3, 8, 1, 2, 3]
+    # "1 2 3" was followed by 7 once; "2 3" by 9 once more; "3" alone was followed by 8 twice.
+    context = [2, 3, 9, 1, 2, 3, 7, 5, 3, 8, 4, 3, 8, 1, 2, 3]
     assert NgramDrafter(max_nodes=1, max_depth=1).propose(context) == ([7], [0])
-    assert NgramDrafter(max_nodes=2, max_depth=1).propose(context) == ([7, 8], [0, 0])
+    # a two-token match joins the tree; one-token matches only where nothing longer matched
+    assert NgramDrafter(max_nodes=3, max_depth=1).propose(context) == ([7, 9], [0, 0])
+    drafter = NgramDrafter(max_nodes=3, max_depth=1)
+    drafter.shortest_alone = 0  # one-token matches beside longer ones, too
+    assert drafter.propose(context) == ([7, 9, 8], [0, 0, 0])
+
+
+def test_one_token_matches_draft_where_nothing_longer_matches():
+    context = [5, 3, 8, 4, 3, 8, 1, 3]  # "1 3" never came before; "3" was followed by 8 twice
+    state = NgramState()
+    # "3 8 4" and "3 8 1": 8 twice, then the newer continuation first
+    assert NgramDrafter(max_nodes=2, max_depth=2).propose(context, state) == ([8, 1], [0, 1])
+    assert state.match_len == 1
 
 
 def test_min_ngram_ignores_shorter_matches():

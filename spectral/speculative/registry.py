@@ -126,9 +126,9 @@ register(
 )
 # An n-gram tree costs nothing to draft and the planner sizes it by what a round costs, so its
 # cap is as deep as llama.cpp's n-gram drafts: 16 against 4 gained 4-12% at batch 1 (the default
-# model's HumanEval, the 1.5B's) and up to 3% at batch 4. Its trees also start from one-token
-# matches (acceptance is learnt per match length): 1.07x on the 1.5B's HumanEval, even on the
-# default model's (docs/benchmarks.md, 2026-11-29).
+# model's HumanEval, the 1.5B's) and up to 3% at batch 4. Where no longer suffix matches, its
+# trees start from one-token matches (acceptance is learnt per match length): 1.04-1.08x on
+# HumanEval, MT-Bench even (docs/benchmarks.md, 2026-11-29).
 register(Algorithm("NGRAM", (15, 1, 16), ngram_min_match=1))
 register(Algorithm("LOOKAHEAD", (3, 1, 6), lookahead=True))
 register(Algorithm("REST", (4, 1, 8), datastore_only=True))

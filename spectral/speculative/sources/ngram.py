@@ -18,6 +18,10 @@ from spectral.speculative.sources.datastore import Datastore
 from spectral.speculative.sources.ngram_index import NgramIndex
 
 MAX_MATCHES = 8
+# Suffixes this short (or shorter) are matched only where no longer one was: their
+# continuations beside a longer match's are its trie's least likely branches, and looking them
+# up cost more than the rest of a proposal (one-token matches, NGRAM's default).
+SHORTEST_ALONE = 1
 # A datastore lookup (REST): the longest suffix it tries, and the occurrences it reads.
 DATASTORE_WINDOW = 16
 DATASTORE_RESULTS = 32
@@ -113,6 +117,7 @@ class NgramDrafter:
         self.ngrams = ngrams
         self.index = NgramIndex(max_indexed_tokens if ngrams else 0, min_ngram, max_ngram)
         self.datastore = datastore
+        self.shortest_alone = SHORTEST_ALONE
 
     @property
     def num_indexed_tokens(self) -> int:
@@ -147,6 +152,8 @@ class NgramDrafter:
         longest = 0
         top = min(self.max_ngram, len(context)) if self.ngrams else 0
         for n in range(top, self.min_ngram - 1, -1):
+            if longest and n <= self.shortest_alone:
+                break
             weight = WEIGHT_BASE**n
             matched = len(seen)
             for start in _self_matches(data, n):
