@@ -46,8 +46,8 @@ def test_the_longest_matched_suffix_wins_over_a_more_frequent_shorter_one():
     assert NgramDrafter(max_nodes=1, max_depth=1).propose(context) == ([7], [0])
     # a two-token match joins the tree; one-token matches only where nothing longer matched
     assert NgramDrafter(max_nodes=3, max_depth=1).propose(context) == ([7, 9], [0, 0])
-    drafter = NgramDrafter(max_nodes=3, max_depth=1)
-    drafter.shortest_alone = 0  # one-token matches beside longer ones, too
+    # one-token matches beside longer ones, too
+    drafter = NgramDrafter(max_nodes=3, max_depth=1, shortest_alone=0)
     assert drafter.propose(context) == ([7, 9, 8], [0, 0, 0])
 
 

@@ -78,7 +78,8 @@ HELP: dict[str, dict[str, str]] = {
             "1 with --speculative-fixed-tree)"
         ),
         "speculative_ngram_min_match_window_size": (
-            "NGRAM: shortest suffix match that drafts (default 1 for NGRAM, 2 for the hybrids)"
+            "NGRAM: shortest suffix match that drafts (default 1 for NGRAM, where no longer suffix "
+            "matches; 2 for the hybrids)"
         ),
         "speculative_ngram_max_match_window_size": "NGRAM: longest suffix matched (default 4)",
         "speculative_hybrid_ngram": (

@@ -11,8 +11,8 @@ from spectral.speculative.registry import Algorithm
 # LOOKAHEAD: window W, n-gram size N, guesses G (LADE's names), sized for a CPU where a verify
 # forward's extra tokens are not free.
 DEFAULT_LOOKAHEAD = (3, 3, 2)
-# NGRAM drafts only from a suffix match of at least this many tokens (one-token matches are
-# right too rarely to pay for their verification).
+# The longest suffix an n-gram source matches (the shortest is the algorithm's
+# `ngram_min_match`).
 DEFAULT_NGRAM_MAX_MATCH = 4
 # With fixed trees (--speculative-fixed-tree), above this many running requests a round costs
 # more than it gains on a CPU; decode plainly there (the head keeps its KV, so speculation

@@ -94,10 +94,12 @@ class NgramDrafter:
         max_indexed_tokens: int = 1_000_000,
         datastore: Datastore | None = None,
         ngrams: bool = True,
+        shortest_alone: int = SHORTEST_ALONE,
     ) -> None:
         """`datastore`: a corpus whose continuations draft where no n-gram matches (REST);
         `ngrams` False: the datastore's alone (no matches in the context or the server's past
-        requests)."""
+        requests); `shortest_alone`: suffixes this short are matched only where no longer one
+        was (0: beside longer ones too)."""
         if max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0 (got {max_nodes})")
         if max_depth < 1:
@@ -117,7 +119,7 @@ class NgramDrafter:
         self.ngrams = ngrams
         self.index = NgramIndex(max_indexed_tokens if ngrams else 0, min_ngram, max_ngram)
         self.datastore = datastore
-        self.shortest_alone = SHORTEST_ALONE
+        self.shortest_alone = shortest_alone
 
     @property
     def num_indexed_tokens(self) -> int:
