@@ -11,6 +11,7 @@ import re
 import pytest
 
 from spectral import Engine
+from spectral.layers.linear import Linear
 from tests.conftest import assert_no_leaks
 
 TOPICS = [
@@ -100,6 +101,10 @@ def speculative(request):
     # Every request verifies a tree every round, whatever this machine's costs.
     options = dict(speculative_fixed_tree=True, speculative_max_batch_size=8)
     with engine(**SPECULATIVE[request.param], **options) as e:
+        drafter = e.worker.drafter
+        if drafter is not None:  # the head's matmuls take the target's (integer) path too
+            layouts = [m.packed.gguf_type for m in drafter.head.modules() if isinstance(m, Linear)]
+            assert layouts and all(layout.endswith("+q8") for layout in layouts), layouts
         yield e
 
 

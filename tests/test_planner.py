@@ -4,6 +4,7 @@ model, and per-request tree sizes in select_eagle_trees."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -12,7 +13,10 @@ import random
 import pytest
 import torch
 
+from spectral.args import ServerArgs
 from spectral.core.forward import ForwardMode
+from spectral.core.req import Req
+from spectral.sampling_params import SamplingParams
 from spectral.speculative.cost_model import (
     CALIBRATION_BOUNDS,
     BatchCalibration,
@@ -21,6 +25,7 @@ from spectral.speculative.cost_model import (
     interpolate,
 )
 from spectral.speculative.registry import get as get_algorithm
+from spectral.speculative.settings import SpecSettings
 from spectral.speculative.sources import planner as planner_module
 from spectral.speculative.sources.acceptance import (
     HEAD,
@@ -37,6 +42,7 @@ from spectral.speculative.sources.planner import (
     PlanInput,
     TreePlanner,
 )
+from spectral.speculative.sources.round import SpecRound
 from spectral.speculative.tree import select_eagle_trees
 
 # A 2-core CPU's shape: a node costs ~1/8 of a one-token forward, the head ~1/3 of one.
@@ -399,6 +405,23 @@ def test_a_declined_plan_is_declined_again_without_planning_until_its_inputs_mov
     assert len(planned) == 4
 
 
+def test_the_declined_plans_of_inputs_a_batch_moves_between_are_kept(monkeypatch) -> None:
+    """A request moving between n-gram buckets (and tree sizes) is planned once per input."""
+    monkeypatch.setattr(planner_module, "MIN_GAIN", 100.0)  # every plan declined
+    planner = trained_planner()
+    planned = []
+    best_plan = planner.best_plan
+    monkeypatch.setattr(planner, "best_plan", lambda reqs: planned.append(1) or best_plan(reqs))
+    batches = [
+        [PlanInput(HEAD, 8)],
+        [PlanInput(NGRAM, 6)],
+        [PlanInput(NGRAM, 3), PlanInput(HEAD, 8)],
+    ]
+    for _ in range(4):
+        assert not any(planner.plan(reqs).speculate for reqs in batches)
+    assert len(planned) == 3
+
+
 def test_no_tree_pays_where_drafts_are_never_accepted() -> None:
     planner = TreePlanner(STEEP)
     for _ in range(200):
@@ -562,3 +585,73 @@ def test_rounds_slower_than_the_cost_model_turn_speculation_off() -> None:
     ngram.record_step(ForwardMode.TARGET_VERIFY, 1, 0.5 * plan.predicted_ms / 1000)
     assert ngram.calibration["rounds"].factor < 1.0
     assert ngram.calibration["drafted_rounds"].count == 0
+
+
+VOCAB = 30  # few matches: trees often smaller than their lookups allow
+
+
+def ngram_round(rng: random.Random) -> SpecRound:
+    """NGRAM's SpecRound under STEEP, its buckets' statistics accepted often after long matches
+    and rarely after short ones (some plans speculate, some decline), its index holding a few
+    sequences of the same 12 tokens as the requests."""
+    spec_round = SpecRound(
+        SpecSettings.from_args(ServerArgs(speculative_algorithm="NGRAM")), STEEP, None, 4096
+    )
+    for length, first in ((1, 0.02), (2, 0.1), (3, 0.9), (4, 0.95)):
+        stats = spec_round.planner.stats_for(ngram_bucket(length))
+        for _ in range(100):
+            path = []
+            for r in range(15):
+                if rng.random() >= first:
+                    break
+                path.append(r)
+            stats.observe(15, path, None)
+    for _ in range(4):
+        spec_round.ngram.add_sequence([rng.randrange(VOCAB) for _ in range(40)])
+    return spec_round
+
+
+def built_plan(planner: TreePlanner, spec_round: SpecRound, reqs: list[Req]) -> list[int] | None:
+    """The oracle: every request's n-gram tree built first, then planned at its size."""
+    inputs = []
+    for req in reqs:
+        tokens, _ = spec_round.ngram.propose(req.all_ids)
+        kind = ngram_bucket(spec_round.ngram.match(req.all_ids).longest)
+        inputs.append(PlanInput(kind, 1 + len(tokens), req.spec.accepted_tokens))
+    plan = planner.plan(inputs)
+    return plan.nodes if plan.speculate and any(n > 1 for n in plan.nodes) else None
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_ngram_trees_are_planned_on_their_lookups_and_built_where_verified(batch: int) -> None:
+    """An n-gram tree is planned at the most nodes its lookups allow and built only where the
+    plan verifies it, planned again where it came out smaller: a request alone gets the plan
+    its built tree would have had (the planner copied before each step); in a batch every tree
+    is within what was built, and a tree verified is the built tree's first nodes."""
+    rng = random.Random(batch)
+    spec_round = ngram_round(rng)
+    reqs = [
+        Req(f"r{i}", [rng.randrange(VOCAB) for _ in range(30)], SamplingParams())
+        for i in range(batch)
+    ]
+    planned = 0
+    for _ in range(150):
+        oracle = built_plan(copy.deepcopy(spec_round.planner), spec_round, reqs)
+        trees = [spec_round.ngram.propose(req.all_ids) for req in reqs]
+        sizes = spec_round.plan(reqs)
+        if batch == 1:
+            assert sizes == oracle
+        if sizes is not None:
+            planned += 1
+            for req, size, (tokens, parents) in zip(reqs, sizes, trees):
+                assert size <= 1 + len(tokens)
+                assert req.spec.draft_tokens == tokens[: size - 1]
+                assert req.spec.draft_parents == parents[: size - 1]
+            spec_round.record_plan(sizes)
+        for req in reqs:  # the request goes on, now and then repeating its own past (its
+            past = req.all_ids  # recent past: a match whose continuation is short)
+            start = rng.randrange(len(past) - 8 if rng.random() < 0.5 else 0, len(past) - 3)
+            repeat = rng.random() < 0.4
+            req.output_ids += past[start : start + 3] if repeat else [rng.randrange(VOCAB)]
+    record = spec_round.planner.record
+    assert 10 < planned < 150 and record.replans > 0

@@ -129,13 +129,17 @@ class Linear(nn.Linear):
     kernels: ModuleType | None = None
     packed: PackedWeight | PackedRows | None = None
 
-    def set_kernels(self, kernels: ModuleType | None, quantize: str | None = None) -> None:
+    def set_kernels(
+        self, kernels: ModuleType | None, quantize: str | None = None, int8: bool = False
+    ) -> None:
         """Serve matmuls through `kernels`, packing the weight for them (quantized to GGUF
-        blocks of type `quantize` where given and possible) unless a packed form (GGUF
-        blocks) is attached already."""
+        blocks of type `quantize` where given and possible, through the integer path with
+        `int8`) unless a packed form (GGUF blocks) is attached already."""
         self.kernels = kernels
         if kernels is None or self.packed is None:
             packed = quantize_weight(self.weight, kernels, quantize) if quantize else None
+            if packed is not None and int8:
+                packed = integer_path(packed, self.in_features, kernels)
             self.packed = packed or pack_weight(self.weight, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

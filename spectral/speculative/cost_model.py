@@ -110,6 +110,7 @@ class CostCurves:
         self.cost = cost
         self._verify: dict[int, float] = {}
         self._draft: dict[tuple[int, int], float] = {}
+        self._plain: dict[int, float] = {}
         # suffix minima of the verify curve's slopes, 0 where it is not increasing
         points = cost.verify
         slopes = [max(0.0, (y1 - y0) / (x1 - x0)) for (x0, y0), (x1, y1) in zip(points, points[1:])]
@@ -120,6 +121,12 @@ class CostCurves:
         if nodes not in self._verify:
             self._verify[nodes] = self.cost.verify_ms(nodes)
         return self._verify[nodes]
+
+    def plain(self, batch: int) -> float:
+        found = self._plain.get(batch)
+        if found is None:
+            found = self._plain[batch] = self.cost.plain_ms(batch)
+        return found
 
     def draft(self, requests: int, levels: int) -> float:
         if (requests, levels) not in self._draft:
@@ -175,6 +182,7 @@ class BatchCalibration:
     def __init__(self) -> None:
         self.overall = Calibration()
         self.buckets: dict[int, Calibration] = {}
+        self._nearest: dict[int, Calibration] = {}  # by bucket, until a bucket is added
 
     @property
     def factor(self) -> float:
@@ -185,20 +193,30 @@ class BatchCalibration:
         return self.overall.count
 
     def factor_for(self, batch: int) -> float | None:
-        if not self.buckets:
-            return None
-        bucket = max(batch, 1).bit_length()
-        nearest = min(self.buckets, key=lambda b: (abs(b - bucket), b))
-        return self.buckets[nearest].factor
+        nearest = self._nearest_to(max(batch, 1).bit_length())
+        return None if nearest is None else nearest.factor
+
+    def _nearest_to(self, bucket: int) -> Calibration | None:
+        found = self._nearest.get(bucket)
+        if found is None and self.buckets:
+            nearest = min(self.buckets, key=lambda b: (abs(b - bucket), b))
+            found = self._nearest[bucket] = self.buckets[nearest]
+        return found
 
     def observe(
         self, measured_ms: float, predicted_ms: float, batch: int = 1, start: float = 1.0
     ) -> None:
         """A step of `batch` requests; `start` as Calibration.observe's, for the first step
         over all sizes (a bucket's first starts from the nearest bucket's factor)."""
-        nearest = self.factor_for(batch)
-        bucket = self.buckets.setdefault(max(batch, 1).bit_length(), Calibration())
-        bucket.observe(measured_ms, predicted_ms, start if nearest is None else nearest)
+        key = max(batch, 1).bit_length()
+        bucket = self.buckets.get(key)
+        first = start  # a bucket's only matters to its first step
+        if bucket is None:
+            nearest = self._nearest_to(key)
+            bucket = self.buckets[key] = Calibration()
+            self._nearest.clear()
+            first = start if nearest is None else nearest.factor
+        bucket.observe(measured_ms, predicted_ms, first)
         self.overall.observe(measured_ms, predicted_ms, start)
 
     def to_dict(self) -> dict:

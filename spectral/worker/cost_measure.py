@@ -31,14 +31,15 @@ DRAFT_POINTS = (1, 4)
 PREFIX = 256  # tokens of context the measured requests hold (a chat prompt and its answer)
 REPEATS = 3
 PASSES = 5  # of the verify curve and the plain step, interleaved
-# Plain steps recorded by the drafter to time its upkeep (`idle`): enough that work it queues
-# and runs in batches (a head's KV, every 64 tokens) is in the mean.
+# Plain steps recorded by the drafter to time its upkeep (`idle`), the work it queues for them
+# (a head's KV, run in batches of up to 256 tokens) written at their end and in the mean.
 IDLE_STEPS = 64
 # What the measurements mean: bumped when a change in the code makes cached models wrong (2: a
 # round whose trees the head did not draft queues the head's KV instead of extending it; 3: a
 # plain step's time is the target's alone, the drafter's upkeep measured apart as `idle`; 4:
-# the verify curve and the plain step timed in interleaved passes).
-MEASURE_VERSION = 4
+# the verify curve and the plain step timed in interleaved passes; 5: the idle steps' queued
+# work timed with them).
+MEASURE_VERSION = 5
 
 
 def cache_key(parts: dict) -> str:
@@ -200,8 +201,8 @@ def measure(worker: SpeculativeWorker) -> CostModel:
 def _idle_ms(worker: SpeculativeWorker, step: WorkerBatch, b: int) -> float:
     """The mean ms the drafter adds to a plain step of `b` requests (`worker.observe_step`, as
     `worker.forward` runs it after the target's forward) over IDLE_STEPS steps, the work it
-    defers among them; row 0 taken `b` times (its slot rewritten), what it queued written
-    before returning."""
+    defers for them written at their end and timed with them; row 0 taken `b` times (its slot
+    rewritten)."""
     wide = dataclasses.replace(
         step,
         input_ids=step.input_ids * b,
@@ -215,9 +216,9 @@ def _idle_ms(worker: SpeculativeWorker, step: WorkerBatch, b: int) -> float:
     result, fb, hidden, captured = worker.target.run(wide, worker.drafter.capture_layers)
     args = (fb, wide.req_pool_indices, result.next_token_ids, hidden, captured)
     worker.observe_step(*args)
+    worker.drafter.flush()
     start = time.perf_counter()
     for _ in range(IDLE_STEPS):
         worker.observe_step(*args)
-    ms = 1000 * (time.perf_counter() - start) / IDLE_STEPS
     worker.drafter.flush()
-    return ms
+    return 1000 * (time.perf_counter() - start) / IDLE_STEPS

@@ -149,6 +149,10 @@ class ModelWorker:
                 tensor_parallel,
                 quantize,
             )
+        # the GGUF blocks' matmuls quantize their inputs to 8 bits (a drafter's follow)
+        self.integer_path = bool(
+            gguf_file and gguf_native and gguf_int8 and kernels is not None
+        ) and dtype in (torch.float32, torch.bfloat16)
         # what this process's layers and KV pool hold
         shares = self.model.shares
         cfg: ModelConfig = shares.config(self.config) if shares is not None else self.config

@@ -35,8 +35,9 @@ from spectral.speculative.drafters.head_batches import (
     shifted_draft_batch,
 )
 
-# write_kv computes its queued positions once this many wait.
-FLUSH_TOKENS = 64
+# write_kv computes its queued positions once this many wait: each computation has a cost of
+# its own (64: 37 us a token at batch 16 on the default model; 256: 23 us).
+FLUSH_TOKENS = 256
 
 
 class EagleDrafter:
@@ -106,8 +107,12 @@ class EagleDrafter:
         after the batch). After a prefill the head extends at once (its top-k fresh for the
         first round, as SGLang drafts after prefill: that round's time is then a round's, not
         the prompt's too); after a decode step only its KV is queued (`write_kv`)."""
-        head_batch = shifted_draft_batch(batch, next_ids)
-        (self.extend if batch.mode == ForwardMode.EXTEND else self.write_kv)(head_batch, features)
+        if batch.mode == ForwardMode.EXTEND:
+            self.extend(shifted_draft_batch(batch, next_ids), features)
+        elif all(n == 1 for n in batch.extend_lens):  # each position pairs with its next token
+            self.write_kv(batch, features, next_ids)
+        else:
+            self.write_kv(shifted_draft_batch(batch, next_ids), features)
 
     def observe_round(
         self,
@@ -192,37 +197,36 @@ class EagleDrafter:
                 self._stale_rows.pop(row, None)
 
     @torch.inference_mode()
-    def write_kv(self, batch: ForwardBatch, features: torch.Tensor) -> None:
-        """Only the head's KV for the batch's new positions (`extend`'s arguments), deferred:
-        queued until the head next reads its KV (`extend`, `draft`) or FLUSH_TOKENS wait, so
-        that plain decode steps pay for one batched computation instead of many tiny ones.
-        Each row's top-k is left stale; its next `draft` runs the full head there first.
-        No tensor is touched until the queue is flushed: a plain step costs the head nothing
-        else."""
+    def write_kv(
+        self, batch: ForwardBatch, features: torch.Tensor, next_ids: list[int] | None = None
+    ) -> None:
+        """Only the head's KV for the batch's new positions (`extend`'s arguments, or a decode
+        step's batch and the token after each position as the host has them), deferred until
+        the head next reads its KV (`extend`, `draft`) or FLUSH_TOKENS wait: plain steps pay
+        for one batched computation instead of many tiny ones, and touch no tensor. Each
+        row's top-k is left stale; its next `draft` runs the full head there first."""
         rows = batch.host_rows()
         for row, start, n in zip(rows, batch.prefix_lens, batch.extend_lens):
             self._stale_rows[row] = start + n - 1  # the row's last position
-        if self._queue.add(batch, features, rows) >= FLUSH_TOKENS:
+        ids = batch.input_ids if next_ids is None else next_ids
+        parts = (ids, features, batch.positions, batch.out_cache_loc, rows, batch.extend_lens)
+        if self._queue.add(*parts) >= FLUSH_TOKENS:
             self.flush()
 
     @torch.inference_mode()
     def flush(self) -> None:
-        """Compute and write the queued positions' KV. A slot queued twice takes its newest:
-        the older writes go to the dummy slot 0 (nothing here waits for the device)."""
+        """Compute and write the queued positions' KV (a slot queued twice takes its newest:
+        `QueuedPositions.take`)."""
         taken = self._queue.take()
         if taken is None:
             return
-        ids, features, positions, slots, rows, last = taken
+        ids, features, positions, slots, rows, last, writes = taken
         self.stale_token[rows] = ids[last]
         self.stale_position[rows] = positions[last]
         self.stale_slot[rows] = slots[last]
         self.stale_feature[rows] = features[last]
-        ordered, order = torch.sort(slots, stable=True)
-        last_of_slot = torch.ones_like(ordered, dtype=torch.bool)
-        last_of_slot[:-1] = ordered[1:] != ordered[:-1]
-        newest = torch.empty_like(last_of_slot).scatter_(0, order, last_of_slot)
         k, v = self.head.kv(ids, features, positions)
-        self.kv_pool.write(0, torch.where(newest, slots, 0), k, v)
+        self.kv_pool.write(0, writes, k, v)
 
     def _refresh(self, rows: torch.Tensor) -> None:
         """Run the full head at the last position of `rows` whose top-k is stale (the rows
@@ -362,7 +366,7 @@ class EagleDrafter:
 def build(ctx: DrafterContext) -> EagleDrafter:
     """EAGLE and EAGLE3: the head at --speculative-draft-model-path (its kind the algorithm's
     name), reading the target's embedding and LM head, its matmuls quantized as
-    --speculative-draft-quantization says."""
+    --speculative-draft-quantization says (on the integer path where the target's are)."""
     spec, target = ctx.spec, ctx.target
     cfg = target.config
     path = resolve_draft_path(spec.draft_model_path)
@@ -377,7 +381,7 @@ def build(ctx: DrafterContext) -> EagleDrafter:
         device=target.device,
     )
     head.set_target(target.model.embed, target.model.compute_logits)
-    head.set_cpu_kernels(target.model.kernels, spec.draft_quantization)
+    head.set_cpu_kernels(target.model.kernels, spec.draft_quantization, target.integer_path)
     drafter = EagleDrafter(
         head,
         target.num_kv_slots,

@@ -205,11 +205,14 @@ class DraftHead(nn.Module):
     def _lm_head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
 
-    def set_cpu_kernels(self, kernels: ModuleType | None, quantize: str | None = None) -> None:
+    def set_cpu_kernels(
+        self, kernels: ModuleType | None, quantize: str | None = None, int8: bool = False
+    ) -> None:
         """Small matmuls and norms through spectral's CPU kernels (inference only), the
-        weights quantized to GGUF blocks of type `quantize` where given (a draft only proposes:
-        verification keeps the output the target's)."""
-        route_to_cpu_kernels(self, kernels, quantize)
+        weights quantized to GGUF blocks of type `quantize` where given, through the integer
+        path with `int8` (a draft only proposes: verification keeps the output the
+        target's)."""
+        route_to_cpu_kernels(self, kernels, quantize, int8)
         if self.cfg.kind == "eagle3":
             self.logits_head.set_kernels(kernels, self.lm_head.packed)
 

@@ -52,32 +52,60 @@ def shifted_draft_batch(
 
 class QueuedPositions:
     """Positions whose head KV is still to be computed (`EagleDrafter.write_kv`), kept as the
-    plain steps gave them: (input ids, features, positions, slots) per step, and each queued
+    steps gave them: (input ids, features, positions, slots) per step, the ids a tensor or,
+    from a plain decode step, the host's list (made a tensor once, when taken); and each queued
     row's last token among them (a later step's wins), on the host."""
 
     def __init__(self) -> None:
-        self.parts: list[tuple[torch.Tensor, ...]] = []
+        self.parts: list[tuple] = []
         self.tokens = 0
         self.last: dict[int, int] = {}
 
-    def add(self, batch: ForwardBatch, features: torch.Tensor, rows: list[int]) -> int:
-        """Queue `batch`'s positions (its table `rows`, read on the host by the caller);
-        returns the tokens queued in all."""
-        self.parts.append((batch.input_ids, features, batch.positions, batch.out_cache_loc))
-        for row, n in zip(rows, batch.extend_lens):
+    def add(
+        self,
+        ids: torch.Tensor | list[int],
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        rows: list[int],
+        lens: list[int],
+    ) -> int:
+        """Queue a batch's positions: `lens[i]` tokens of table row `rows[i]` (read on the
+        host by the caller); returns the tokens queued in all."""
+        self.parts.append((ids, features, positions, slots))
+        for row, n in zip(rows, lens):
             self.tokens += n
             self.last[row] = self.tokens - 1
         return self.tokens
 
     def take(self) -> tuple[torch.Tensor, ...] | None:
         """Everything queued, emptied: (ids, features, positions, slots) concatenated, the
-        rows and where their last tokens are in them; None where nothing is queued."""
+        rows and where their last tokens are in them, and the slots to write each position's
+        KV to (a slot queued twice takes its newest: the older writes go to the dummy slot 0,
+        nothing here waiting for the device); None where nothing is queued."""
         if not self.parts:
             return None
-        ids, features, positions, slots = (torch.cat(parts) for parts in zip(*self.parts))
-        rows, last = (on_device(list(v), torch.int64, ids.device) for v in zip(*self.last.items()))
+        id_parts, feature_parts, position_parts, slot_parts = zip(*self.parts)
+        device = slot_parts[0].device
+        if all(isinstance(part, list) for part in id_parts):
+            ids = on_device([t for part in id_parts for t in part], torch.int64, device)
+        else:
+            ids = torch.cat(
+                [
+                    part if isinstance(part, torch.Tensor) else on_device(part, torch.int64, device)
+                    for part in id_parts
+                ]
+            )
+        features, positions, slots = (
+            torch.cat(parts) for parts in (feature_parts, position_parts, slot_parts)
+        )
+        rows, last = (on_device(list(v), torch.int64, device) for v in zip(*self.last.items()))
         self.parts, self.tokens, self.last = [], 0, {}
-        return ids, features, positions, slots, rows, last
+        ordered, order = torch.sort(slots, stable=True)
+        last_of_slot = torch.ones_like(ordered, dtype=torch.bool)
+        last_of_slot[:-1] = ordered[1:] != ordered[:-1]
+        newest = torch.empty_like(last_of_slot).scatter_(0, order, last_of_slot)
+        return ids, features, positions, slots, rows, last, torch.where(newest, slots, 0)
 
 
 def round_draft_batch(

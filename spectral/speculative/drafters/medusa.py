@@ -72,10 +72,11 @@ class MedusaHeads(nn.Module):
         """Float32 logits [T, vocab] of the first `count` heads (all by default)."""
         return [head(hidden).float() for head in self.heads[: count or self.num_heads]]
 
-    def set_cpu_kernels(self, kernels, quantize: str | None = None) -> None:
+    def set_cpu_kernels(self, kernels, quantize: str | None = None, int8: bool = False) -> None:
         """Matmuls through spectral's CPU kernels, the weights as GGUF blocks of `quantize`
-        where given (a draft only proposes; verification keeps the output the target's)."""
-        route_to_cpu_kernels(self, kernels, quantize)
+        where given, through the integer path with `int8` (a draft only proposes;
+        verification keeps the output the target's)."""
+        route_to_cpu_kernels(self, kernels, quantize, int8)
 
     def init_from_lm_head(self, lm_head: torch.Tensor) -> None:
         """Medusa's starting point: every head's LM head a copy of the target's, every residual
@@ -254,7 +255,7 @@ def build(ctx: DrafterContext) -> MedusaDrafter:
         target.dtype,
         target.device,
     )
-    heads.set_cpu_kernels(target.model.kernels, spec.draft_quantization)
+    heads.set_cpu_kernels(target.model.kernels, spec.draft_quantization, target.integer_path)
     drafter = MedusaDrafter(
         heads,
         target.req_to_token.max_requests,

@@ -63,6 +63,7 @@ class RankStats:
         self.score_n: list[float] = []
         self.predicted = 0.0  # head: sum of those probabilities over verified ranks
         self.accepted = 0.0  # and the accepted drafts there
+        self._gains: dict[int, list[float]] = {}  # `gains` by ranks, until the next round
 
     @staticmethod
     def _grow(values: list[float], size: int) -> None:
@@ -71,6 +72,7 @@ class RankStats:
     def observe(self, verified: int, path_ranks: list[int], scores: list[float] | None) -> None:
         """One round: `verified` non-root nodes, the ranks of the accepted drafts in path order,
         and (head) the probabilities of the drafted candidates, best first."""
+        self._gains.clear()
         for values in (self.hits, self.seen):
             self._grow(values, verified)
         for r in range(verified):
@@ -89,7 +91,14 @@ class RankStats:
             self.accepted += len(path_ranks)
 
     def gains(self, ranks: int) -> list[float]:
-        """Expected accepted drafts each of the first `ranks` ranks adds, non-increasing."""
+        """Expected accepted drafts each of the first `ranks` ranks adds, non-increasing (the
+        caller must not change the list)."""
+        found = self._gains.get(ranks)
+        if found is None:
+            found = self._gains[ranks] = self._compute_gains(ranks)
+        return found
+
+    def _compute_gains(self, ranks: int) -> list[float]:
         out: list[float] = []
         scale = (self.accepted + SCORE_PRIOR) / (self.predicted + SCORE_PRIOR)
         for r in range(ranks):

@@ -59,6 +59,24 @@ class NgramState:
         return packed
 
 
+@dataclass
+class NgramMatch:
+    """A proposal's lookups (`NgramDrafter.match`), before its tree is built."""
+
+    context: list[int]
+    corpus_end: int  # the index's positions ever appended (the context ranks newer)
+    # each occurrence whose continuation drafts: (its position, the weight of its match); a
+    # position in the context as -1 - start, else the index's
+    occurrences: list[tuple[int, int]] = field(default_factory=list)
+    longest: int = 0  # the longest suffix matched (0: none)
+    retrieved: list[list[int]] = field(default_factory=list)  # the datastore's continuations
+    retrieved_len: int = 0  # ... and the length of suffix it matched
+
+    @property
+    def found(self) -> bool:
+        return bool(self.occurrences or self.retrieved)
+
+
 class _TrieNode:
     __slots__ = ("weight", "recency", "children")
 
@@ -142,15 +160,19 @@ class NgramDrafter:
         `context[-1]` in `trees_from_parents`' form (parents first; 0 is the root), at most
         `max_nodes` nodes and `max_depth` deep, siblings distinct; ([], []) when nothing
         matches. `state` (see NgramState) spares packing the whole context again."""
+        return self.tree(self.match(context, state))
+
+    def match(self, context: list[int], state: NgramState | None = None) -> NgramMatch:
+        """`propose`'s lookups alone: the occurrences whose continuations its tree would
+        hold, and the lengths matched (set on `state` too). The tree (`tree`) costs as much
+        again, and where the planner declines to verify it, nothing needs it."""
+        found = NgramMatch(context, self.index.total)
         if not context or self.max_nodes == 0:
-            return [], []
+            return found
         # the packed context serves the context's own matches only (none for REST alone)
         data = (state if state is not None else NgramState()).sync(context) if self.ngrams else b""
-        root = _TrieNode(0)
-        # Occurrences seen: the corpus's by position, the context's own as -1 - start. The
-        # context ranks newer than the whole corpus (recency past its last position).
+        # Occurrences seen: the corpus's by position, the context's own as -1 - start.
         seen: set[int] = set()
-        own = self.index.total
         longest = 0
         top = min(self.max_ngram, len(context)) if self.ngrams else 0
         for n in range(top, self.min_ngram - 1, -1):
@@ -161,40 +183,58 @@ class NgramDrafter:
             for start in _self_matches(data, n):
                 if -1 - start not in seen:
                     seen.add(-1 - start)
-                    cont = context[start : start + self.max_depth]
-                    root.add_path(cont, weight, own + start)
+                    found.occurrences.append((-1 - start, weight))
             for start in self.index.matches(context[-n:], MAX_MATCHES):
                 if start not in seen:
                     seen.add(start)
-                    cont = self.index.continuation(start, self.max_depth)
-                    root.add_path(cont, weight, start)
+                    found.occurrences.append((start, weight))
             if len(seen) > matched and not longest:
                 longest = n
             if len(seen) >= MAX_MATCHES:
                 break
-        retrieved = 0 if longest else self._retrieve(context, root)
+        found.longest = longest
+        if not longest:
+            self._retrieve(context, found)
         if state is not None:
-            state.match_len, state.retrieved_len = longest, retrieved
+            state.match_len, state.retrieved_len = found.longest, found.retrieved_len
+        return found
+
+    def most_nodes(self, found: NgramMatch) -> int:
+        """The most nodes `tree(found)` can have: what the planner sizes before it is built."""
+        paths = len(found.occurrences) + len(found.retrieved)
+        return min(self.max_nodes, paths * self.max_depth)
+
+    def tree(self, found: NgramMatch) -> tuple[list[int], list[int]]:
+        """`propose`'s tree from its lookups (`match`): what followed each occurrence in a
+        trie weighted by the length matched, the context ranking newer than the whole corpus
+        (recency past its last position), the datastore's continuations counted once each."""
+        root = _TrieNode(0)
+        context, depth = found.context, self.max_depth
+        for position, weight in found.occurrences:
+            if position < 0:
+                start = -1 - position
+                root.add_path(context[start : start + depth], weight, found.corpus_end + start)
+            else:
+                root.add_path(self.index.continuation(position, depth), weight, position)
+        for k, cont in enumerate(found.retrieved):
+            root.add_path(cont, 1, -1 - k)
         return self._best_first(root)
 
-    def _retrieve(self, context: list[int], root: _TrieNode) -> int:
-        """Add the datastore's continuations of the context's longest suffix it holds to the
-        trie (each counted once: the trie holds nothing else, so a node's probability is the
-        share of continuations through it); returns the length matched. Asked only where the
-        context and the server's
-        past requests matched nothing: their own n-grams draft better (beside them, the
-        standard library's continuations took HumanEval's accept length on the 1.5B from 2.59
-        to 2.16)."""
+    def _retrieve(self, context: list[int], found: NgramMatch) -> None:
+        """The datastore's continuations of the context's longest suffix it holds (the trie
+        will hold nothing else, so a node's probability is the share of continuations through
+        it), and the length matched. Asked only where the context and the server's past
+        requests matched nothing: their own n-grams draft better (beside them, the standard
+        library's continuations took HumanEval's accept length on the 1.5B from 2.59 to
+        2.16)."""
         if self.datastore is None:
-            return 0
-        found = self.datastore.lookup(
+            return
+        lookup = self.datastore.lookup(
             context, DATASTORE_WINDOW, DATASTORE_RESULTS, self.max_depth, self.min_ngram
         )
-        if not found.continuations:
-            return 0
-        for k, cont in enumerate(found.continuations):
-            root.add_path(cont, 1, -1 - k)
-        return found.match_len
+        if lookup.continuations:
+            found.retrieved = list(lookup.continuations)
+            found.retrieved_len = lookup.match_len
 
     def _best_first(self, root: _TrieNode) -> tuple[list[int], list[int]]:
         """The `max_nodes` most probable trie nodes, each emitted after its parent."""

@@ -1,9 +1,64 @@
-"""Record: what a tree planner's plans predicted and what its rounds and plain steps took,
-summed (/get_server_info's speculative "rounds")."""
+"""The tree planner's inputs and plans (`PlanInput`, `Plan`), and its `Record`: what its plans
+predicted and what its rounds and plain steps took, summed (/get_server_info's speculative
+"rounds")."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# A request's own record: pseudo-tokens behind its scale factor, and the factor's bounds (a
+# strong prior: a few lucky rounds must not buy a request large trees).
+REQUEST_PRIOR = 10.0
+REQUEST_SCALE = (0.5, 2.0)
+
+
+@dataclass
+class PlanInput:
+    """One running request: which drafter would give its tree, the most nodes it can have
+    (root included: what the settings, its context and an n-gram proposal allow), and its own
+    acceptance record (accepted drafts and what its rounds' plans expected). `others`: the
+    (kind, max_nodes) of other sources that could give its tree instead; the plan picks one."""
+
+    kind: str  # HEAD or NGRAM, or a bucket of one
+    max_nodes: int
+    accepted: float = 0.0
+    expected: float = 0.0
+    others: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def options(self) -> list[tuple[str, int]]:
+        return [(self.kind, self.max_nodes), *self.others]
+
+    def scale(self, prior: float = 1.0) -> float:
+        """Its accepted drafts over what the statistics expected of its rounds, behind
+        REQUEST_PRIOR pseudo-tokens at `prior` (what every request's rounds gave)."""
+        lo, hi = REQUEST_SCALE
+        ratio = (self.accepted + REQUEST_PRIOR * prior) / (self.expected + REQUEST_PRIOR)
+        return min(hi, max(lo, ratio))
+
+
+@dataclass
+class Plan:
+    nodes: list[int]  # per request, root included; all 1 and `speculate` False: decode plainly
+    speculate: bool
+    expected_tokens: float  # per round (or step), the whole batch
+    predicted_ms: float
+    plain_ms: float
+    sources: list[int] | None = None  # per request, its option giving the tree (0: `kind`)
+    # the cost model's verify and draft parts of `predicted_ms`, before calibration
+    verify_ms: float = 0.0
+    draft_ms: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        """Expected tokens per ms."""
+        return self.expected_tokens / self.predicted_ms
+
+    @property
+    def predicted_gain(self) -> float:
+        """Expected tokens/s of the plan over a plain step's."""
+        plain = len(self.nodes) / self.plain_ms
+        return (self.expected_tokens / self.predicted_ms) / plain if self.predicted_ms else 1.0
 
 
 @dataclass
@@ -22,6 +77,7 @@ class Record:
     plain_predicted_ms: float = 0.0
     plain_measured_ms: float = 0.0
     probes: int = 0  # rounds run at no margin after PROBE_EVERY plain steps
+    replans: int = 0  # plans made again where an n-gram tree came out smaller than planned
 
     def to_dict(self) -> dict:
         out = dict(self.__dict__)

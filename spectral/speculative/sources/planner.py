@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass
 
 from spectral.core.forward import ForwardMode
 from spectral.speculative.cost_model import BatchCalibration, CostCurves, CostModel
@@ -20,15 +19,13 @@ from spectral.speculative.sources.acceptance import (
     family,
     head_bucket,
 )
-from spectral.speculative.sources.plan_record import Record
+from spectral.speculative.sources.plan_record import Plan, PlanInput, Record
+
+__all__ = ["Plan", "PlanInput", "TreePlanner"]
 
 # A head tree's request whose top-k is known (FRESH) or stale (STALE: its last positions went by
 # in plain steps or scheduler-drafted rounds; the head runs there before drafting).
 FRESH, STALE = 1, 2
-# A request's own record: pseudo-tokens behind its scale factor, and the factor's bounds (a
-# strong prior: a few lucky rounds must not buy a request large trees).
-REQUEST_PRIOR = 10.0
-REQUEST_SCALE = (0.5, 2.0)
 # The prior a request's record starts from: accepted drafts against the statistics' expectation
 # over every request's rounds with trees of one family (head or n-gram), each round's weight
 # decaying by this factor a request-round, behind this many pseudo-tokens at 1. Ranks the
@@ -46,59 +43,12 @@ PROBE_EVERY = 64
 # A declined plan is declined again without planning while the batch's inputs and the
 # statistics are unchanged and no calibration factor has moved by more than this (in log, about
 # MIN_GAIN's margin): planning a batch of one costs ~1% of a plain step on the default model.
+# The last DECLINED_KEPT declined plans are kept (the n-gram buckets a request moves between).
 DECLINED_TOLERANCE = 0.05
+DECLINED_KEPT = 64
 # A batch whose requests have at most this many combinations of sources has every combination
 # planned (a few requests with two sources each); a larger one the best few.
 EXHAUSTIVE_CHOICES = 8
-
-
-@dataclass
-class PlanInput:
-    """One running request: which drafter would give its tree, the most nodes it can have
-    (root included: what the settings, its context and an n-gram proposal allow), and its own
-    acceptance record (accepted drafts and what its rounds' plans expected). `others`: the
-    (kind, max_nodes) of other sources that could give its tree instead; the plan picks one."""
-
-    kind: str  # HEAD or NGRAM, or a bucket of one
-    max_nodes: int
-    accepted: float = 0.0
-    expected: float = 0.0
-    others: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def options(self) -> list[tuple[str, int]]:
-        return [(self.kind, self.max_nodes), *self.others]
-
-    def scale(self, prior: float = 1.0) -> float:
-        """Its accepted drafts over what the statistics expected of its rounds, behind
-        REQUEST_PRIOR pseudo-tokens at `prior` (what every request's rounds gave)."""
-        lo, hi = REQUEST_SCALE
-        ratio = (self.accepted + REQUEST_PRIOR * prior) / (self.expected + REQUEST_PRIOR)
-        return min(hi, max(lo, ratio))
-
-
-@dataclass
-class Plan:
-    nodes: list[int]  # per request, root included; all 1 and `speculate` False: decode plainly
-    speculate: bool
-    expected_tokens: float  # per round (or step), the whole batch
-    predicted_ms: float
-    plain_ms: float
-    sources: list[int] | None = None  # per request, its option giving the tree (0: `kind`)
-    # the cost model's verify and draft parts of `predicted_ms`, before calibration
-    verify_ms: float = 0.0
-    draft_ms: float = 0.0
-
-    @property
-    def rate(self) -> float:
-        """Expected tokens per ms."""
-        return self.expected_tokens / self.predicted_ms
-
-    @property
-    def predicted_gain(self) -> float:
-        """Expected tokens/s of the plan over a plain step's."""
-        plain = len(self.nodes) / self.plain_ms
-        return (self.expected_tokens / self.predicted_ms) / plain if self.predicted_ms else 1.0
 
 
 class TreePlanner:
@@ -130,9 +80,12 @@ class TreePlanner:
         self._family: dict[str, tuple[float, float]] = {}
         self._margin = MIN_GAIN
         self._declined = 0  # plans in a row without a round
+        self._probing = False  # the last plan is a probe
         self._version = 0  # of the statistics: observe() moves it
-        # the last declined plan: (its inputs, the calibration's log factors, the plan)
-        self._declined_at: tuple | None = None
+        # declined plans by their inputs: (the calibration's log factors, the plan), while the
+        # statistics stay at `_declined_version`
+        self._declined_plans: dict[tuple, tuple[list[float], Plan]] = {}
+        self._declined_version = 0
 
     def request_scale(self, req: PlanInput, kind: str) -> float:
         """The factor on the statistics' gains of request `req`'s tree of `kind`."""
@@ -152,21 +105,25 @@ class TreePlanner:
     def plan(self, reqs: list[PlanInput]) -> Plan:
         """The plan of the highest expected tokens per second (`best_plan`), or after
         PROBE_EVERY plans in a row without a round, one the model expects to break even."""
-        key = (
-            self._version,
-            tuple((r.kind, r.max_nodes, r.accepted, r.expected, r.others) for r in reqs),
-        )
+        self._probing = False
+        if self._declined_version != self._version:
+            self._declined_plans.clear()
+            self._declined_version = self._version
+        key = tuple((r.kind, r.max_nodes, r.accepted, r.expected, r.others) for r in reqs)
         factors = [math.log(f) for f in self.factors(len(reqs))]
-        last = self._declined_at
-        if (
-            last is not None
-            and last[0] == key
-            and all(abs(a - b) <= DECLINED_TOLERANCE for a, b in zip(factors, last[1]))
+        last = self._declined_plans.get(key)
+        if last is not None and all(
+            abs(a - b) <= DECLINED_TOLERANCE for a, b in zip(factors, last[0])
         ):
-            best = dataclasses.replace(last[2], nodes=[1] * len(reqs))
+            best = dataclasses.replace(last[1], nodes=[1] * len(reqs))
         else:
             best = self.best_plan(reqs)
-            self._declined_at = None if best.speculate else (key, factors, best)
+            if best.speculate:
+                self._declined_plans.pop(key, None)
+            else:
+                if len(self._declined_plans) >= DECLINED_KEPT:
+                    self._declined_plans.clear()
+                self._declined_plans[key] = (factors, best)
         if best.speculate:
             self._declined = 0
             return best
@@ -174,15 +131,26 @@ class TreePlanner:
         if self._declined < PROBE_EVERY:
             return best
         self._declined = 0  # one probe tried in PROBE_EVERY plans, run or not
-        self._margin = 1.0
-        try:
-            probe = self.best_plan(reqs)
-        finally:
-            self._margin = MIN_GAIN
+        probe = self._best_plan_at(reqs, 1.0)
         if not probe.speculate:
             return best
         self.record.probes += 1
+        self._probing = True
         return probe
+
+    def replan(self, reqs: list[PlanInput]) -> Plan:
+        """The last `plan` made again for the same requests with smaller trees (some came out
+        smaller than the most nodes it was given), at that plan's margin."""
+        self.record.replans += 1
+        return self._best_plan_at(reqs, 1.0 if self._probing else self._margin)
+
+    def _best_plan_at(self, reqs: list[PlanInput], margin: float) -> Plan:
+        """`best_plan` with `margin` in place of the usual one."""
+        usual, self._margin = self._margin, margin
+        try:
+            return self.best_plan(reqs)
+        finally:
+            self._margin = usual
 
     def best_plan(self, reqs: list[PlanInput]) -> Plan:
         """The plan of the highest expected tokens per second. A request with several sources
@@ -217,7 +185,7 @@ class TreePlanner:
         plain step's rate; `most`: the most non-root nodes any option has."""
         B = len(reqs)
         plain, rounds, drafted = self._scale
-        rate = B / (self.cost.plain_ms(B) * plain)
+        rate = B / (self.curves.plain(B) * plain)
         if most < 1:
             return (0,) * B
         node_ms = (self.curves.verify(B * (1 + most)) - self.curves.verify(B)) / (B * most)
@@ -248,21 +216,26 @@ class TreePlanner:
         best gain first, for every cap on the head's trees (each level the head drafts costs
         the whole batch a step of it, so a deeper tree may pay only without the last few)."""
         B = len(reqs)
-        plain_ms = self.cost.plain_ms(B) * self._scale[0]
+        plain_ms = self.curves.plain(B) * self._scale[0]
         plain = Plan([1] * B, False, float(B), plain_ms, plain_ms, choice)
-        gains = []  # (gain, request, rank, drafted by the head: FRESH or STALE, else 0)
+        _, rounds, drafted = self._scale
+        # a node gaining no more than this never pays for what it adds to a verify (`_greedy`)
+        cutoff = self._margin * plain.rate * min(rounds, drafted) * self.curves.least_slope(B)
+        gains = []  # (-gain, rank, request, drafted by the head: FRESH or STALE, else 0)
         for b, (req, c) in enumerate(zip(reqs, choice)):
             kind, max_nodes = req.options[c]
             scale, head = self.request_scale(req, kind), head_kind(kind)
             for r, g in enumerate(table[kind][: max(max_nodes - 1, 0)]):
-                if g > 0:
-                    gains.append((min(1.0, g * scale), b, r, head))
-        gains.sort(key=lambda t: (-t[0], t[2], t[1]))
-        deepest = max((r + 1 for _, _, r, head in gains if head), default=0)
+                g = min(1.0, g * scale)
+                if g <= cutoff:
+                    break  # a rank gains no more than the one before it
+                gains.append((-g, r, b, head))
+        gains.sort()
+        deepest = max((r + 1 for _, r, _, head in gains if head), default=0)
         caps = range(1, min(deepest, self.max_levels) + 1) if deepest else [0]
         best, taken = plain, []
         for cap in caps:
-            entries = [e for e in gains if not e[3] or e[2] < cap]
+            entries = [e for e in gains if not e[3] or e[1] < cap]
             plan, length = self._greedy(entries, B, plain_ms, choice, best)
             if length:
                 best, taken = plan, entries[:length]
@@ -270,7 +243,7 @@ class TreePlanner:
             self.last = {"batch": B, "speculate": False}
             return plain
         best.nodes = [1] * B
-        for _, b, _, _ in taken:
+        for _, _, b, _ in taken:
             best.nodes[b] += 1
         return best
 
@@ -288,7 +261,8 @@ class TreePlanner:
         threshold = (1.0 if best.speculate else self._margin) * best.rate
         _, rounds, drafted_rounds = self._scale
         least = min(rounds, drafted_rounds) * self.curves.least_slope(B)
-        for length, (gain, b, _, head) in enumerate(entries, start=1):
+        for length, (neg_gain, _, b, head) in enumerate(entries, start=1):
+            gain = -neg_gain
             expected += gain
             nodes[b] += 1
             if head:
@@ -339,12 +313,13 @@ class TreePlanner:
             start = plan.predicted_ms / base if base > 0 else 1.0
             self.calibration[kind].observe(ms, base, len(plan.nodes), start)
         elif mode == ForwardMode.DECODE:
-            predicted = self.cost.plain_ms(batch)
-            self.record.plain_steps += 1
-            self.record.plain_measured_ms += ms
+            predicted = self.curves.plain(batch)
+            record = self.record
+            record.plain_steps += 1
+            record.plain_measured_ms += ms
             # as the plans predict plain steps: calibrated
             plain = self.calibration["plain"]
-            self.record.plain_predicted_ms += predicted * (plain.factor_for(batch) or 1.0)
+            record.plain_predicted_ms += predicted * (plain.factor_for(batch) or 1.0)
             plain.observe(ms, predicted, batch)
 
     def observe(

@@ -16,12 +16,16 @@ from spectral.speculative.settings import SpecSettings
 from spectral.speculative.sources.acceptance import head_bucket, ngram_bucket, rest_bucket
 from spectral.speculative.sources.datastore import Datastore
 from spectral.speculative.sources.lookahead import LookaheadDrafter, LookaheadState
-from spectral.speculative.sources.ngram import NgramDrafter, NgramState
+from spectral.speculative.sources.ngram import NgramDrafter, NgramMatch, NgramState
 from spectral.speculative.sources.planner import Plan, PlanInput, TreePlanner
 from spectral.speculative.tree import merge_tree_nodes
 
 if TYPE_CHECKING:
     from spectral.core.worker_io import WorkerResult
+
+# The scheduler's draft of a request: its n-gram lookups (the tree not built yet), a tree, or
+# none.
+Draft = NgramMatch | tuple[list[int], list[int]] | None
 
 
 class SpecRound:
@@ -71,33 +75,19 @@ class SpecRound:
         `req.spec.draft_tokens`/`draft_parents`; None where a plain decode step is expected to do
         better (NGRAM alone: where it has nothing for anyone). A tree ends before its
         request's context does. Where the scheduler has a tree for a request beside the
-        worker's drafter, the planner chooses which of the two it verifies."""
+        worker's drafter, the planner chooses which of the two it verifies. An n-gram tree is
+        planned at the most nodes its lookups allow and built only where the plan verifies
+        it (planned again, rarely, where it came out smaller than planned)."""
         spec = self.spec
-        inputs: list[PlanInput] = []
-        given: list[tuple[list[int], list[int]] | None] = []  # the scheduler's trees
-        for req in running:
-            room = self.max_context_len - req.seq_len
-            head = (head_bucket(req.spec.draft_top1), min(spec.num_draft_tokens, room))
-            tree, kind = self._scheduler_tree(req)
-            if tree is None:
-                inputs.append(PlanInput(*head, req.spec.accepted_tokens, req.spec.expected_drafts))
-            else:
-                size = (spec.num_draft_tokens if spec.hybrid_merge else 1) + len(tree[0])
-                others = (head,) if spec.has_drafter and not spec.hybrid_merge else ()
-                inputs.append(
-                    PlanInput(
-                        kind,
-                        min(size, room),
-                        req.spec.accepted_tokens,
-                        req.spec.expected_drafts,
-                        others,
-                    )
-                )
-            given.append(tree)
+        drafts = [self._scheduler_draft(req) for req in running]
+        inputs = [self._plan_input(req, *draft) for req, draft in zip(running, drafts)]
         if self.planner is not None:
             self._plan = self.planner.plan(inputs)
+            if self._plan.speculate and self._build_trees(drafts, inputs, self._plan):
+                self._plan = self.planner.replan(inputs)
             sizes, sources = self._plan.nodes, self._plan.sources
         else:
+            self._build_trees(drafts, inputs, None)
             self._plan, sizes, sources = None, [p.max_nodes for p in inputs], None
         if (self._plan is not None and not self._plan.speculate) or (
             not spec.has_drafter and all(size == 1 for size in sizes)
@@ -105,10 +95,12 @@ class SpecRound:
             for req in running:
                 req.spec.draft_tokens = req.spec.draft_parents = None
             return None
-        for b, (req, size, tree, inp) in enumerate(zip(running, sizes, given, inputs)):
+        for b, (req, size, (tree, _), inp) in enumerate(zip(running, sizes, drafts, inputs)):
             source = sources[b] if sources else 0
             req.spec.kind = inp.options[source][0]
-            if tree is not None and source == 0:
+            if isinstance(tree, NgramMatch):  # not built: the plan verifies its root alone
+                req.spec.draft_tokens, req.spec.draft_parents = [], []
+            elif tree is not None and source == 0:
                 req.spec.draft_tokens, req.spec.draft_parents = (
                     tree[0][: size - 1],
                     tree[1][: size - 1],
@@ -119,33 +111,77 @@ class SpecRound:
                     req.spec.lookahead.chain_nodes = []
         return [size + self._add_forced_chain(req, size) for req, size in zip(running, sizes)]
 
-    def _scheduler_tree(self, req: Req) -> tuple[tuple[list[int], list[int]] | None, str]:
-        """The tree the scheduler drafts for `req` (n-gram matches, then LOOKAHEAD's pool and
-        window) and the statistics it counts in; None where it has none."""
-        tree: tuple[list[int], list[int]] | None = None
+    def _plan_input(self, req: Req, draft: Draft, kind: str) -> PlanInput:
+        """What the planner knows of `req`: its head tree's, or the scheduler's `draft` (at
+        its most nodes where not built yet) beside the head's where both could give it."""
+        spec = self.spec
+        room = self.max_context_len - req.seq_len
+        head = (head_bucket(req.spec.draft_top1), min(spec.num_draft_tokens, room))
+        if draft is None:
+            return PlanInput(*head, req.spec.accepted_tokens, req.spec.expected_drafts)
+        nodes = self.ngram.most_nodes(draft) if isinstance(draft, NgramMatch) else len(draft[0])
+        size = (spec.num_draft_tokens if spec.hybrid_merge else 1) + nodes
+        others = (head,) if spec.has_drafter and not spec.hybrid_merge else ()
+        return PlanInput(
+            kind, min(size, room), req.spec.accepted_tokens, req.spec.expected_drafts, others
+        )
+
+    def _build_trees(self, drafts: list, inputs: list[PlanInput], plan: Plan | None) -> bool:
+        """Build the n-gram trees `plan` verifies (every one without a plan), in place in
+        `drafts`; where one has fewer nodes than planned, build them all and return True with
+        `inputs` at their sizes (to plan again)."""
+        short = False
+        sources = (plan.sources if plan is not None else None) or [0] * len(drafts)
+        for b in range(len(drafts)):
+            if plan is not None and (plan.nodes[b] == 1 or sources[b] != 0):
+                continue
+            if self._build_tree(drafts, inputs, b) and plan is not None:
+                short = short or plan.nodes[b] > inputs[b].max_nodes
+        if short:
+            for b in range(len(drafts)):
+                self._build_tree(drafts, inputs, b)
+        return short
+
+    def _build_tree(self, drafts: list, inputs: list[PlanInput], b: int) -> bool:
+        """Request b's n-gram tree built, if it was not: its input at the tree's size."""
+        draft, kind = drafts[b]
+        if not isinstance(draft, NgramMatch):
+            return False
+        tree = self.ngram.tree(draft)
+        drafts[b] = (tree, kind)
+        base = self.spec.num_draft_tokens if self.spec.hybrid_merge else 1
+        inputs[b].max_nodes = min(inputs[b].max_nodes, base + len(tree[0]))
+        return True
+
+    def _scheduler_draft(self, req: Req) -> tuple[Draft, str]:
+        """The draft the scheduler has for `req` (n-gram matches, then LOOKAHEAD's pool and
+        window; with LOOKAHEAD the tree at once, else the n-gram lookups alone) and the
+        statistics it counts in; None where it has none."""
+        draft: Draft = None
         kind = ""
         if self.ngram is not None:
             if req.spec.ngram is None:
                 req.spec.ngram = NgramState()
             state = req.spec.ngram
-            tokens, parents = self.ngram.propose(req.all_ids, state)
-            if tokens or not self.spec.has_drafter:
+            found = self.ngram.match(req.all_ids, state)
+            if found.found or not self.spec.has_drafter:
                 # the datastore's (asked where no n-gram matched) count apart
                 kind = (
                     rest_bucket(state.retrieved_len)
                     if state.retrieved_len
                     else ngram_bucket(state.match_len)
                 )
-                tree = (tokens, parents)
+                draft = found
         if self.lookahead is not None:
             if req.spec.lookahead is None:
                 req.spec.lookahead = LookaheadState()
             state = req.spec.lookahead
-            matched = bool(tree and tree[0])
-            tree = self.lookahead.propose(req.all_ids, state, *(tree or ([], [])))
+            tree = self.ngram.tree(draft) if draft is not None else ([], [])
+            matched = bool(tree[0])
+            draft = self.lookahead.propose(req.all_ids, state, *tree)
             if not matched:  # no n-gram match: counted apart with and without the pool's
-                kind = ngram_bucket(int(len(tree[0]) > len(state.chain_nodes)))
-        return tree, kind
+                kind = ngram_bucket(int(len(draft[0]) > len(state.chain_nodes)))
+        return draft, kind
 
     def _add_forced_chain(self, req: Req, size: int) -> int:
         """Give a request under a grammar the tokens of the text its grammar forces next (at
