@@ -655,3 +655,50 @@ def test_ngram_trees_are_planned_on_their_lookups_and_built_where_verified(batch
             req.output_ids += past[start : start + 3] if repeat else [rng.randrange(VOCAB)]
     record = spec_round.planner.record
     assert 10 < planned < 150 and record.replans > 0
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_no_lookup_is_made_where_no_match_it_could_find_would_be_verified(
+    batch: int, monkeypatch
+) -> None:
+    """Where the planner declines every bucket each request's match can have grown to since
+    its last lookup, no lookup is made: plans and trees equal those of a round that looks up
+    every step, with far fewer lookups (and every request looked up again once the corpus
+    grows)."""
+    monkeypatch.setattr(planner_module, "PROBE_EVERY", 1 << 30)  # the same plans in both
+    rounds = [ngram_round(random.Random(7)) for _ in range(2)]
+    lookups = [0, 0]
+    for i, spec_round in enumerate(rounds):
+        match = spec_round.ngram.match
+
+        def counted(context, state=None, i=i, match=match):
+            lookups[i] += 1
+            return match(context, state)
+
+        spec_round.ngram.match = counted
+    rounds[1]._declined_unlooked = lambda running: False  # looks up every step
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(VOCAB) for _ in range(30)] for _ in range(batch)]
+    reqs = [
+        [Req(f"r{i}", list(p), SamplingParams()) for i, p in enumerate(prompts)] for _ in rounds
+    ]
+    for step in range(200):
+        sizes = [spec_round.plan(batch_reqs) for spec_round, batch_reqs in zip(rounds, reqs)]
+        assert sizes[0] == sizes[1]
+        for skipping, looking in zip(*reqs):
+            assert skipping.spec.draft_tokens == looking.spec.draft_tokens
+            assert skipping.spec.draft_parents == looking.spec.draft_parents
+        if step == 100:
+            for spec_round in rounds:
+                spec_round.ngram.add_sequence(prompts[0])
+            before = lookups[0]
+        if step == 101:  # the corpus grew: every request looked up
+            assert lookups[0] == before + batch
+        for i in range(batch):
+            past = reqs[0][i].all_ids
+            start = rng.randrange(len(past) - 3)
+            new = past[start : start + 3] if rng.random() < 0.2 else [rng.randrange(VOCAB)]
+            for batch_reqs in reqs:
+                batch_reqs[i].output_ids += new
+    skipped = 1 - lookups[0] / lookups[1]
+    assert lookups[1] == 200 * batch and skipped > (0.2 if batch == 1 else 0.02), lookups

@@ -21,7 +21,7 @@ from spectral.sampling_params import SamplingParams
 from spectral.scheduler.config import SchedulerConfig
 from spectral.scheduler.scheduler import Scheduler
 from spectral.speculative.drafters.eagle_head import DraftHead, DraftHeadConfig
-from spectral.speculative.drafters.head_batches import shifted_draft_batch
+from spectral.speculative.drafters.head_batches import joined, shifted_draft_batch
 from spectral.speculative.sources.planner import PROBE_EVERY
 from spectral.speculative.tree import select_eagle_trees
 from spectral.worker.factory import create_worker
@@ -321,7 +321,7 @@ def test_over_the_batch_limit_the_head_writes_kv_only_and_drafts_as_after_full_e
 
     def full_head(batch, features, next_ids=None):  # the full head on every step
         shifted = batch if next_ids is None else shifted_draft_batch(batch, next_ids)
-        drafter.extend(shifted, features)
+        drafter.extend(shifted, joined(features))
 
     drafter.write_kv = full_head
     full_drafts = recorded_drafts(full)

@@ -110,7 +110,8 @@ class SpeculativeWorker:
         and values, a draft model the tokens; a request's next draft catches up first, so
         plain steps cost it little). Returns its top-1 per request (`rows`: the batch's table
         rows, on the host), for the planner."""
-        features = self._features(hidden, captured) if self.drafter.needs_features else None
+        # captured layers' states as they are: a drafter that queues them joins them once
+        features = (captured or hidden) if self.drafter.needs_features else None
         self.drafter.observe_step(batch, next_ids, features)
         return self.drafter.top1(rows)
 

@@ -48,10 +48,15 @@ class Drafter(Protocol):
     cost_key: Any
 
     def observe_step(
-        self, batch: ForwardBatch, next_ids: list[int], features: torch.Tensor | None
+        self,
+        batch: ForwardBatch,
+        next_ids: list[int],
+        features: torch.Tensor | list[torch.Tensor] | None,
     ) -> None:
         """A prefill or plain decode step of the target: `next_ids` the token after each
-        request's last position; `features` its hidden states (where `needs_features`)."""
+        request's last position; `features` its hidden states (where `needs_features`), as the
+        states of `capture_layers` (a list, to join along the last dimension) where it has
+        any."""
 
     def observe_round(
         self,

@@ -30,13 +30,15 @@ from spectral.speculative.drafters.expansion import TreeExpansion
 from spectral.speculative.drafters.graphs import DraftGraphs, expand_through
 from spectral.speculative.drafters.head_batches import (
     ExtendGraphs,
+    Features,
     QueuedPositions,
+    joined,
     round_draft_batch,
     shifted_draft_batch,
 )
 
-# write_kv computes its queued positions once this many wait: each computation has a cost of
-# its own (64: 37 us a token at batch 16 on the default model; 256: 23 us).
+# write_kv computes its queued positions once this many wait (64: 37 us a token at batch 16 on
+# the default model; 256: 23 us, each computation's own cost spread).
 FLUSH_TOKENS = 256
 
 
@@ -100,15 +102,13 @@ class EagleDrafter:
         """Target layers whose inputs the head needs (EAGLE-3); EAGLE-1 uses the final state."""
         return self.head.cfg.aux_layers if self.head.cfg.kind == "eagle3" else ()
 
-    def observe_step(
-        self, batch: ForwardBatch, next_ids: list[int], features: torch.Tensor
-    ) -> None:
+    def observe_step(self, batch: ForwardBatch, next_ids: list[int], features: Features) -> None:
         """A prefill or plain decode step of the target (`next_ids`: each request's token
         after the batch). After a prefill the head extends at once (its top-k fresh for the
-        first round, as SGLang drafts after prefill: that round's time is then a round's, not
-        the prompt's too); after a decode step only its KV is queued (`write_kv`)."""
+        first round, as SGLang drafts after prefill: that round's time is a round's, not the
+        prompt's too); after a decode step only its KV is queued (`write_kv`)."""
         if batch.mode == ForwardMode.EXTEND:
-            self.extend(shifted_draft_batch(batch, next_ids), features)
+            self.extend(shifted_draft_batch(batch, next_ids), joined(features))
         elif all(n == 1 for n in batch.extend_lens):  # each position pairs with its next token
             self.write_kv(batch, features, next_ids)
         else:
@@ -198,7 +198,7 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def write_kv(
-        self, batch: ForwardBatch, features: torch.Tensor, next_ids: list[int] | None = None
+        self, batch: ForwardBatch, features: Features, next_ids: list[int] | None = None
     ) -> None:
         """Only the head's KV for the batch's new positions (`extend`'s arguments, or a decode
         step's batch and the token after each position as the host has them), deferred until

@@ -50,11 +50,23 @@ def shifted_draft_batch(
     )
 
 
+# A target's features at some positions: a tensor [T, F], or the states of the layers a head
+# captures (EAGLE-3's three), each [T, H], not yet joined (`joined`).
+Features = torch.Tensor | list[torch.Tensor]
+
+
+def joined(features: Features) -> torch.Tensor:
+    """A target's features [T, F]: given as the captured layers' states (a list, EAGLE-3's),
+    those joined along the last dimension."""
+    return features if isinstance(features, torch.Tensor) else torch.cat(features, dim=-1)
+
+
 class QueuedPositions:
     """Positions whose head KV is still to be computed (`EagleDrafter.write_kv`), kept as the
     steps gave them: (input ids, features, positions, slots) per step, the ids a tensor or,
-    from a plain decode step, the host's list (made a tensor once, when taken); and each queued
-    row's last token among them (a later step's wins), on the host."""
+    from a plain decode step, the host's list, and the features as captured (`joined`), made
+    tensors once, when taken; and each queued row's last token among them (a later step's
+    wins), on the host."""
 
     def __init__(self) -> None:
         self.parts: list[tuple] = []
@@ -64,7 +76,7 @@ class QueuedPositions:
     def add(
         self,
         ids: torch.Tensor | list[int],
-        features: torch.Tensor,
+        features: Features,
         positions: torch.Tensor,
         slots: torch.Tensor,
         rows: list[int],
@@ -96,9 +108,11 @@ class QueuedPositions:
                     for part in id_parts
                 ]
             )
-        features, positions, slots = (
-            torch.cat(parts) for parts in (feature_parts, position_parts, slot_parts)
-        )
+        if all(isinstance(part, list) for part in feature_parts):  # each layer's joined once
+            features = torch.cat([torch.cat(layer) for layer in zip(*feature_parts)], dim=-1)
+        else:
+            features = torch.cat([joined(part) for part in feature_parts])
+        positions, slots = torch.cat(position_parts), torch.cat(slot_parts)
         rows, last = (on_device(list(v), torch.int64, device) for v in zip(*self.last.items()))
         self.parts, self.tokens, self.last = [], 0, {}
         ordered, order = torch.sort(slots, stable=True)

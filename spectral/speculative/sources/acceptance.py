@@ -38,6 +38,21 @@ def ngram_bucket(match_len: int) -> str:
     return f"{NGRAM}:{match_len}"
 
 
+def ngram_reach_bucket(shortest: int, longest: int) -> str:
+    """The best of the n-gram buckets `shortest`..`longest` (an upper bound on a tree whose match
+    is not looked up: `TreePlanner` takes each rank's best gain among them)."""
+    return f"{NGRAM}:{shortest}-{longest}"
+
+
+def reach_range(kind: str) -> tuple[int, int] | None:
+    """(shortest, longest) of an `ngram_reach_bucket`, None for any other kind."""
+    family_name, _, rest = kind.partition(":")
+    if family_name != NGRAM or "-" not in rest:
+        return None
+    shortest, longest = rest.split("-")
+    return int(shortest), int(longest)
+
+
 def rest_bucket(match_len: int) -> str:
     """The statistics of a tree from the datastore alone, by the length of suffix it matched."""
     return f"{REST}:{min(match_len, REST_LONGEST_BUCKET)}"

@@ -43,6 +43,11 @@ class LookaheadDrafter:
         self.ngram = ngram
         self.guesses = guesses
 
+    @property
+    def most_nodes(self) -> int:
+        """The most nodes `propose` adds to a given tree: the pool's chains and the window."""
+        return self.guesses * (self.ngram - 1) + self.window
+
     def propose(
         self,
         context: list[int],

@@ -44,6 +44,9 @@ class NgramState:
     match_len: int = 0
     # ... and of the one the datastore matched (0: none, or no datastore)
     retrieved_len: int = 0
+    # the context's length at the last lookup, and the corpus's positions then (`reach`)
+    looked_at: int = 0
+    corpus_end: int = -1
 
     def sync(self, context: list[int]) -> bytearray:
         """Pack the tokens appended since the last call; return the whole packing."""
@@ -197,7 +200,19 @@ class NgramDrafter:
             self._retrieve(context, found)
         if state is not None:
             state.match_len, state.retrieved_len = found.longest, found.retrieved_len
+            state.looked_at, state.corpus_end = len(context), found.corpus_end
         return found
+
+    def reach(self, context_len: int, state: NgramState) -> int | None:
+        """The longest suffix a lookup could match now in a context of `context_len` tokens,
+        from the state's last lookup: a match grows by at most one token a token (its prefix
+        matched before, unless shorter than the lengths looked up). None where that is not
+        known: no lookup yet, the corpus grown since, or a datastore (its matches are of
+        other lengths)."""
+        if state.corpus_end != self.index.total or self.datastore is not None:
+            return None
+        grown = context_len - state.looked_at
+        return min(self.max_ngram, max(state.match_len, self.min_ngram - 1) + grown)
 
     def most_nodes(self, found: NgramMatch) -> int:
         """The most nodes `tree(found)` can have: what the planner sizes before it is built."""

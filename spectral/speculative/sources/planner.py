@@ -18,6 +18,8 @@ from spectral.speculative.sources.acceptance import (
     RankStats,
     family,
     head_bucket,
+    ngram_bucket,
+    reach_range,
 )
 from spectral.speculative.sources.plan_record import Plan, PlanInput, Record
 
@@ -106,24 +108,7 @@ class TreePlanner:
         """The plan of the highest expected tokens per second (`best_plan`), or after
         PROBE_EVERY plans in a row without a round, one the model expects to break even."""
         self._probing = False
-        if self._declined_version != self._version:
-            self._declined_plans.clear()
-            self._declined_version = self._version
-        key = tuple((r.kind, r.max_nodes, r.accepted, r.expected, r.others) for r in reqs)
-        factors = [math.log(f) for f in self.factors(len(reqs))]
-        last = self._declined_plans.get(key)
-        if last is not None and all(
-            abs(a - b) <= DECLINED_TOLERANCE for a, b in zip(factors, last[0])
-        ):
-            best = dataclasses.replace(last[1], nodes=[1] * len(reqs))
-        else:
-            best = self.best_plan(reqs)
-            if best.speculate:
-                self._declined_plans.pop(key, None)
-            else:
-                if len(self._declined_plans) >= DECLINED_KEPT:
-                    self._declined_plans.clear()
-                self._declined_plans[key] = (factors, best)
+        best = self._best_or_declined(reqs)
         if best.speculate:
             self._declined = 0
             return best
@@ -137,6 +122,33 @@ class TreePlanner:
         self.record.probes += 1
         self._probing = True
         return probe
+
+    def declines(self, reqs: list[PlanInput]) -> bool:
+        """Whether the best plan for `reqs` is no round (no plan or probe counted: `reqs` bound
+        what a step could plan, e.g. n-gram trees not looked up, `ngram_reach_bucket`)."""
+        return not self._best_or_declined(reqs).speculate
+
+    def _best_or_declined(self, reqs: list[PlanInput]) -> Plan:
+        """`best_plan`, or a declined plan kept for the same inputs (at calibration factors
+        within DECLINED_TOLERANCE of today's, the statistics unchanged since)."""
+        if self._declined_version != self._version:
+            self._declined_plans.clear()
+            self._declined_version = self._version
+        key = tuple((r.kind, r.max_nodes, r.accepted, r.expected, r.others) for r in reqs)
+        factors = [math.log(f) for f in self.factors(len(reqs))]
+        last = self._declined_plans.get(key)
+        if last is not None and all(
+            abs(a - b) <= DECLINED_TOLERANCE for a, b in zip(factors, last[0])
+        ):
+            return dataclasses.replace(last[1], nodes=[1] * len(reqs))
+        best = self.best_plan(reqs)
+        if best.speculate:
+            self._declined_plans.pop(key, None)
+        else:
+            if len(self._declined_plans) >= DECLINED_KEPT:
+                self._declined_plans.clear()
+            self._declined_plans[key] = (factors, best)
+        return best
 
     def replan(self, reqs: list[PlanInput]) -> Plan:
         """The last `plan` made again for the same requests with smaller trees (some came out
@@ -161,7 +173,7 @@ class TreePlanner:
         self._scale = self.factors(B)
         most = max((n for req in reqs for _, n in req.options), default=1) - 1
         kinds = {kind for req in reqs for kind, _ in req.options}
-        table = {kind: self.stats_for(kind).gains(most) for kind in kinds}
+        table = {kind: self._gains(kind, most) for kind in kinds}
         counts = [1 + len(req.others) for req in reqs]
         if all(c == 1 for c in counts):
             return self._plan_for(reqs, [0] * B, table)
@@ -338,6 +350,17 @@ class TreePlanner:
         )
         self.record.emitted_tokens += len(path_ranks) + 1
         return expected
+
+    def _gains(self, kind: str, ranks: int) -> list[float]:
+        """What each rank of a tree of `kind` is expected to add (`RankStats.gains`); of an
+        `ngram_reach_bucket`, each rank's best among its buckets."""
+        reach = reach_range(kind)
+        if reach is None:
+            return self.stats_for(kind).gains(ranks)
+        buckets = [
+            self.stats_for(ngram_bucket(n)).gains(ranks) for n in range(reach[0], reach[1] + 1)
+        ]
+        return [max(gains) for gains in zip(*buckets)]
 
     def stats_for(self, kind: str) -> RankStats:
         if kind not in self.stats:

@@ -13,7 +13,12 @@ from spectral.core.forward import ForwardMode
 from spectral.core.req import FinishReason, Req
 from spectral.speculative.cost_model import CostModel
 from spectral.speculative.settings import SpecSettings
-from spectral.speculative.sources.acceptance import head_bucket, ngram_bucket, rest_bucket
+from spectral.speculative.sources.acceptance import (
+    head_bucket,
+    ngram_bucket,
+    ngram_reach_bucket,
+    rest_bucket,
+)
 from spectral.speculative.sources.datastore import Datastore
 from spectral.speculative.sources.lookahead import LookaheadDrafter, LookaheadState
 from spectral.speculative.sources.ngram import NgramDrafter, NgramMatch, NgramState
@@ -79,8 +84,15 @@ class SpecRound:
         planned at the most nodes its lookups allow and built only where the plan verifies
         it (planned again, rarely, where it came out smaller than planned)."""
         spec = self.spec
+        if self._declined_unlooked(running):
+            for req in running:
+                req.spec.draft_tokens = req.spec.draft_parents = None
+            return None
         drafts = [self._scheduler_draft(req) for req in running]
-        inputs = [self._plan_input(req, *draft) for req, draft in zip(running, drafts)]
+        inputs = [
+            self._plan_input(req, self._draft_nodes(draft), kind)
+            for req, (draft, kind) in zip(running, drafts)
+        ]
         if self.planner is not None:
             self._plan = self.planner.plan(inputs)
             if self._plan.speculate and self._build_trees(drafts, inputs, self._plan):
@@ -111,15 +123,44 @@ class SpecRound:
                     req.spec.lookahead.chain_nodes = []
         return [size + self._add_forced_chain(req, size) for req, size in zip(running, sizes)]
 
-    def _plan_input(self, req: Req, draft: Draft, kind: str) -> PlanInput:
-        """What the planner knows of `req`: its head tree's, or the scheduler's `draft` (at
-        its most nodes where not built yet) beside the head's where both could give it."""
+    def _declined_unlooked(self, running: list[Req]) -> bool:
+        """Whether the planner declines this step's round whatever the n-gram lookups would
+        find, so that none is made: each request planned at the best of the buckets its match
+        can have grown to since its last lookup (`NgramDrafter.reach`), at the most nodes."""
+        if self.planner is None or self.ngram is None:
+            return False
+        # the shortest bucket with a tree (LOOKAHEAD's pool and window draft without a match)
+        shortest = 0 if self.lookahead is not None else self.ngram.min_ngram
+        most = self.ngram.max_nodes + (self.lookahead.most_nodes if self.lookahead else 0)
+        inputs = []
+        for req in running:
+            state = req.spec.ngram
+            reach = None if state is None else self.ngram.reach(len(req.all_ids), state)
+            if reach is None:
+                return False
+            if self.lookahead is not None:  # its pool drafts without a match too (bucket 1)
+                reach = max(reach, 1)
+            if reach < shortest:  # no tree: the head's, or none
+                nodes, kind = (None, "") if self.spec.has_drafter else (0, ngram_bucket(0))
+            else:
+                nodes, kind = most, ngram_reach_bucket(shortest, reach)
+            inputs.append(self._plan_input(req, nodes, kind))
+        return self.planner.declines(inputs)
+
+    def _draft_nodes(self, draft: Draft) -> int | None:
+        """The most nodes `draft` has (an n-gram lookup's before its tree is built)."""
+        if draft is None:
+            return None
+        return self.ngram.most_nodes(draft) if isinstance(draft, NgramMatch) else len(draft[0])
+
+    def _plan_input(self, req: Req, nodes: int | None, kind: str) -> PlanInput:
+        """What the planner knows of `req`: its head tree's, or a tree of the scheduler's of
+        at most `nodes` non-root nodes beside the head's where both could give it."""
         spec = self.spec
         room = self.max_context_len - req.seq_len
         head = (head_bucket(req.spec.draft_top1), min(spec.num_draft_tokens, room))
-        if draft is None:
+        if nodes is None:
             return PlanInput(*head, req.spec.accepted_tokens, req.spec.expected_drafts)
-        nodes = self.ngram.most_nodes(draft) if isinstance(draft, NgramMatch) else len(draft[0])
         size = (spec.num_draft_tokens if spec.hybrid_merge else 1) + nodes
         others = (head,) if spec.has_drafter and not spec.hybrid_merge else ()
         return PlanInput(
