@@ -262,3 +262,42 @@ def test_input_token_logprobs_match_transformers_with_chunked_prefill(
         assert got[0][0] is None
         assert max(abs(g[0] - e) for g, e in zip(got[1:], expected)) < 1e-4
         assert_no_leaks(engine)
+
+
+HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/enabled"
+HUGE_PAGES_PROBE = """
+import spectral, torch
+weights = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)  # a weight-sized tensor, touched
+rollup = open("/proc/self/smaps_rollup").read()
+print(int(rollup.split("AnonHugePages:")[1].split()[0]))
+"""
+
+
+def _huge_pages_available() -> bool:
+    try:
+        with open(HUGE_PAGES) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _huge_pages_available(), reason="this kernel has no transparent huge pages")
+def test_large_tensors_are_on_huge_pages_unless_turned_off():
+    """Importing spectral before torch allocates puts large CPU tensors on transparent huge
+    pages (THP_MEM_ALLOC_ENABLE, PyTorch's CPU allocator); set to 0, 4 KiB pages."""
+    import os
+    import subprocess
+    import sys
+
+    def huge_kib(env: dict) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", HUGE_PAGES_PROBE],
+            env={k: v for k, v in {**os.environ, **env}.items() if v is not None},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return int(out.stdout.split()[-1])
+
+    assert huge_kib({"THP_MEM_ALLOC_ENABLE": None}) >= 32 << 10
+    assert huge_kib({"THP_MEM_ALLOC_ENABLE": "0"}) == 0
