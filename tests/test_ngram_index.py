@@ -140,3 +140,25 @@ def test_memory_stays_flat_however_much_is_added():
         tracemalloc.stop()
     assert index.num_tokens == 50_000
     assert grown < 64 * 1024, f"the index grew by {grown} bytes once full"
+
+
+def test_short_sequences_linked_in_python_give_numpys_arrays(monkeypatch):
+    """`add`'s two ways of writing a sequence (NumPy, and token by token for short ones) leave
+    the same tokens, chains and heads, over sequences of every length around the threshold,
+    evictions and wrap-around included."""
+    import spectral.speculative.sources.ngram_index as module
+
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 6, size=int(rng.integers(0, 70))).tolist() for _ in range(120)]
+    indexes = []
+    for short in (0, module.SHORT_SEQUENCE):
+        monkeypatch.setattr(module, "SHORT_SEQUENCE", short)
+        index = NgramIndex(max_tokens=500, min_n=1, max_n=4, bucket_bits=5)
+        for tokens in sequences:
+            index.add(tokens)
+        indexes.append(index)
+    numpy_path, python_path = indexes
+    assert np.array_equal(numpy_path._tokens, python_path._tokens)
+    assert np.array_equal(numpy_path._links, python_path._links)
+    assert np.array_equal(numpy_path._heads, python_path._heads)
+    assert numpy_path.total == python_path.total > 500

@@ -26,6 +26,9 @@ _MASK = (1 << 64) - 1
 # Chain steps a lookup takes at most: enough for every kept occurrence it wants plus the
 # collisions of a half-full table, and a bound on the work of one that is all collisions.
 MAX_CHAIN_STEPS = 256
+# A sequence this short (LOOKAHEAD's pool n-grams, a few tokens each) is linked in Python: NumPy's
+# cost a call is most of the work of a few tokens.
+SHORT_SEQUENCE = 32
 
 
 def _bucket_bits(max_tokens: int) -> int:
@@ -90,15 +93,33 @@ class NgramIndex:
             del self._starts[: self._first], self._ends[: self._first]
             self._first = 0
         start, size = self._total, self.max_tokens
-        arr = np.asarray(tokens, dtype=np.int64)
-        positions = np.arange(start, start + len(arr), dtype=np.int64)
-        slots = positions % size
-        self._tokens[slots] = arr
-        for n in range(self.min_n, min(self.max_n, len(arr) - 1) + 1):
-            self._link(n, arr, positions[n:], slots[n:])
+        if len(tokens) <= SHORT_SEQUENCE:
+            self._add_short(tokens, start)
+        else:
+            arr = np.asarray(tokens, dtype=np.int64)
+            positions = np.arange(start, start + len(arr), dtype=np.int64)
+            slots = positions % size
+            self._tokens[slots] = arr
+            for n in range(self.min_n, min(self.max_n, len(arr) - 1) + 1):
+                self._link(n, arr, positions[n:], slots[n:])
         self._starts.append(start)
-        self._ends.append(start + len(arr))
-        self._total += len(arr)
+        self._ends.append(start + len(tokens))
+        self._total += len(tokens)
+
+    def _add_short(self, tokens: list[int], start: int) -> None:
+        """`add`'s writes for a short sequence, token by token (`_link`'s chains, built in
+        position order: the same arrays)."""
+        size = self.max_tokens
+        for i, token in enumerate(tokens):
+            self._token_view[(start + i) % size] = token
+        for n in range(self.min_n, min(self.max_n, len(tokens) - 1) + 1):
+            heads, links = self._head_views[n - self.min_n], self._link_views[n - self.min_n]
+            for i in range(n, len(tokens)):
+                p = start + i
+                bucket = self.bucket(tokens[i - n : i])
+                before = heads[bucket]
+                links[p % size] = p - before if before >= 0 and p - before < size else 0
+                heads[bucket] = p
 
     def _link(self, n: int, arr: np.ndarray, starts: np.ndarray, slots: np.ndarray) -> None:
         """Put each continuation start of `arr` after an n-gram at the head of its chain."""
