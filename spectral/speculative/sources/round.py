@@ -68,6 +68,9 @@ class SpecRound:
         if cost_model is not None and not spec.fixed_tree:
             self.planner = TreePlanner(cost_model, spec.num_steps, spec.entry.acceptance_prior)
         self._plan: Plan | None = None
+        # The last plan was no round: only then is a plan without lookups tried first (after a
+        # round the next is likely a round too, and the bound would not decline).
+        self._declined = True
 
     def flush(self) -> None:
         """Forget past requests (the server's cache flushed): the n-gram index's corpus. What
@@ -84,7 +87,8 @@ class SpecRound:
         planned at the most nodes its lookups allow and built only where the plan verifies
         it (planned again, rarely, where it came out smaller than planned)."""
         spec = self.spec
-        if self._declined_unlooked(running):
+        declined_before, self._declined = self._declined, True
+        if declined_before and self._declined_unlooked(running):
             for req in running:
                 req.spec.draft_tokens = req.spec.draft_parents = None
             return None
@@ -107,6 +111,7 @@ class SpecRound:
             for req in running:
                 req.spec.draft_tokens = req.spec.draft_parents = None
             return None
+        self._declined = False
         for b, (req, size, (tree, _), inp) in enumerate(zip(running, sizes, drafts, inputs)):
             source = sources[b] if sources else 0
             req.spec.kind = inp.options[source][0]
