@@ -267,9 +267,9 @@ def test_input_token_logprobs_match_transformers_with_chunked_prefill(
 HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/enabled"
 HUGE_PAGES_PROBE = """
 import spectral, torch
+from spectral.mem.process import huge_page_bytes
 weights = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)  # a weight-sized tensor, touched
-rollup = open("/proc/self/smaps_rollup").read()
-print(int(rollup.split("AnonHugePages:")[1].split()[0]))
+print(huge_page_bytes() >> 10)
 """
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -79,3 +81,35 @@ def arena_count() -> int:
     report = ctypes.string_at(buf, size.value).decode()
     libc.free(buf)
     return report.count("<heap nr=")
+
+
+def huge_page_bytes() -> int | None:
+    """This process's anonymous memory on transparent huge pages (Linux's smaps_rollup), None
+    where the kernel gives none (or does not say)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                return None
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def report_huge_pages(logger: logging.Logger) -> None:
+    """Log whether this process's weights and KV pool are on transparent huge pages (spectral
+    asks for them: THP_MEM_ALLOC_ENABLE, spectral/__init__.py), and how to get them where not."""
+    held = huge_page_bytes()
+    if held is None:
+        return
+    if held:
+        logger.info("%.0f MiB of this process on transparent huge pages", held / 2**20)
+    elif os.environ.get("THP_MEM_ALLOC_ENABLE") != "0":
+        logger.warning(
+            "no memory on transparent huge pages (a decode step streams its weights faster on "
+            "them: 1.15x on a 1.5B model): import spectral before torch allocates, or set "
+            "THP_MEM_ALLOC_ENABLE=1"
+        )

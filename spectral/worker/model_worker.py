@@ -16,7 +16,7 @@ from spectral.layers.linear import weight_bytes
 from spectral.layers.parallel import TensorParallel
 from spectral.layers.routing import route_to_cpu_kernels
 from spectral.mem.kv_pool import KVPool
-from spectral.mem.process import eager_release
+from spectral.mem.process import eager_release, report_huge_pages
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.models.config import ModelConfig
 from spectral.models.gguf_native import load_gguf_model
@@ -149,10 +149,6 @@ class ModelWorker:
                 tensor_parallel,
                 quantize,
             )
-        # the GGUF blocks' matmuls quantize their inputs to 8 bits (a drafter's follow)
-        self.integer_path = bool(
-            gguf_file and gguf_native and gguf_int8 and kernels is not None
-        ) and dtype in (torch.float32, torch.bfloat16)
         # what this process's layers and KV pool hold
         shares = self.model.shares
         cfg: ModelConfig = shares.config(self.config) if shares is not None else self.config
@@ -176,6 +172,8 @@ class ModelWorker:
         self.kv_pool = KVPool(
             max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device
         )
+        if device == "cpu":
+            report_huge_pages(logger)
         self.req_to_token = ReqToTokenPool(max_running_requests, max_context_len, device)
         self.attn_backend = create_attention_backend(
             attention_backend,
@@ -201,6 +199,7 @@ class ModelWorker:
         """The model as `__init__`'s arguments say, on this worker's device, its matmuls
         routed through `kernels` where given."""
         dtype, device = self.dtype, self.device
+        self.integer_path = False
         if dummy_weights:
             model = dummy_model(self.config, dtype, device)
         elif gguf_file is None:
@@ -208,6 +207,8 @@ class ModelWorker:
         else:
             model = build_model(self.config, dtype, "cpu")
             native = gguf_native and dtype in (torch.float32, torch.bfloat16)
+            # the blocks' matmuls quantize their inputs to 8 bits (a drafter's follow)
+            self.integer_path = native and gguf_int8 and kernels is not None
             if native and kernels is None:
                 logger.info("GGUF weights served dequantized (no CPU kernels on %s)", device)
             # with tensor_parallel, cut as it loads: each rank reads only its blocks
