@@ -702,3 +702,36 @@ def test_no_lookup_is_made_where_no_match_it_could_find_would_be_verified(
                 batch_reqs[i].output_ids += new
     skipped = 1 - lookups[0] / lookups[1]
     assert lookups[1] == 200 * batch and skipped > (0.2 if batch == 1 else 0.02), lookups
+
+
+def test_a_request_whose_plan_takes_the_heads_tree_is_left_to_the_head() -> None:
+    """Beside the head (EAGLE3 with n-gram trees), a request with an n-gram match whose plan
+    takes the head's tree gets no scheduler tree (None: the worker's head drafts it), not an
+    empty one; one whose plan takes its n-gram tree gets that tree's first nodes."""
+    spec = SpecSettings.from_args(
+        ServerArgs(speculative_algorithm="EAGLE3", speculative_hybrid_ngram=8)
+    )
+    spec_round = SpecRound(spec, STEEP, None, 4096)
+    planner, rng = spec_round.planner, random.Random(3)
+    for kind, first in (
+        (head_bucket(None), 0.95),
+        (ngram_bucket(2), 0.05),
+        (ngram_bucket(4), 0.97),
+    ):
+        for _ in range(100):
+            path = []
+            for r in range(6):
+                if rng.random() >= first:
+                    break
+                path.append(r)
+            planner.stats_for(kind).observe(6, path, [0.9] * 6 if kind.startswith(HEAD) else None)
+    weak = Req("weak", [1, 2, 9, 1, 2, 7, 5, 1, 2], SamplingParams())  # a 2-token match
+    strong = Req("strong", [3, 4, 5, 6, 8, 3, 4, 5, 6], SamplingParams())  # a 4-token match
+    weak.spec.draft_top1 = strong.spec.draft_top1 = 0.9  # the head confident (fresh)
+    sizes = spec_round.plan([weak])
+    assert sizes is not None and sizes[0] > 1
+    assert weak.spec.kind == head_bucket(0.9) and weak.spec.draft_tokens is None
+    sizes = spec_round.plan([strong])
+    assert sizes is not None and sizes[0] > 1
+    assert strong.spec.kind == ngram_bucket(4)
+    assert strong.spec.draft_tokens == spec_round.ngram.propose(strong.all_ids)[0][: sizes[0] - 1]

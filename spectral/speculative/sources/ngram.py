@@ -76,7 +76,7 @@ class NgramMatch:
     retrieved_len: int = 0  # ... and the length of suffix it matched
 
     @property
-    def found(self) -> bool:
+    def has_continuations(self) -> bool:
         return bool(self.occurrences or self.retrieved)
 
 

@@ -115,9 +115,9 @@ class SpecRound:
         for b, (req, size, (tree, _), inp) in enumerate(zip(running, sizes, drafts, inputs)):
             source = sources[b] if sources else 0
             req.spec.kind = inp.options[source][0]
-            if isinstance(tree, NgramMatch):  # not built: the plan verifies its root alone
-                req.spec.draft_tokens, req.spec.draft_parents = [], []
-            elif tree is not None and source == 0:
+            if tree is not None and source == 0:
+                if isinstance(tree, NgramMatch):  # not built: the plan verifies its root alone
+                    tree = ([], [])
                 req.spec.draft_tokens, req.spec.draft_parents = (
                     tree[0][: size - 1],
                     tree[1][: size - 1],
@@ -210,7 +210,7 @@ class SpecRound:
                 req.spec.ngram = NgramState()
             state = req.spec.ngram
             found = self.ngram.match(req.all_ids, state)
-            if found.found or not self.spec.has_drafter:
+            if found.has_continuations or not self.spec.has_drafter:
                 # the datastore's (asked where no n-gram matched) count apart
                 kind = (
                     rest_bucket(state.retrieved_len)
