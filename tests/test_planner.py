@@ -590,6 +590,19 @@ def test_rounds_slower_than_the_cost_model_turn_speculation_off() -> None:
 VOCAB = 30  # few matches: trees often smaller than their lookups allow
 
 
+def observe_chains(
+    stats: RankStats, first: float, ranks: int, rng: random.Random, scores=None
+) -> None:
+    """100 rounds of chains `ranks` deep, each node accepted with probability `first`."""
+    for _ in range(100):
+        path = []
+        for r in range(ranks):
+            if rng.random() >= first:
+                break
+            path.append(r)
+        stats.observe(ranks, path, scores)
+
+
 def ngram_round(rng: random.Random) -> SpecRound:
     """NGRAM's SpecRound under STEEP, its buckets' statistics accepted often after long matches
     and rarely after short ones (some plans speculate, some decline), its index holding a few
@@ -598,14 +611,7 @@ def ngram_round(rng: random.Random) -> SpecRound:
         SpecSettings.from_args(ServerArgs(speculative_algorithm="NGRAM")), STEEP, None, 4096
     )
     for length, first in ((1, 0.02), (2, 0.1), (3, 0.9), (4, 0.95)):
-        stats = spec_round.planner.stats_for(ngram_bucket(length))
-        for _ in range(100):
-            path = []
-            for r in range(15):
-                if rng.random() >= first:
-                    break
-                path.append(r)
-            stats.observe(15, path, None)
+        observe_chains(spec_round.planner.stats_for(ngram_bucket(length)), first, 15, rng)
     for _ in range(4):
         spec_round.ngram.add_sequence([rng.randrange(VOCAB) for _ in range(40)])
     return spec_round
@@ -713,18 +719,9 @@ def test_a_request_whose_plan_takes_the_heads_tree_is_left_to_the_head() -> None
     )
     spec_round = SpecRound(spec, STEEP, None, 4096)
     planner, rng = spec_round.planner, random.Random(3)
-    for kind, first in (
-        (head_bucket(None), 0.95),
-        (ngram_bucket(2), 0.05),
-        (ngram_bucket(4), 0.97),
-    ):
-        for _ in range(100):
-            path = []
-            for r in range(6):
-                if rng.random() >= first:
-                    break
-                path.append(r)
-            planner.stats_for(kind).observe(6, path, [0.9] * 6 if kind.startswith(HEAD) else None)
+    observe_chains(planner.stats_for(head_bucket(0.9)), 0.95, 6, rng, scores=[0.9] * 6)
+    observe_chains(planner.stats_for(ngram_bucket(2)), 0.05, 6, rng)
+    observe_chains(planner.stats_for(ngram_bucket(4)), 0.97, 6, rng)
     weak = Req("weak", [1, 2, 9, 1, 2, 7, 5, 1, 2], SamplingParams())  # a 2-token match
     strong = Req("strong", [3, 4, 5, 6, 8, 3, 4, 5, 6], SamplingParams())  # a 4-token match
     weak.spec.draft_top1 = strong.spec.draft_top1 = 0.9  # the head confident (fresh)
