@@ -6,7 +6,7 @@ bench/shapes.py's shapes with random weights made on the device (--load-format d
   fraction of the bandwidth bound (bandwidth / the model's weight bytes) it reaches;
 - verify_8b: a 64-token tree's verify forward against a decode step (the start-up cost curve);
 - spec_<shape>: an EAGLE-3 round (random head, fixed tree) against a plain step;
-- profile: kernel launches a decoded token (bench/gpu_profile.py);
+- profile, profile_1.5b: kernel launches and device time a decoded token (bench/gpu_profile.py);
 - peer_1.5b: HF transformers, static cache and torch.compile, on the same config and prompts.
 
 The JSON (device, commit, driver, versions, figures, and `checks` against the targets) goes to
@@ -58,6 +58,7 @@ PARTS: dict[str, tuple[Callable[[Bench], dict], float]] = {
     "spec_1.5b": (lambda b: part_spec(b, "1.5b"), 10),
     "spec_8b": (lambda b: part_spec(b, "8b"), 15),
     "profile": (lambda b: part_profile(b, "default"), 5),
+    "profile_1.5b": (lambda b: part_profile(b, "1.5b"), 5),
     "peer_1.5b": (lambda b: part_peer(b, "1.5b"), 60),
 }
 

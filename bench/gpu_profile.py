@@ -48,12 +48,22 @@ def _profiled(engine: Engine, prompt: list[int], tokens: int):
     return prof, engine.get_server_info()["stats"]["decode_steps"] - before
 
 
-def _counts(prof) -> dict[str, int]:
-    counts = {"launches": 0, "graph_launches": 0, "device_kernels": 0, "syncs": 0, "copies": 0}
+def _counts(prof) -> dict[str, float]:
+    """Launch calls, graph launches, device kernels, host waits and copies, and the device's
+    busy time (`device_ms`: its kernels' and copies' durations summed)."""
+    counts = {
+        "launches": 0,
+        "graph_launches": 0,
+        "device_kernels": 0,
+        "syncs": 0,
+        "copies": 0,
+        "device_ms": 0.0,
+    }
     for event in prof.events():
         name = event.name
         if event.device_type == torch.autograd.DeviceType.CUDA:
             counts["device_kernels"] += not name.startswith(("Memcpy", "Memset"))
+            counts["device_ms"] += event.time_range.elapsed_us() / 1000
         elif name in LAUNCHES:
             counts["launches"] += 1
             counts["graph_launches"] += name == "cudaGraphLaunch"
@@ -68,14 +78,15 @@ def launches_per_token(
     engine: Engine, prompt: list[int], short: int = 8, long: int = 40
 ) -> dict[str, float]:
     """Per decoded token of one request: host launch calls (graph launches among them), device
-    kernels, host waits and copies, from two profiled generations of `short` and `long` tokens
-    (their difference: prefill and the first step cancel). Warms the engine up first."""
+    kernels, host waits, copies and the device's busy milliseconds, from two profiled
+    generations of `short` and `long` tokens (their difference: prefill and the first step
+    cancel). Warms the engine up first."""
     engine.generate(input_ids=[prompt], sampling_params={"temperature": 0, "max_new_tokens": 4})
     short_prof, short_steps = _profiled(engine, prompt, short)
     long_prof, long_steps = _profiled(engine, prompt, long)
     steps = long_steps - short_steps
     a, b = _counts(short_prof), _counts(long_prof)
-    return {"decode_steps": steps, **{k: round((b[k] - a[k]) / steps, 2) for k in a}}
+    return {"decode_steps": steps, **{k: round((b[k] - a[k]) / steps, 3) for k in a}}
 
 
 def profile_backend(model_dir: str, backend: str, args: argparse.Namespace) -> None:

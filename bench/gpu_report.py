@@ -79,9 +79,10 @@ def first_line(command: list[str]) -> str | None:
 
 def environment(args: argparse.Namespace) -> dict:
     """What the run ran on: device, commit, driver and versions, and its settings."""
-    commit, source = first_line(["git", "rev-parse", "HEAD"]), "git"
+    # the commit the caller names first: a copied tree's .git may not be the tree's own
+    commit, source = os.environ.get("GPU_CHECK_COMMIT") or None, "GPU_CHECK_COMMIT"
     if commit is None:
-        commit, source = os.environ.get("GPU_CHECK_COMMIT") or None, "GPU_CHECK_COMMIT"
+        commit, source = first_line(["git", "rev-parse", "HEAD"]), "git"
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     versions["cuda"] = torch.version.cuda
     for package in ("triton", "flashinfer-python", "transformers"):

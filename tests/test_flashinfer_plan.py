@@ -284,10 +284,21 @@ def test_the_default_backend_follows_the_device_dtype_and_flashinfers_presence(m
         ServerArgs(model_path="default", attention_backend="flash")
 
 
+class TreeStandIn(TorchAttentionBackend):
+    """The flashinfer backend's tree-verification backend, counting the layers it ran."""
+
+    calls = 0
+
+    def forward(self, q, k, v, layer_id, batch):
+        self.calls += 1
+        return super().forward(q, k, v, layer_id, batch)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_backend_drives_flashinfers_wrappers_as_documented(monkeypatch, dtype):
     """FlashInferAttentionBackend against flashinfer's wrappers as documented (a stand-in with
-    their signatures, computing on the CPU), every mode: the torch backend's output in float32
+    their signatures, computing on the CPU), every mode (tree verification through the Triton
+    backend instead, which static buffers can replay): the torch backend's output in float32
     within the dtype's rounding; a float32 pool is refused with what to use instead."""
     import sys
 
@@ -302,10 +313,18 @@ def test_the_backend_drives_flashinfers_wrappers_as_documented(monkeypatch, dtyp
         expected = oracle.forward(case.q, case.k, case.v, 0, case.batch)
         low = case.to("cpu", dtype)
         backend = FlashInferAttentionBackend(low.pool, low.table, low.scaling)
+        # tree verification goes to the Triton backend (tested against the torch backend in
+        # tests/triton_cases.py; here a torch backend stands in for it, as Triton needs a GPU
+        # or its interpreter)
+        tree = TreeStandIn(low.pool, low.table, low.scaling, kernels=None)
+        backend.tree = tree
         backend.init_forward_metadata(low.batch)
         got = backend.forward(low.q, low.k, low.v, 0, low.batch).float()
-        wrapper = backend.decode if mode.is_decode() else backend.prefill
-        assert wrapper.planned is not None, mode
+        if mode == ForwardMode.TARGET_VERIFY:
+            assert tree.calls == 1 and backend.prefill.planned is None, mode
+        else:
+            wrapper = backend.decode if mode.is_decode() else backend.prefill
+            assert wrapper.planned is not None and tree.calls == 0, mode
         err = float((got - expected).abs().max())
         assert err < 3e-2, f"{mode.name} {dtype}: max error {err:.2e}"
     with pytest.raises(ValueError, match="use --attention-backend triton for float32"):

@@ -1,8 +1,10 @@
 """`--attention-backend flashinfer`: FlashInfer's paged-KV wrappers on CUDA, page size 1.
 
-DECODE through the batch decode wrapper, every other mode through the batch prefill wrapper
-(causal, or under the tree mask). `plan_arrays` builds what they are planned with, on any
-device. The kernels take float16 and bfloat16 only: `auto` picks Triton for a float32 pool.
+DECODE through the batch decode wrapper, TARGET_VERIFY through the Triton backend's tree
+kernel (it reads lengths from the device, so a verify over static buffers replays a CUDA graph
+too), every other mode through the batch prefill wrapper (causal, or under a draft head's tree
+mask). `plan_arrays` builds what the wrappers are planned with, on any device. The kernels
+take float16 and bfloat16 only: `auto` picks Triton for a float32 pool.
 Decode steps in static buffers (a CUDA graph's) go through one decode wrapper per batch size
 in FlashInfer's CUDA-graph mode, planned on the host before each replay into buffers of fixed
 address (`prepare_replay`).
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from spectral.attention.base import AttentionBackend, request_mask, request_slots
+from spectral.attention.triton_backend import TritonAttentionBackend
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.transfer import pinned
 from spectral.mem.kv_pool import KVPool
@@ -89,7 +92,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     """Plans its wrapper at the first layer of each forward (when the query heads are known)
     and runs it at every layer over the pool's K and V viewed as pages of one token."""
 
-    capturable_modes = frozenset((ForwardMode.DECODE,))
+    capturable_modes = frozenset((ForwardMode.DECODE, ForwardMode.TARGET_VERIFY))
 
     def __init__(
         self,
@@ -123,8 +126,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         # batch replays at a time)
         self._graph_wrappers: dict[int, object] = {}
         self._graph_buffers: tuple[torch.Tensor, ...] | None = None
+        # Tree verification: the Triton kernel reads the table and lengths from the device
+        # (FlashInfer's prefill wrapper plans from host arrays, so it cannot replay).
+        self.tree = TritonAttentionBackend(kv_pool, req_to_token, scaling)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.mode == ForwardMode.TARGET_VERIFY:
+            self.tree.init_forward_metadata(batch)
+            return
         if batch.seq_lens_tensor is not None and batch.mode.is_decode():
             batch.attn_metadata = GraphDecode(self._graph_wrapper(batch.batch_size))
             return
@@ -219,6 +228,8 @@ class FlashInferAttentionBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
+        if batch.mode == ForwardMode.TARGET_VERIFY:
+            return self.tree.forward(q, k, v, layer_id, batch)
         self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
         meta = batch.attn_metadata
         if isinstance(meta, GraphDecode):

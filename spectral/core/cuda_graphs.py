@@ -14,6 +14,19 @@ logger = logging.getLogger(__name__)
 Key = TypeVar("Key", bound=Hashable)
 
 
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The current GPU's one stream for captures, for the process's life: every engine's
+    graphs are captured on it, so no per-stream state outlives a stream whose address a later
+    one takes."""
+    device = torch.cuda.current_device()
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream(device)
+    return _capture_streams[device]
+
+
 def capture_graphs(
     runs: dict[Key, Callable[[], Any]], prepare: Callable[[Key], None] | None = None
 ) -> tuple[dict[Key, tuple[torch.cuda.CUDAGraph, Any]], float, int]:
@@ -24,22 +37,26 @@ def capture_graphs(
     taken and the device memory taken."""
     start = time.perf_counter()
     free_before, _ = torch.cuda.mem_get_info()
-    stream = torch.cuda.Stream()
+    stream = capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
     pool = None
     graphs = {}
-    for key, run in runs.items():
-        for _ in range(2):
+    # The warm-up runs on the capture stream too: what a library sets up per stream (cuBLAS's
+    # workspace) is then made outside the capture, not inside a graph's pool.
+    with torch.cuda.stream(stream):
+        for key, run in runs.items():
+            for _ in range(2):
+                if prepare is not None:
+                    prepare(key)
+                run()
+                torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
             if prepare is not None:
                 prepare(key)
-            run()
-            torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        if prepare is not None:
-            prepare(key)
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            out = run()
-        pool = graph.pool()
-        graphs[key] = (graph, out)
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = run()
+            pool = graph.pool()
+            graphs[key] = (graph, out)
     torch.cuda.synchronize()
     used = max(0, free_before - torch.cuda.mem_get_info()[0])
     return graphs, time.perf_counter() - start, used

@@ -9,9 +9,11 @@ bench/shapes.py writes."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import random
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,9 +179,20 @@ def test_two_nccl_ranks_decode_as_one_worker(tmp_path, tiny_model):
     mp.spawn(_worker_rank, args=(2, init, cases, "nccl"), nprocs=2, join=True)
 
 
+class Waits(int):
+    """A count of host waits, with the lines that made them (file:line -> count)."""
+
+    sites: collections.Counter
+
+    def __new__(cls, sites: collections.Counter) -> Waits:
+        waits = super().__new__(cls, sum(sites.values()))
+        waits.sites = sites
+        return waits
+
+
 def host_waits(run):
     """`run()`'s result and how many times it made the host wait on the device (the sync
-    debug mode's warnings)."""
+    debug mode's warnings), as `Waits` (which names the lines that waited)."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -188,7 +201,10 @@ def host_waits(run):
             out = run()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return out, sum("synchroniz" in str(w.message) for w in caught)
+    sites = collections.Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+    return out, Waits(sites)
 
 
 def eagle3_fixed_trees(head_dir: str, **options) -> dict:
@@ -233,6 +249,7 @@ def _graph_engines(tiny_model, backend: str, spec: dict, graphs: bool):
         ("triton", None),
         ("triton", "EAGLE3"),
         pytest.param("flashinfer", None),
+        pytest.param("flashinfer", "EAGLE3"),
     ],
 )
 def test_graph_replay_gives_the_eager_tokens(tiny_model, backend, algorithm):
@@ -259,7 +276,8 @@ def test_graph_replay_gives_the_eager_tokens(tiny_model, backend, algorithm):
             assert scheduler_leaks(engine.scheduler) == []
             info = engine.worker.graph_info()
             assert bool(info and info["captured"]) == graphs
-            if algorithm and graphs:  # the head's tree levels and extends replayed graphs too
+            if algorithm and graphs:  # verification, the head's tree levels and extends too
+                assert info["verify_tree_sizes"], info
                 assert info["draft"]["captured"] and info["draft"]["extend"]["captured"]
                 assert engine.worker.drafter.graphs.static_runs > 0
                 assert engine.worker.drafter.extend_graphs.static_runs > 0
@@ -329,7 +347,10 @@ def test_a_graphed_eagle3_round_waits_on_the_device_twice(tiny_model):
         assert long[1] > short[1] >= 1
         assert engine.worker.rounds_on_device >= long[1] + short[1]
         assert short[0] >= 2 * short[1], f"fewer waits than rounds: {short}"
-        assert (long[0] - short[0]) == 2 * (long[1] - short[1]), f"waits, rounds: {short} {long}"
+        sites = long[0].sites - short[0].sites  # the lines that waited more in more rounds
+        assert (long[0] - short[0]) == 2 * (long[1] - short[1]), (
+            f"waits, rounds: {short} {long}; waits by line: {dict(sites)}"
+        )
     finally:
         engine.shutdown()
 
