@@ -55,8 +55,9 @@ def _assemble(
     device = parents.device
     batch = torch.arange(B, device=device)
     index = torch.arange(n, device=device)
-    mask = torch.zeros((B, n, n), dtype=torch.bool, device=device)
-    mask[:, index, index] = True
+    # each node sees itself (an eye made where the trees are: setting the diagonal by index
+    # would copy the value True from the host, which waits for the device)
+    mask = torch.eye(n, dtype=torch.bool, device=device).expand(B, n, n).clone()
     for j in range(1, n):
         parent = parents[:, j]
         has_parent = parent >= 0
@@ -75,7 +76,7 @@ def _assemble(
     )
     sibling = torch.where(later_sibling, index, no_node).min(dim=-1).values
     if ranks is None:
-        real = index[None, :] < torch.tensor(num_nodes, device=device)[:, None]
+        real = index[None, :] < to_device_list(num_nodes, torch.int64, device)[:, None]
         ranks = torch.where(real & (index[None, :] > 0), index[None, :] - 1, -1)
     return DraftTrees(
         tokens=tokens,
