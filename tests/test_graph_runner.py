@@ -198,6 +198,7 @@ def _generate(model_dir: str, prompts, params, repeat: bool = False, **options):
             extends = getattr(engine.worker.drafter, "extend_graphs", None)
             info["extend_static_runs"] = extends.static_runs if extends else None
             info["rounds_on_device"] = engine.worker.rounds_on_device
+            info["round_static_runs"] = engine.worker.round_graphs.static_runs
     finally:
         engine.shutdown()
     return [o["output_ids"] for o in outs], rounds, info
@@ -245,8 +246,11 @@ def test_eagle3_engine_through_the_buckets_gives_plain_tokens(peaky_model_dir, t
     assert info["draft"]["batch_sizes"] == [1, 2, 4] and info["draft_static_runs"] > 5
     # and extended after each round through them (every round drafted by the head)
     assert info["extend_static_runs"] == info["draft_static_runs"]
-    # greedy, no grammar: every round selected its trees and accepted on the device
+    # greedy, no grammar: every round selected its trees and accepted on the device, through
+    # static buffers where the head drafted through them
     assert info["rounds_on_device"] == rounds
+    assert info["round_static_runs"] == info["draft_static_runs"]
+    assert info["draft"]["round"]["batch_sizes"] == [1, 2, 4]
 
 
 def test_ngram_trees_of_many_sizes_give_plain_tokens(peaky_model_dir):

@@ -28,10 +28,13 @@ def capture_stream() -> torch.cuda.Stream:
 
 
 def capture_graphs(
-    runs: dict[Key, Callable[[], Any]], prepare: Callable[[Key], None] | None = None
+    runs: dict[Key, Callable[[], Any]],
+    prepare: Callable[[Key], None] | None = None,
+    pool: Any = None,
 ) -> tuple[dict[Key, tuple[torch.cuda.CUDAGraph, Any]], float, int]:
     """Each run captured as a CUDA graph, in `runs`' order (largest first), into one memory
-    pool, after two eager runs (kernel builds, autotuning); `prepare(key)`, where given, runs
+    pool (`pool`, an earlier graph's, or a new one), after two eager runs (kernel builds,
+    autotuning); `prepare(key)`, where given, runs
     on the host before each run and before the capture, outside the graph (an attention
     plan into the captured buffers). Returns the graphs with their outputs by key, the seconds
     taken and the device memory taken."""
@@ -39,7 +42,6 @@ def capture_graphs(
     free_before, _ = torch.cuda.mem_get_info()
     stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
-    pool = None
     graphs = {}
     # The warm-up runs on the capture stream too: what a library sets up per stream (cuBLAS's
     # workspace) is then made outside the capture, not inside a graph's pool.

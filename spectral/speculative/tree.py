@@ -188,12 +188,36 @@ def select_eagle_trees(
         parent_candidates.to(device, torch.int64),
     )
     _check_candidates(scores, tokens, parent_candidates, sizes, checked_values=not on_device)
-    B, C = scores.shape
-    own = torch.arange(C, device=device)
-
+    C = scores.shape[1]
     counts = [min(size - 1, C) for size in sizes]
     wanted = to_device_list(counts, torch.int64, device)
-    m = max(counts)
+    trees = select_trees_static(
+        root_tokens, scores, tokens, parent_candidates, wanted, max(counts), max(sizes)
+    )
+    if on_device:
+        trees.num_nodes = [1 + count for count in counts]
+    else:  # the survivors: every node with a parent
+        trees.num_nodes = (1 + (trees.parents >= 0).sum(dim=1)).tolist()
+    return trees
+
+
+def select_trees_static(
+    root_tokens: torch.Tensor,
+    scores: torch.Tensor,
+    tokens: torch.Tensor,
+    parent_candidates: torch.Tensor,
+    wanted: torch.Tensor,
+    m: int,
+    width: int,
+) -> DraftTrees:
+    """`select_eagle_trees(..., on_device=True)` from inputs already where they belong (int64
+    and float32 on one device), each request's count of wanted candidates on the device
+    (`wanted` [B], each at most `m`; `width` the trees' node slots): nothing read on the
+    host, no host value copied, so a CUDA graph can hold it. `num_nodes` is left empty (the
+    caller knows the counts)."""
+    B, C = scores.shape
+    device = scores.device
+    own = torch.arange(C, device=device)
     scores = torch.where(scores.isnan(), float("-inf"), scores)
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices
     rank_of = torch.empty_like(order)
@@ -228,16 +252,12 @@ def select_eagle_trees(
     score_rank = torch.where(survivors, rank_of.gather(1, picked.clamp(max=C - 1)), C)
     own_rank = score_rank.argsort(dim=1, stable=True).argsort(dim=1)
 
-    if on_device:
-        num_nodes = [1 + count for count in counts]
-    else:
-        num_nodes = (1 + survivors.sum(dim=1)).tolist()
     node_tokens = tokens.gather(1, picked.clamp(max=C - 1))
     # each survivor to its row, the others to a column past the trees' (dropped after)
-    column = torch.where(survivors, new_row[:, 1:], max(sizes))
+    column = torch.where(survivors, new_row[:, 1:], width)
     columns = (node_tokens, new_parent, own_rank)
-    tokens_out, parents_out, ranks_out = _survivor_rows(root_tokens, column, columns, max(sizes))
-    return _assemble(tokens_out, parents_out, num_nodes, ranks_out)
+    tokens_out, parents_out, ranks_out = _survivor_rows(root_tokens, column, columns, width)
+    return _assemble(tokens_out, parents_out, [], ranks_out)
 
 
 def _check_candidates(

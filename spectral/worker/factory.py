@@ -17,6 +17,7 @@ from spectral.speculative.drafters.base import DrafterContext, file_stamp
 from spectral.worker.grammar_follower import GrammarFollower
 from spectral.worker.graph_runner import DEFAULT_BATCH_SIZES, default_max_batch_size
 from spectral.worker.model_worker import ModelWorker
+from spectral.worker.round_graphs import RoundGraphs
 from spectral.worker.spec_worker import SpeculativeWorker
 
 
@@ -64,6 +65,8 @@ def create_worker(
             cap = spec.max_batch_size or max(graph_sizes)
             sizes = [bs for bs in graph_sizes if bs <= cap] or [min(graph_sizes)]
             spec_worker.draft_graphs = drafter.use_graphs(sizes)
+            if spec_worker.draft_graphs is not None:
+                spec_worker.round_graphs = RoundGraphs(sizes, worker.device)
     if not spec.fixed_tree:
         from spectral.worker.cost_measure import load_or_measure
 

@@ -30,6 +30,7 @@ from spectral.speculative.verify import (
 )
 from spectral.worker.grammar_follower import GrammarFollower
 from spectral.worker.model_worker import ModelWorker
+from spectral.worker.round_graphs import RoundGraphs
 from spectral.worker.spec_verify import round_result, verify_trees
 
 
@@ -63,6 +64,9 @@ class SpeculativeWorker:
         self.draft_graphs: dict | None = None
         # Requests' rounds verified without the host (`_round_on_device`).
         self.rounds_on_device = 0
+        # Such rounds' selection and walk through static buffers (the factory sets it where
+        # the drafter's expansion has them too).
+        self.round_graphs: RoundGraphs | None = None
 
     def grammar_ready(self, kind: str, text: str) -> bool:
         return self.grammars is None or self.grammars.ready(kind, text)
@@ -77,7 +81,10 @@ class SpeculativeWorker:
         the drafter has no static path)."""
         info = self.target.graph_info()
         if info is not None and self.drafter is not None:
-            info = info | {"draft": self.draft_graphs}
+            draft = self.draft_graphs
+            if draft is not None and self.round_graphs is not None:
+                draft = draft | {"round": self.round_graphs.summary()}
+            info = info | {"draft": draft}
         return info
 
     def forward(self, wb: WorkerBatch) -> WorkerResult:
@@ -237,6 +244,7 @@ class SpeculativeWorker:
                 "root_slots": [wb.out_cache_loc[start] for start in offsets[:-1]],
                 "places": [b * n + j for b, size in enumerate(sizes) for j in range(size)],
                 "mask_places": tree_mask_places(sizes, n).tolist(),
+                "wanted": [size - 1 for size in sizes],
             },
             target.device,
         )
@@ -247,7 +255,11 @@ class SpeculativeWorker:
             roots=staged["roots"],
             root_slots=staged["root_slots"],
         )
-        trees = select_eagle_trees(staged["roots"], scores, tokens, parents, sizes, on_device=True)
+        graphs = self.round_graphs
+        candidates = (staged["roots"], scores, tokens, parents)
+        trees = graphs.select(*candidates, staged["wanted"], sizes) if graphs else None
+        if trees is None:
+            trees = select_eagle_trees(*candidates, sizes, on_device=True)
         places = staged["places"]
         # the table writes and slots from the host; ids, positions and mask from the device
         batch = target.to_forward_batch(
@@ -260,8 +272,10 @@ class SpeculativeWorker:
         outputs = target.forward_batch(batch)
         choices = torch.full((B * n,), -1, dtype=torch.int64, device=scores.device)
         choices[places] = outputs[2].argmax(dim=-1)
-        packed = accept_greedy_on_device(trees, choices.view(B, n))
-        host = torch.cat((packed.double(), trees.ranks.double(), scores.double()), 1).tolist()
+        host = graphs.accept(choices.view(B, n)) if graphs else None
+        if host is None:
+            packed = accept_greedy_on_device(trees, choices.view(B, n))
+            host = torch.cat((packed.double(), trees.ranks.double(), scores.double()), 1).tolist()
         verdict = unpack_accepted([[int(x) for x in row[: 1 + 2 * n]] for row in host])
         ranks = [
             [int(x) for x in row[1 + 2 * n : 1 + 2 * n + size]] for row, size in zip(host, sizes)
