@@ -49,6 +49,10 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None
+    # Plain decode steps launched ahead of their results: SGLang's flag, and spectral's to turn
+    # it on where it is off by default (a CPU)
+    disable_overlap_schedule: bool = False
+    enable_overlap_schedule: bool = False
     # Speculative decoding
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -224,6 +228,13 @@ class ServerArgs:
         if self.device != "auto":
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_overlap_schedule(self) -> bool:
+        """Whether plain decode steps launch ahead: by default on a GPU (where the host's work
+        between steps leaves the device idle), not on a CPU (where the step is the host's)."""
+        if self.disable_overlap_schedule:
+            return False
+        return self.enable_overlap_schedule or self.resolved_device().startswith("cuda")
 
     def resolved_dtype(self) -> torch.dtype:
         import torch

@@ -56,6 +56,13 @@ HELP: dict[str, dict[str, str]] = {
             "steps of 8 and 16, up to --cuda-graph-max-bs). On a CPU, given, the same "
             "static-buffer path runs without capture (how it is tested)"
         ),
+        "disable_overlap_schedule": (
+            "build each plain decode step only after the previous one's tokens are back (by "
+            "default on a GPU the next step is launched while the device runs the current one)"
+        ),
+        "enable_overlap_schedule": (
+            "launch plain decode steps ahead on a CPU too (off there by default: no gain)"
+        ),
     },
     "speculative decoding": {
         "speculative_algorithm": (

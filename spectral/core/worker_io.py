@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     import torch
 
 
+# Plain decode steps out at once when launched ahead (DecodePipeline): the one the device runs,
+# and the next.
+MAX_LAUNCHED = 2
+
+
 @dataclass
 class RequestSampling:
     """Sampling state of one request for one step."""

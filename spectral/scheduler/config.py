@@ -24,6 +24,7 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     grammar_compile_timeout: float = 300.0  # seconds a request waits for its grammar
     grammar_cache_bytes: int = 512 * 2**20  # compiled grammars kept
+    overlap_schedule: bool = False  # plain decode steps launched ahead (DecodeOverlap)
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -43,4 +44,5 @@ class SchedulerConfig:
             disable_radix_cache=args.disable_radix_cache,
             grammar_compile_timeout=args.grammar_compile_timeout,
             grammar_cache_bytes=args.grammar_cache_mib * 2**20,
+            overlap_schedule=args.resolved_overlap_schedule(),
         )

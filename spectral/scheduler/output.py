@@ -22,6 +22,7 @@ class SchedulerStats:
     cached_tokens: int = 0  # prompt tokens taken from the radix cache
     generated_tokens: int = 0
     decode_steps: int = 0
+    decode_steps_ahead: int = 0  # launched before the previous step's tokens were in
     retractions: int = 0
     spec_verify_ct: int = 0  # speculative rounds, summed over requests
     spec_emitted_tokens: int = 0  # tokens those rounds produced (accepted drafts + 1 each)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,25 @@ class ScheduleBatch:
             input_logprob_next=logprob_next if any(s >= 0 for s in logprob_starts) else [],
             draft_next_ids=self._draft_next_ids() if draft_next else [],
             vocab_mask=self._vocab_mask(),
+        )
+
+    def to_follow_batch(self, rows: list[int], slots: list[int]) -> WorkerBatch:
+        """This decode step, launched before the step out has sampled the tokens it takes
+        (DecodeOverlap): each request's input is the token of its row `rows[i]` of that
+        step (input id -(row + 1)), at the position that token will have, into `slots[i]`.
+        Sampling sees one output token more than the request has yet (what a seed counts)."""
+        return WorkerBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=[-(row + 1) for row in rows],
+            positions=[req.seq_len for req in self.reqs],
+            out_cache_loc=list(slots),
+            req_pool_indices=[req.req_pool_idx for req in self.reqs],
+            prefix_lens=[req.seq_len for req in self.reqs],
+            extend_lens=[1] * len(self.reqs),
+            sampling=[
+                dataclasses.replace(self._sampling(req, {}), output_ids=[*req.output_ids, -1])
+                for req in self.reqs
+            ],
         )
 
     def _vocab_mask(self) -> torch.Tensor | None:

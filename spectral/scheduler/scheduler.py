@@ -22,6 +22,7 @@ from spectral.scheduler.finish import FinishChecker
 from spectral.scheduler.grammar_intake import GrammarIntake
 from spectral.scheduler.kv_manager import KVManager
 from spectral.scheduler.output import ResultIntake, SchedulerStats
+from spectral.scheduler.overlap import DecodeOverlap
 from spectral.scheduler.prefill import PrefillAdder, fan_out_victim, order_waiting
 from spectral.scheduler.schedule_batch import ScheduleBatch
 from spectral.speculative.settings import SpecSettings
@@ -74,6 +75,10 @@ class Scheduler:
         self.last_mode: ForwardMode | None = None
         self.stats = SchedulerStats()
         self.intake = ResultIntake(self.finish, self.kv, self.stats, self.spec_round)
+        pipeline = getattr(worker, "pipeline", None)  # a worker that launches steps ahead
+        self.overlap: DecodeOverlap | None = None
+        if config.overlap_schedule and spec is None and pipeline is not None:
+            self.overlap = DecodeOverlap(self, pipeline)
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -114,7 +119,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.grammars.compiling)
+        busy = self.overlap is not None and self.overlap.busy
+        return bool(self.waiting or self.running or self.chunked or self.grammars.compiling or busy)
 
     def flush_cache(self) -> bool:
         """Empty the radix cache and the n-gram index of past requests; only when idle
@@ -170,6 +176,8 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """Run one batch. Returns the requests whose output changed (finished ones included)."""
+        if self.overlap is not None and self.overlap.busy:  # a step out: take it in
+            return self.overlap.advance()
         if self.grammars.compiling:
             idle = not (self.waiting or self.running or self.chunked)
             self.grammars.take_compiled(idle, self.waiting.append)
@@ -177,6 +185,8 @@ class Scheduler:
         if batch is None:
             return []
         self.last_mode = batch.mode
+        if self.overlap is not None and self.overlap.start(batch):
+            return []
         return self._run(batch)
 
     def _run(self, batch: ScheduleBatch) -> list[Req]:
@@ -286,9 +296,7 @@ class Scheduler:
             self._retract_one()
         for req in self.running:
             req.kv_slots.extend(kv.alloc_slots(1))
-        self.new_token_ratio = max(
-            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
-        )
+        self.decay_new_token_ratio()
         self.stats.decode_steps += 1
         return ScheduleBatch(ForwardMode.DECODE, list(self.running))
 
@@ -312,10 +320,13 @@ class Scheduler:
             req.spec.slots = kv.alloc_slots(sizes_of[req.rid])
         self.spec_round.record_plan([sizes_of[r.rid] for r in self.running])
         self.stats.decode_steps += 1
-        self.new_token_ratio = max(
-            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
-        )
+        self.decay_new_token_ratio()
         return ScheduleBatch(ForwardMode.TARGET_VERIFY, list(self.running))
+
+    def decay_new_token_ratio(self) -> None:
+        """A decode step or round: the reserve for running requests' output shrinks."""
+        ratio = self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, ratio)
 
     def _retract_one(self) -> None:
         victim = max(
@@ -346,6 +357,8 @@ class Scheduler:
         aborted with the error, and the others go on."""
         changed: list[Req] = []
         for i, req in enumerate(batch.reqs):
+            if req.finished:  # aborted, or done before a step launched ahead (DecodeOverlap)
+                continue
             try:
                 faults.inject("scheduler", req.rid)
                 verdict = self.intake.take(batch, result, i, req)

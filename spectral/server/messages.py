@@ -111,8 +111,9 @@ class BatchStrOut:
 
 # ---- scheduler <-> model worker -------------------------------------------------------------
 # One WorkerBatch in, one WorkerResult (or StepFailed) out per step, or a GrammarQuery in and
-# a GrammarStatus out between steps; WorkerReady or
-# WorkerFailed once, at start-up. With tensor parallelism rank 0 publishes every WorkerBatch
+# a GrammarStatus out between steps; plain decode steps launched ahead as LaunchStep, their
+# results out one step late (or at a CollectStep); WorkerReady or WorkerFailed once, at
+# start-up. With tensor parallelism rank 0 publishes every WorkerBatch
 # to the other ranks, and a Heartbeat while it has none for them.
 
 register_enum(ForwardMode)
@@ -131,6 +132,23 @@ class WorkerReady:
     graphs: dict | None = None
     # The KV pool's bytes and commitment (Worker.kv_pool_info), for /get_server_info
     kv_pool: dict | None = None
+    # Whether it launches plain decode steps ahead (LaunchStep)
+    launches: bool = False
+
+
+@message
+@dataclass
+class LaunchStep:
+    """A plain decode step launched ahead (DecodeOverlap): the worker answers for the oldest
+    step out once it has two, or when a CollectStep asks."""
+
+    batch: WorkerBatch
+
+
+@message
+@dataclass
+class CollectStep:
+    """Answer for the oldest step launched ahead now."""
 
 
 @message

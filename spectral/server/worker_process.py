@@ -10,12 +10,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 
 import zmq
 
 from spectral.args import ServerArgs
 from spectral.core.model import ResolvedModel
-from spectral.core.worker_io import WorkerBatch, WorkerResult
+from spectral.core.worker_io import MAX_LAUNCHED, WorkerBatch, WorkerResult
 from spectral.faults import RemoteError, WorkerLostError
 from spectral.server.child import (
     hand_model,
@@ -26,8 +27,10 @@ from spectral.server.child import (
 )
 from spectral.server.ipc import recv_message, send_message
 from spectral.server.messages import (
+    CollectStep,
     GrammarQuery,
     GrammarStatus,
+    LaunchStep,
     StepFailed,
     WorkerFailed,
     WorkerReady,
@@ -74,22 +77,34 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
         send_message(outbox, WorkerFailed(f"{type(err).__name__}: {err}"))
         raise
     cost = worker.cost_model
+    pipeline = getattr(worker, "pipeline", None) if fanout is None else None
     ready = WorkerReady(
         worker.num_kv_slots,
         cost.to_dict() if cost else None,
         worker.graph_info(),
         worker.kv_pool_info(),
+        launches=pipeline is not None,
     )
     send_message(outbox, ready)
     if worker.grammars is not None:  # speculative: the worker follows grammar requests itself
         worker.grammars.backend.start()
     parent = os.getppid()
+    launched: deque[StepFailed | None] = deque()  # per step out: None, or why it failed
     while wait_for_work(inbox, parent, fanout.watch if fanout else None):
         batch = recv_message(inbox)
         if fanout is not None:
             fanout.publish(batch)  # a GrammarQuery too: every rank masks its own trees
         if isinstance(batch, GrammarQuery):
             send_message(outbox, GrammarStatus(worker.grammar_ready(batch.kind, batch.text)))
+            continue
+        if isinstance(batch, LaunchStep):
+            launched.append(_launch(pipeline, batch.batch))
+            if len(launched) < MAX_LAUNCHED:
+                continue
+            batch = CollectStep()  # two out: the oldest one's answer goes now
+        if isinstance(batch, CollectStep):
+            failed = launched.popleft()
+            send_message(outbox, failed if failed is not None else _collect(pipeline))
             continue
         try:
             reply = worker.forward(batch)
@@ -99,6 +114,47 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
                 sys.exit(f"spectral worker: a tensor-parallel step failed: {err}")
             reply = StepFailed(f"{type(err).__name__}: {err}")
         send_message(outbox, reply)
+
+
+def _launch(pipeline, batch: WorkerBatch) -> StepFailed | None:
+    try:
+        pipeline.launch(batch)
+    except Exception as err:  # answered when the step is collected
+        logger.exception("the model worker failed to launch a decode step")
+        return StepFailed(f"{type(err).__name__}: {err}")
+    return None
+
+
+def _collect(pipeline) -> WorkerResult | StepFailed:
+    try:
+        return pipeline.collect()
+    except Exception as err:
+        logger.exception("the model worker failed on a decode step launched ahead")
+        return StepFailed(f"{type(err).__name__}: {err}")
+
+
+class RemotePipeline:
+    """The worker process's DecodePipeline seen from the scheduler: `launch` sends the step,
+    `collect` receives the oldest one's answer (asking for it where only one is out)."""
+
+    def __init__(self, remote: RemoteWorker) -> None:
+        self.remote = remote
+        self.out = 0
+
+    def launch(self, batch: WorkerBatch) -> None:
+        send_message(self.remote.batches, LaunchStep(batch))
+        self.out += 1
+
+    def collect(self) -> WorkerResult:
+        if self.out == 0:
+            raise RuntimeError("no step was launched")
+        if self.out < MAX_LAUNCHED:  # the worker answers by itself only with two out
+            send_message(self.remote.batches, CollectStep())
+        self.out -= 1
+        reply = self.remote._receive(READY_TIMEOUT_S)
+        if isinstance(reply, StepFailed):
+            raise WorkerStepError(reply.error)
+        return reply
 
 
 class RemoteWorker:
@@ -135,6 +191,7 @@ class RemoteWorker:
             self._model_out.close(0)
         self.ready: WorkerReady = ready
         self.num_kv_slots = ready.num_kv_slots
+        self.pipeline = RemotePipeline(self) if ready.launches else None
         self.cost_model = CostModel.from_dict(ready.cost_model) if ready.cost_model else None
         return self
 

@@ -159,6 +159,9 @@ class GraphRunner(StaticGraphs):
             n: torch.eye(n, dtype=torch.bool, device=device) for n in self._tree_sizes if n > 1
         }
         self.graphs: dict[Bucket, Captured] = {}
+        # on a GPU, recorded after each replay's plan: a step launched ahead waits for the one
+        # before it to have copied its plan (DecodePipeline)
+        self.plan_copied = torch.cuda.Event() if device.type == "cuda" else None
 
     # ---- which bucket ------------------------------------------------------------------------
 
@@ -221,6 +224,8 @@ class GraphRunner(StaticGraphs):
         static = self.batches[bucket]
         rows = self._load(batch, bucket)
         self.backend.prepare_replay(static)
+        if self.plan_copied is not None:  # the plan's copies out of host buffers it reuses
+            self.plan_copied.record()
         captured = self.graphs.get(bucket)
         if captured is None:
             hidden, layers, logits = self._forward(static)

@@ -23,6 +23,7 @@ from spectral.models.gguf_native import load_gguf_model
 from spectral.models.loader import build_model, dummy_model, load_model
 from spectral.models.tensor_parallel import llama_shares, shard_llama
 from spectral.worker.graph_runner import GraphRunner, plan_buckets
+from spectral.worker.pipeline import DecodePipeline
 from spectral.worker.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ class ModelWorker:
         "Q4_1") and the CPU kernels, the layers' matmul weights in more bits a weight are
         quantized to it at load (a draft model's: it only proposes)."""
         self.device = device
+        self.pipeline = DecodePipeline(self)  # plain decode steps launched ahead
         self.dtype = dtype
         kernels = load_cpu_kernels() if device == "cpu" and use_cpu_kernels else None
         self.config = ModelConfig.from_pretrained(model_dir)  # what the model is built from

@@ -243,6 +243,24 @@ def _graph_engines(tiny_model, backend: str, spec: dict, graphs: bool):
     return engine
 
 
+def _batches_of_1_3_16(engine) -> list[list[list[int]]]:
+    """Greedy outputs of batches of 1, 3 and 16 requests that finish at different steps; the
+    scheduler leaks nothing after."""
+    from tests.conftest import scheduler_leaks
+
+    outputs = []
+    for batch in (1, 3, 16):
+        prompts = [[5 + i, 40 + 3 * i, 7, 300 + i][: 2 + i % 3] for i in range(batch)]
+        params = [
+            {"temperature": 0, "max_new_tokens": 8 + 4 * (i % 5), "ignore_eos": True}
+            for i in range(batch)
+        ]
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        outputs.append([o["output_ids"] for o in outs])
+    assert scheduler_leaks(engine.scheduler) == []
+    return outputs
+
+
 @pytest.mark.parametrize(
     ("backend", "algorithm"),
     [
@@ -256,24 +274,13 @@ def test_graph_replay_gives_the_eager_tokens(tiny_model, backend, algorithm):
     """Greedy decoding (and EAGLE3 drafting and tree verification) replaying CUDA graphs gives
     the eager forwards' tokens at batches 1, 3 and 16, requests finishing mid-run; the pool is empty
     after."""
-    from tests.conftest import scheduler_leaks
-
     _, head_dir = tiny_model
     spec = eagle3_fixed_trees(head_dir, speculative_max_batch_size=16) if algorithm else {}
     runs = {}
     for graphs in (False, True):
         engine = _graph_engines(tiny_model, backend, spec, graphs)
         try:
-            outputs = []
-            for batch in (1, 3, 16):
-                prompts = [[5 + i, 40 + 3 * i, 7, 300 + i][: 2 + i % 3] for i in range(batch)]
-                params = [
-                    {"temperature": 0, "max_new_tokens": 8 + 4 * (i % 5), "ignore_eos": True}
-                    for i in range(batch)
-                ]
-                outs = engine.generate(input_ids=prompts, sampling_params=params)
-                outputs.append([o["output_ids"] for o in outs])
-            assert scheduler_leaks(engine.scheduler) == []
+            outputs = _batches_of_1_3_16(engine)
             info = engine.worker.graph_info()
             assert bool(info and info["captured"]) == graphs
             if algorithm and graphs:  # verification, the head's tree levels and extends too
@@ -285,6 +292,25 @@ def test_graph_replay_gives_the_eager_tokens(tiny_model, backend, algorithm):
             engine.shutdown()
         runs[graphs] = outputs
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_decode_steps_launched_ahead_give_the_tokens_of_steps_in_turn(tiny_model, backend):
+    """The overlap scheduler (on by default on a GPU) replaying graphs: the tokens of the
+    scheduler that waits for each step, batches 1, 3 and 16 finishing at different steps, most
+    steps launched ahead, the pool empty after."""
+    runs = []
+    for overlap in (False, True):
+        engine = _graph_engines(tiny_model, backend, {}, graphs=True)
+        engine.scheduler.overlap = engine.scheduler.overlap if overlap else None
+        try:
+            outputs = _batches_of_1_3_16(engine)
+            ahead = engine.scheduler.stats.decode_steps_ahead
+            assert (ahead > 10) == overlap, ahead
+        finally:
+            engine.shutdown()
+        runs.append(outputs)
+    assert runs[0] == runs[1]
 
 
 def test_a_graphed_decode_step_waits_on_the_device_only_for_its_result(tiny_model):
