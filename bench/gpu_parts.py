@@ -55,6 +55,18 @@ def part_decode(b: Bench, role: str) -> dict:
     return row
 
 
+def part_in_turn(b: Bench, role: str) -> dict:
+    """decode_<role>'s batches with each step built only after the previous one's tokens are
+    in (--disable-overlap-schedule): what launching steps ahead gives (derive_joins)."""
+    batches = [n for n in b.args.batches if n <= 16]
+    with b.engine(role, batches, disable_overlap_schedule=True) as (engine, startup):
+        rows = {}
+        for batch in batches:
+            prompts = random_prompts(engine.model.vocab_size, batch, b.args.prompt_len)
+            rows[str(batch)] = steady_decode(engine, prompts, b.args)
+    return {"shape": b.args.shapes[role], "startup_s": startup, "batches": rows}
+
+
 def unread_embedding_bytes(model: torch.nn.Module) -> int:
     """Bytes of the input embedding table where the LM head does not share it: a step reads
     one row of it a request, not the table (0 for tied embeddings)."""

@@ -149,6 +149,13 @@ def derive_joins(out: dict, role: str, tau: float | None) -> None:
         spec["round_ratio"] = round(spec["round_ms"] / step["step_ms"], 4) if step else None
         if tau and step:
             spec["projected_speedup"] = round(tau / spec["round_ratio"], 3)
+    in_turn = out.get(f"in_turn_{role}")
+    if in_turn:  # the overlap scheduler's gain: steps in turn against steps launched ahead
+        ours = (out.get(f"decode_{role}") or {}).get("batches") or {}
+        in_turn["overlap_speedup"] = {
+            n: round(row["step_ms"] / ours[n]["step_ms"], 3) if n in ours else None
+            for n, row in in_turn["batches"].items()
+        }
     verify = out.get(f"verify_{role}")
     if verify:
         ms = verify["verify_ms"].get(str(VERIFY_TOKENS))

@@ -108,7 +108,7 @@ def test_the_gpu_check_runs_every_step_dry(kit, tmp_path):
         name: "ok"
         for name in (
             "bandwidth", "decode_8b", "decode_1.5b", "decode_default", "verify_8b", "spec_1.5b",
-            "spec_8b", "profile", "profile_1.5b", "peer_1.5b",
+            "spec_8b", "profile", "profile_1.5b", "in_turn_1.5b", "peer_1.5b",
         )
     }  # fmt: skip
     assert all(check["value"] is not None for check in bench["checks"])
