@@ -285,13 +285,16 @@ def test_the_default_backend_follows_the_device_dtype_and_flashinfers_presence(m
 
 
 class TreeStandIn(TorchAttentionBackend):
-    """The flashinfer backend's tree-verification backend, counting the layers it ran."""
+    """The flashinfer backend's tree-verification backend (it attends once the keys and
+    values are in the pool), counting the layers it ran."""
 
     calls = 0
 
-    def forward(self, q, k, v, layer_id, batch):
+    def attend(self, q, layer_id, batch):
         self.calls += 1
-        return super().forward(q, k, v, layer_id, batch)
+        loc = batch.out_cache_loc
+        k, v = self.kv_pool.k[layer_id][loc], self.kv_pool.v[layer_id][loc]
+        return self.forward(q, k, v, layer_id, batch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -130,12 +130,19 @@ def test_every_triton_launch_compiles_for_hopper(dtype, monkeypatch):
     assert len(masked) == 2, "the extend kernel compiled with and without the tree mask"
 
 
+FUSED_KERNELS = (
+    "_add_rms_norm_kernel",
+    "_rotary_kernel",
+    "_silu_and_mul_kernel",
+)
+
+
 def fused_launches(dtype: torch.dtype, monkeypatch) -> list:
     """The fused layer kernels' launches in `dtype` for SmolLM2-135M's shapes (hidden 576, 9/3
     heads of 64, intermediate 1536) and a wider hidden size (more warps), on CPU tensors,
     without running a kernel."""
     recorded: list = []
-    for name in ("_add_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"):
+    for name in FUSED_KERNELS:
         monkeypatch.setattr(fused, name, Recorder(getattr(fused, name), recorded))
     for hidden in (576, 4096):
         x, residual = torch.zeros(3, hidden, dtype=dtype), torch.zeros(3, hidden, dtype=dtype)
@@ -144,7 +151,10 @@ def fused_launches(dtype: torch.dtype, monkeypatch) -> list:
         fused.add_rms_norm(x, residual, weight, 1e-5)
     cos = sin = torch.zeros(128, 64)
     qkv = torch.zeros(3, (9 + 2 * 3) * 64, dtype=dtype)
-    fused.rotary_inplace(qkv, 9 + 3, 64, cos, sin, torch.zeros(3, dtype=torch.int64))
+    positions = torch.zeros(3, dtype=torch.int64)
+    fused.rotary_inplace(qkv, 9 + 3, 64, cos, sin, positions)
+    pool = torch.zeros(8, 3, 64, dtype=dtype)
+    fused.rotary_store(qkv, 9, 3, 64, cos, sin, positions, pool, pool.clone(), positions)
     fused.silu_and_mul(torch.zeros(3, 2 * 1536, dtype=dtype))
     return recorded
 
@@ -155,5 +165,6 @@ def test_every_fused_kernel_launch_compiles_for_hopper(dtype, monkeypatch):
     distinct launch compiles to a cubin for sm_90."""
     seen = compile_each(fused_launches(dtype, monkeypatch))
     kernels = [k[0] for k in seen]
-    assert set(kernels) == {"_add_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}
+    assert set(kernels) == set(FUSED_KERNELS)
     assert kernels.count("_add_rms_norm_kernel") == 4, "with and without a residual, two sizes"
+    assert kernels.count("_rotary_kernel") == 2, "in place and storing K and V"

@@ -1,6 +1,7 @@
 """spectral's fused Triton kernels (RMSNorm with the residual add, rotary in place on the fused
-qkv, SiLU-and-mul) against the PyTorch code of spectral.layers, under Triton's interpreter on
-CPU tensors (the GPU runs of the same kernels: tests/gpu/test_fused_kernels.py)."""
+qkv and rotary with the KV writes, SiLU-and-mul) against the PyTorch code of spectral.layers,
+under Triton's interpreter on CPU tensors (the GPU runs of the same kernels:
+tests/gpu/test_fused_kernels.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def test_each_fused_kernel_matches_pytorch_in_every_dtype_and_shape():
     assert passed.count("add_rms_norm") == NORM_CASES
     assert passed.count("silu_and_mul") == SILU_CASES
     assert passed.count("rotary_inplace") == ROTARY_CASES
+    assert passed.count("rotary_store") == ROTARY_CASES
 
 
 def test_a_nan_is_never_within_tolerance():

@@ -31,7 +31,12 @@ MAX_POSITIONS = 4096
 # (numpy's here, the GPU's ex2.approx there, Sleef's in PyTorch; each ~2 ulp from the true
 # value), differ from PyTorch's in the last bits; in half precision that can move the rounding
 # of a factor by one ulp, and so the product by up to two.
-MAX_ULPS = {"add_rms_norm": (4, 2), "rotary_inplace": (0, 0), "silu_and_mul": (4, 2)}
+MAX_ULPS = {
+    "add_rms_norm": (4, 2),
+    "rotary_inplace": (0, 0),
+    "rotary_store": (0, 0),
+    "silu_and_mul": (4, 2),
+}
 
 
 def round_bfloat16_to_nearest_even() -> None:
@@ -92,10 +97,9 @@ def add_rms_norm_case(dtype: torch.dtype, rows: int, hidden: int, with_residual:
     return report(name, normed, expected)
 
 
-def rotary_case(dtype: torch.dtype, rows: int, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """The kernel on a fused qkv against RotaryEmbedding's PyTorch path, positions out of
-    order (with a repeat); v untouched."""
-    name = f"rotary_inplace {str(dtype)[6:]} T={rows} heads {heads}/{kv_heads} dim {head_dim}"
+def _rotary_inputs(dtype: torch.dtype, rows: int, heads: int, kv_heads: int, head_dim: int):
+    """A fused qkv, positions out of order (with a repeat), the rotary tables, and PyTorch's
+    rotated q [T, H, D], rotated k and v [T, KVH, D]."""
     config = LlamaConfig(
         hidden_size=heads * head_dim,
         num_attention_heads=heads,
@@ -109,11 +113,40 @@ def rotary_case(dtype: torch.dtype, rows: int, heads: int, kv_heads: int, head_d
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = q.view(rows, heads, head_dim)
     k = k.view(rows, kv_heads, head_dim)
-    expected_q, expected_k = rotary.rotate_qkv(q, k, qkv, positions, kernels=None)
-    expected = torch.cat((expected_q.flatten(1), expected_k.flatten(1), v), dim=-1)
+    expected_q, expected_k = rotary.rotate_qkv(q, k, qkv.clone(), positions, kernels=None)
+    return qkv, positions, rotary, expected_q, expected_k, v.reshape(rows, kv_heads, head_dim)
+
+
+def rotary_case(dtype: torch.dtype, rows: int, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """The kernel on a fused qkv against RotaryEmbedding's PyTorch path; v untouched."""
+    name = f"rotary_inplace {str(dtype)[6:]} T={rows} heads {heads}/{kv_heads} dim {head_dim}"
+    qkv, positions, rotary, q, k, v = _rotary_inputs(dtype, rows, heads, kv_heads, head_dim)
+    expected = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=-1)
     got = qkv.clone()
     fused.rotary_inplace(got, heads + kv_heads, head_dim, rotary.cos, rotary.sin, positions)
     return report(name, got, expected)
+
+
+def rotary_store_case(
+    dtype: torch.dtype, rows: int, heads: int, kv_heads: int, head_dim: int
+) -> bool:
+    """The rotation with the KV writes: q as PyTorch rotates it, k rotated and v in the pools
+    at the rows' slots (out of order) and nowhere else, qkv left as it was."""
+    name = f"rotary_store {str(dtype)[6:]} T={rows} heads {heads}/{kv_heads} dim {head_dim}"
+    qkv, positions, rotary, q, k, v = _rotary_inputs(dtype, rows, heads, kv_heads, head_dim)
+    slots = 3 * rows + 5
+    loc = torch.randperm(slots)[:rows]
+    k_pool, v_pool = (torch.full((slots, kv_heads, head_dim), 7.0, dtype=dtype) for _ in "kv")
+    expected_k, expected_v = k_pool.clone(), v_pool.clone()
+    expected_k[loc], expected_v[loc] = k, v
+    before = qkv.clone()
+    args = (rotary.cos, rotary.sin, positions, k_pool, v_pool, loc)
+    got_q = fused.rotary_store(qkv, heads, kv_heads, head_dim, *args)
+    if not torch.equal(qkv, before) or not got_q.is_contiguous():
+        print(f"{name}: FAILED, qkv was written or q is not contiguous")
+        return False
+    got = torch.cat((got_q.flatten(), k_pool.flatten(), v_pool.flatten()))
+    return report(name, got, torch.cat((q.flatten(), expected_k.flatten(), expected_v.flatten())))
 
 
 def silu_and_mul_case(dtype: torch.dtype, rows: int, intermediate: int) -> bool:
@@ -136,6 +169,7 @@ def main() -> int:
                 results.append(silu_and_mul_case(dtype, rows, hidden))
             for heads, kv_heads, head_dim in HEAD_SHAPES:
                 results.append(rotary_case(dtype, rows, heads, kv_heads, head_dim))
+                results.append(rotary_store_case(dtype, rows, heads, kv_heads, head_dim))
     return 0 if all(results) else 1
 
 

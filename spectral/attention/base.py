@@ -47,6 +47,18 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the batch's new tokens. Returns [T, H * D]."""
 
+    def kv_store(
+        self, layer_id: int, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where the layer may write its new tokens' K and V itself (a fused kernel) and then
+        `attend`: the layer's K and V pools and the tokens' slots; None (the default) where
+        `forward` writes them."""
+        return None
+
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """`forward` once the new tokens' K and V are in the pool (backends with `kv_store`)."""
+        raise NotImplementedError(f"{type(self).__name__} writes K and V in forward")
+
     def prepare_replay(self, batch: ForwardBatch) -> None:
         """Host work due before a captured forward of `batch` replays (a plan the graph's
         kernels read from buffers of fixed address); none by default."""
@@ -56,6 +68,25 @@ class AttentionBackend(ABC):
         """Where this forward's attention is the CPU kernels' decode_attention over the KV pool
         (which a fused decoder layer can then run itself), what it reads; else None."""
         return None
+
+
+class StoreThenAttend(AttentionBackend):
+    """A backend that writes the new tokens' K and V into the pool, then `attend`s over the
+    pool: a layer may write them itself (`kv_store`: a fused rotation and store on a GPU)."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
+        return self.attend(q, layer_id, batch)
+
+    def kv_store(
+        self, layer_id: int, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.kv_pool.k[layer_id], self.kv_pool.v[layer_id], batch.out_cache_loc
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spectral.attention.base import AttentionBackend, request_mask, request_slots
+from spectral.attention.base import StoreThenAttend, request_mask, request_slots
 from spectral.attention.triton_backend import TritonAttentionBackend
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.transfer import pinned
@@ -88,7 +88,7 @@ def gathered_slots(
     return table[row_of, column].to(torch.int32)
 
 
-class FlashInferAttentionBackend(AttentionBackend):
+class FlashInferAttentionBackend(StoreThenAttend):
     """Plans its wrapper at the first layer of each forward (when the query heads are known)
     and runs it at every layer over the pool's K and V viewed as pages of one token."""
 
@@ -225,12 +225,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         return self.prefill
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         if batch.mode == ForwardMode.TARGET_VERIFY:
-            return self.tree.forward(q, k, v, layer_id, batch)
-        self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
+            return self.tree.attend(q, layer_id, batch)
         meta = batch.attn_metadata
         if isinstance(meta, GraphDecode):
             planned = meta.wrapper

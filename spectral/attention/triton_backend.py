@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spectral.attention.base import AttentionBackend
+from spectral.attention.base import StoreThenAttend
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.transfer import on_device
 from spectral.kernels.triton.attention import row_attention
@@ -24,7 +24,7 @@ class RowMetadata:
     lens: torch.Tensor  # [B] its length, the new token included
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(StoreThenAttend):
     capturable_modes = frozenset((ForwardMode.DECODE, ForwardMode.TARGET_VERIFY))
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -44,10 +44,7 @@ class TritonAttentionBackend(AttentionBackend):
             rows, seq_lens - new, new, max(batch.extend_lens), batch.custom_mask
         )
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
-    ) -> torch.Tensor:
-        self.kv_pool.write(layer_id, batch.out_cache_loc, k, v)
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         meta = batch.attn_metadata
         dtype, q = q.dtype, q.to(self.kv_pool.dtype)
         k_pool, v_pool = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]

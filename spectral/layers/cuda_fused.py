@@ -104,6 +104,31 @@ def rotate_qkv(
     return True
 
 
+def rotate_and_store(
+    qkv: torch.Tensor,
+    heads: tuple[int, int, int],
+    positions: torch.Tensor,
+    tables: tuple[torch.Tensor, torch.Tensor],
+    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> torch.Tensor | None:
+    """The rotated q [T, H, D] of the fused qkv (`heads`: H, KVH, D; `tables`: cos, sin), its
+    k rotated and its v written to the pools `kv` = (k_pool, v_pool, slots) in one launch
+    (Triton's `rotary_store`: rotation, two KV writes and q's copy to contiguous rows in one),
+    or None where it does not serve (nothing done)."""
+    k_pool, v_pool, loc = kv
+    num_heads, num_kv_heads, head_dim = heads
+    if not qkv.is_cuda or not qkv.is_contiguous() or qkv.dim() != 2 or qkv.shape[0] == 0:
+        return None
+    if k_pool.dtype != qkv.dtype or not (positions.is_contiguous() and loc.is_contiguous()):
+        return None
+    if (num_heads + 2 * num_kv_heads) * head_dim != qkv.shape[1]:
+        return None
+    kernels = triton_module()
+    if kernels is None:
+        return None
+    return kernels.rotary_store(qkv, *heads, *tables, positions, k_pool, v_pool, loc)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up [..., I] of gate_up [..., 2I], or None where no fused kernel serves."""
     if not gate_up.is_cuda or not gate_up.is_contiguous() or gate_up.numel() == 0:

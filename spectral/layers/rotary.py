@@ -81,6 +81,18 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
+    def rotate_and_store(
+        self,
+        qkv: torch.Tensor,
+        heads: tuple[int, int, int],
+        positions: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor | None:
+        """The rotated q [T, H, D] of the fused qkv (`heads`: H, KVH, D), its rotated k and its
+        v stored in the pools `kv` (k_pool, v_pool, slots) by one fused kernel on a GPU; None
+        where none serves (nothing done: `rotate_qkv`, then the backend stores)."""
+        return cuda_fused.rotate_and_store(qkv, heads, positions, (self.cos, self.sin), kv)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

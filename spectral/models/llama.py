@@ -82,6 +82,13 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        kv = ctx.backend.kv_store(self.layer_id, ctx.batch) if qkv.is_cuda else None
+        if kv is not None:  # rotation and the KV writes in one kernel, where one serves
+            heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+            rotated = ctx.rotary.rotate_and_store(qkv, heads, ctx.batch.positions, kv)
+            if rotated is not None:
+                out = self.o_proj(ctx.backend.attend(rotated, self.layer_id, ctx.batch))
+                return out if self.tp is None else self.tp.sum(out)
         q, k = ctx.rotary.rotate_qkv(q, k, qkv, ctx.batch.positions, ctx.kernels)
         out = self.o_proj(ctx.backend.forward(q, k, v, self.layer_id, ctx.batch))
         return out if self.tp is None else self.tp.sum(out)

@@ -112,10 +112,9 @@ def test_rms_norm_matches_pytorch(provider, dtype, rows, hidden, with_residual):
     assert_within_ulps(normed, expected, limit, f"{provider} norm")
 
 
-@pytest.mark.parametrize(("provider", "dtype"), SERVED, ids=str)
-@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=str)
-@pytest.mark.parametrize("rows", [1, 17])
-def test_rotary_matches_pytorch(provider, dtype, shape, rows):
+def _rotary_inputs(shape: tuple[int, int, int], rows: int, dtype: torch.dtype):
+    """RotaryEmbedding on the GPU for (heads, KV heads, head dim), a random fused qkv of
+    `rows` and positions out of order."""
     heads, kv_heads, head_dim = shape
     torch.manual_seed(rows)
     config = LlamaConfig(
@@ -126,7 +125,15 @@ def test_rotary_matches_pytorch(provider, dtype, shape, rows):
     )
     rotary = RotaryEmbedding(config, head_dim, MAX_POSITIONS).to("cuda")
     qkv = random(rows, (heads + 2 * kv_heads) * head_dim, dtype=dtype, scale=2.0)
-    positions = torch.randperm(MAX_POSITIONS)[:rows].to("cuda")
+    return rotary, qkv, torch.randperm(MAX_POSITIONS)[:rows].to("cuda")
+
+
+@pytest.mark.parametrize(("provider", "dtype"), SERVED, ids=str)
+@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 17])
+def test_rotary_matches_pytorch(provider, dtype, shape, rows):
+    heads, kv_heads, head_dim = shape
+    rotary, qkv, positions = _rotary_inputs(shape, rows, dtype)
     sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
 
     def run(qkv: torch.Tensor) -> torch.Tensor:
@@ -151,6 +158,27 @@ def test_rotary_matches_pytorch(provider, dtype, shape, rows):
     bound = (x.abs() + x.roll(head_dim // 2, dims=-1).abs()).flatten(1) * 2.0**-6
     error = (got[:, :v_start].float() - expected[:, :v_start].float()).abs()
     assert bool((error <= bound).all()), f"flashinfer rotary: error {float(error.max())}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 17])
+def test_rotation_with_the_kv_writes_matches_pytorch(dtype, shape, rows):
+    """Triton's rotary_store (what a layer runs on a GPU): q as PyTorch rotates it, k rotated
+    and v written to the pools at the rows' slots, bit for bit."""
+    heads, kv_heads, head_dim = shape
+    rotary, qkv, positions = _rotary_inputs(shape, rows, dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim)
+    with served_by(None):
+        expected_q, expected_k = rotary.rotate_qkv(q, k, qkv.clone(), positions, kernels=None)
+    loc = torch.randperm(3 * rows, device="cuda")[:rows]
+    pools = [torch.zeros(3 * rows, kv_heads, head_dim, dtype=dtype, device="cuda") for _ in "kv"]
+    with served_by("triton") as reads:
+        got = rotary.rotate_and_store(qkv, (heads, kv_heads, head_dim), positions, (*pools, loc))
+    assert reads and got is not None, "triton did not serve the rotation with the KV writes"
+    assert torch.equal(got, expected_q.contiguous())
+    assert torch.equal(pools[0][loc], expected_k) and torch.equal(pools[1][loc], v.view_as(k))
 
 
 @pytest.mark.parametrize(("provider", "dtype"), SERVED, ids=str)

@@ -93,8 +93,37 @@ def add_rms_norm(
 
 
 @triton.jit
+def _rotation_tables(cos_ptr, sin_ptr, position, stride_cos, stride_sin, d, d_ok, HEAD_DIM, dtype):
+    """cos and sin at `position`, each half (columns `d`), rounded to `dtype` as PyTorch's
+    path casts the tables, in float32."""
+    cos_row = cos_ptr + position * stride_cos + d
+    sin_row = sin_ptr + position * stride_sin + d
+    cos_first = tl.load(cos_row, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
+    cos_second = tl.load(cos_row + HEAD_DIM // 2, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
+    sin_first = tl.load(sin_row, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
+    sin_second = tl.load(sin_row + HEAD_DIM // 2, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
+    return cos_first, cos_second, sin_first, sin_second
+
+
+@triton.jit
+def _rotated(first, ok, tables, HEAD_DIM, dtype):
+    """The heads at `first` (their first halves; `ok` masks them) rotated: x * cos +
+    rotate_half(x) * sin, each product and the sum rounded to `dtype`."""
+    cos_first, cos_second, sin_first, sin_second = tables
+    x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HEAD_DIM // 2, mask=ok, other=0.0).to(tl.float32)
+    out1 = (x1 * cos_first).to(dtype).to(tl.float32) + (-x2 * sin_first).to(dtype).to(tl.float32)
+    out2 = (x2 * cos_second).to(dtype).to(tl.float32) + (x1 * sin_second).to(dtype).to(tl.float32)
+    return out1.to(dtype), out2.to(dtype)
+
+
+@triton.jit
 def _rotary_kernel(
     qkv_ptr,
+    q_ptr,
+    k_pool_ptr,
+    v_pool_ptr,
+    loc_ptr,
     cos_ptr,
     sin_ptr,
     positions_ptr,
@@ -102,31 +131,46 @@ def _rotary_kernel(
     stride_cos,
     stride_sin,
     NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    STORE: tl.constexpr,
 ):
+    """Without STORE: the first NUM_HEADS heads of each row rotated in place. With it: the q
+    heads rotated into q's own rows, the k heads rotated and the v heads copied into the pools
+    at the row's slot."""
     row = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + row).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     d_ok = d < HEAD_DIM // 2
-    ok = (heads < NUM_HEADS) & d_ok
+    half = HEAD_DIM // 2
     dtype = qkv_ptr.dtype.element_ty
-    cos_row = cos_ptr + position * stride_cos + d
-    sin_row = sin_ptr + position * stride_sin + d
-    cos_first = tl.load(cos_row, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
-    cos_second = tl.load(cos_row + HEAD_DIM // 2, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
-    sin_first = tl.load(sin_row, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
-    sin_second = tl.load(sin_row + HEAD_DIM // 2, mask=d_ok, other=0.0).to(dtype).to(tl.float32)
-    first = qkv_ptr + row * stride_qkv + heads * HEAD_DIM + d
-    x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HEAD_DIM // 2, mask=ok, other=0.0).to(tl.float32)
-    # x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype
-    out1 = (x1 * cos_first).to(dtype).to(tl.float32) + (-x2 * sin_first).to(dtype).to(tl.float32)
-    out2 = (x2 * cos_second).to(dtype).to(tl.float32) + (x1 * sin_second).to(dtype).to(tl.float32)
-    tl.store(first, out1.to(dtype), mask=ok)
-    tl.store(first + HEAD_DIM // 2, out2.to(dtype), mask=ok)
+    tables = _rotation_tables(
+        cos_ptr, sin_ptr, position, stride_cos, stride_sin, d, d_ok, HEAD_DIM, dtype
+    )
+    q_ok = (heads < NUM_HEADS) & d_ok
+    q_src = qkv_ptr + row * stride_qkv + heads * HEAD_DIM + d
+    out1, out2 = _rotated(q_src, q_ok, tables, HEAD_DIM, dtype)
+    q_dst = q_src
+    if STORE:
+        q_dst = q_ptr + row * (NUM_HEADS * HEAD_DIM) + heads * HEAD_DIM + d
+    tl.store(q_dst, out1, mask=q_ok)
+    tl.store(q_dst + half, out2, mask=q_ok)
+    if STORE:
+        slot = tl.load(loc_ptr + row).to(tl.int64)
+        kv_ok = (heads < NUM_KV_HEADS) & d_ok
+        k_src = qkv_ptr + row * stride_qkv + (NUM_HEADS + heads) * HEAD_DIM + d
+        out1, out2 = _rotated(k_src, kv_ok, tables, HEAD_DIM, dtype)
+        k_dst = k_pool_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + d
+        tl.store(k_dst, out1.to(k_pool_ptr.dtype.element_ty), mask=kv_ok)
+        tl.store(k_dst + half, out2.to(k_pool_ptr.dtype.element_ty), mask=kv_ok)
+        v_src = k_src + NUM_KV_HEADS * HEAD_DIM
+        v_dst = v_pool_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + d
+        for part in tl.static_range(2):
+            v = tl.load(v_src + part * half, mask=kv_ok, other=0.0)
+            tl.store(v_dst + part * half, v.to(v_pool_ptr.dtype.element_ty), mask=kv_ok)
 
 
 def rotary_inplace(
@@ -155,22 +199,39 @@ def rotary_inplace(
         )
     if rows == 0:
         return
+    pointers = (qkv, qkv, qkv, qkv, positions)  # no q, pools or slots: rotated in place
+    _launch_rotary(qkv, pointers, (cos, sin, positions), head_dim, (num_heads_rotated, 0))
+
+
+def _launch_rotary(
+    qkv: torch.Tensor,
+    pointers: tuple,
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    head_dim: int,
+    heads: tuple[int, int],
+) -> None:
+    """_rotary_kernel over qkv's rows: `pointers` (qkv, q, the pools and the slots), cos, sin
+    and the positions (`tables`); `heads` (q, KV): with KV heads it stores (STORE), without
+    them it rotates the q heads in place."""
+    cos, sin, positions = tables
     _require_unit_stride(cos, "cos")
     _require_unit_stride(sin, "sin")
-    block_h = triton.next_power_of_2(num_heads_rotated)
+    block_h = triton.next_power_of_2(max(heads))
     block_half = triton.next_power_of_2(head_dim // 2)
-    _rotary_kernel[(rows,)](
-        qkv,
+    _rotary_kernel[(qkv.shape[0],)](
+        *pointers,
         cos,
         sin,
         positions,
         qkv.stride(0),
         cos.stride(0),
         sin.stride(0),
-        NUM_HEADS=num_heads_rotated,
+        NUM_HEADS=heads[0],
+        NUM_KV_HEADS=heads[1],
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
+        STORE=heads[1] > 0,
         num_warps=_warps_for(block_h * block_half),
         enable_fp_fusion=False,  # no fused multiply-add: PyTorch rounds each product
     )
@@ -219,6 +280,46 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         num_warps=_warps_for(block),
     )
     return out
+
+
+def rotary_store(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    loc: torch.Tensor,
+) -> torch.Tensor:
+    """`rotary_inplace`'s rotation in one launch with what follows it in an attention layer:
+    returns the rotated q [T, num_heads, head_dim] (new, contiguous), and writes the rotated k
+    and the v of row t to the pools [slots, num_kv_heads, head_dim] at slot loc[t]; `qkv`
+    itself is left as it was."""
+    _require_unit_stride(qkv, "qkv")
+    rows = qkv.shape[0]
+    pool_shape = (num_kv_heads, head_dim)
+    if (num_heads + 2 * num_kv_heads) * head_dim != qkv.shape[1] or head_dim % 2:
+        raise ValueError(
+            f"qkv rows of {qkv.shape[1]} do not hold {num_heads} + 2 x {num_kv_heads} heads of "
+            f"dim {head_dim} (an even number)"
+        )
+    if tuple(k_pool.shape[1:]) != pool_shape or k_pool.shape != v_pool.shape:
+        raise ValueError(f"the pools must be [slots, {num_kv_heads}, {head_dim}] alike")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("the pools must be contiguous")
+    if loc.shape != (rows,) or positions.shape != (rows,):
+        raise ValueError(
+            f"loc and positions must be [{rows}] (got {tuple(loc.shape)}, {tuple(positions.shape)})"
+        )
+    q = torch.empty((rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if rows == 0:
+        return q
+    pointers = (qkv, q, k_pool, v_pool, loc)
+    _launch_rotary(qkv, pointers, (cos, sin, positions), head_dim, (num_heads, num_kv_heads))
+    return q
 
 
 def _warps_for(elements: int) -> int:
