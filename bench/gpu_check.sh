@@ -75,10 +75,10 @@ step "tests/gpu"
 if ((DRY_RUN)); then
   "$PY" -m pytest -q -p no:cacheprovider --collect-only tests/gpu || status=1
 else
-  # four workers where pytest-xdist is there (the image has it): the FlashInfer JIT builds and
+  # eight workers where pytest-xdist is there (the image has it): the FlashInfer JIT builds and
   # the host-bound engines side by side on the machine's 16 cores
   PARALLEL=()
-  "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n "${GPU_TEST_WORKERS:-4}")
+  "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n "${GPU_TEST_WORKERS:-8}")
   timeout --signal=INT "$(within "$BENCH_RESERVE")" \
     "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --timeout 150 "${PARALLEL[@]}" \
     --junitxml "$OUT/gpu_tests.xml" tests/gpu || status=1
