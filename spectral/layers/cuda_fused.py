@@ -79,9 +79,7 @@ def rotate_qkv(
     reads `cos_sin_cache`, float32 [max_positions, D], each row its cos half then its sin half
     (the same rotation where the tables repeat their half, as RotaryEmbedding's do); Triton
     reads cos and sin."""
-    if not qkv.is_cuda or not qkv.is_contiguous() or qkv.dim() != 2 or qkv.shape[0] == 0:
-        return False
-    if not positions.is_contiguous():
+    if not _fusable_qkv(qkv, positions):
         return False
     fi = None
     if qkv.dtype in FLASHINFER_DTYPES and cos_sin_cache.dtype == torch.float32:
@@ -117,9 +115,7 @@ def rotate_and_store(
     or None where it does not serve (nothing done)."""
     k_pool, v_pool, loc = kv
     num_heads, num_kv_heads, head_dim = heads
-    if not qkv.is_cuda or not qkv.is_contiguous() or qkv.dim() != 2 or qkv.shape[0] == 0:
-        return None
-    if k_pool.dtype != qkv.dtype or not (positions.is_contiguous() and loc.is_contiguous()):
+    if not _fusable_qkv(qkv, positions) or k_pool.dtype != qkv.dtype or not loc.is_contiguous():
         return None
     if (num_heads + 2 * num_kv_heads) * head_dim != qkv.shape[1]:
         return None
@@ -127,6 +123,13 @@ def rotate_and_store(
     if kernels is None:
         return None
     return kernels.rotary_store(qkv, *heads, *tables, positions, k_pool, v_pool, loc)
+
+
+def _fusable_qkv(qkv: torch.Tensor, positions: torch.Tensor) -> bool:
+    """Whether a fused rotary kernel can take this qkv: 2-D rows on a GPU, both contiguous."""
+    if not qkv.is_cuda or not qkv.is_contiguous() or qkv.dim() != 2 or qkv.shape[0] == 0:
+        return False
+    return positions.is_contiguous()
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

@@ -151,10 +151,7 @@ class RemotePipeline:
         if self.out < MAX_LAUNCHED:  # the worker answers by itself only with two out
             send_message(self.remote.batches, CollectStep())
         self.out -= 1
-        reply = self.remote._receive(READY_TIMEOUT_S)
-        if isinstance(reply, StepFailed):
-            raise WorkerStepError(reply.error)
-        return reply
+        return self.remote.answer()
 
 
 class RemoteWorker:
@@ -221,6 +218,10 @@ class RemoteWorker:
 
     def forward(self, batch: WorkerBatch) -> WorkerResult:
         send_message(self.batches, batch)
+        return self.answer()
+
+    def answer(self) -> WorkerResult:
+        """The worker's answer to a step (WorkerStepError where it failed on it)."""
         reply = self._receive(READY_TIMEOUT_S)
         if isinstance(reply, StepFailed):
             raise WorkerStepError(reply.error)

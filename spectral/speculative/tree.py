@@ -188,8 +188,7 @@ def select_eagle_trees(
         parent_candidates.to(device, torch.int64),
     )
     _check_candidates(scores, tokens, parent_candidates, sizes, checked_values=not on_device)
-    C = scores.shape[1]
-    counts = [min(size - 1, C) for size in sizes]
+    counts = candidates_kept(sizes, scores.shape[1])
     wanted = to_device_list(counts, torch.int64, device)
     trees = select_trees_static(
         root_tokens, scores, tokens, parent_candidates, wanted, max(counts), max(sizes)
@@ -199,6 +198,12 @@ def select_eagle_trees(
     else:  # the survivors: every node with a parent
         trees.num_nodes = (1 + (trees.parents >= 0).sum(dim=1)).tolist()
     return trees
+
+
+def candidates_kept(sizes: list[int], candidates: int) -> list[int]:
+    """The candidates a tree of each size keeps besides its root (at most `candidates`): each
+    tree's `num_nodes` less one where the selection runs on the device."""
+    return [min(size - 1, candidates) for size in sizes]
 
 
 def select_trees_static(

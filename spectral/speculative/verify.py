@@ -85,6 +85,14 @@ def accept_greedy_on_device(trees: DraftTrees, target_ids: torch.Tensor) -> torc
     return torch.cat((count, path, emitted), dim=1)
 
 
+def packed_round(trees: DraftTrees, target_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """What a greedy round on the device gives the host in one copy, [B, 1 + 2n + n + C]
+    float64: `accept_greedy_on_device`'s verdict, the trees' node ranks and the candidates'
+    `scores` [B, C]."""
+    packed = accept_greedy_on_device(trees, target_ids)
+    return torch.cat((packed.double(), trees.ranks.double(), scores.double()), 1)
+
+
 def unpack_accepted(packed: list[list[int]]) -> VerifyResult:
     """`accept_greedy_on_device`'s rows (on the host) as a VerifyResult."""
     n = (len(packed[0]) - 1) // 2 if packed else 0

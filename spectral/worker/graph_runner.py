@@ -159,9 +159,10 @@ class GraphRunner(StaticGraphs):
             n: torch.eye(n, dtype=torch.bool, device=device) for n in self._tree_sizes if n > 1
         }
         self.graphs: dict[Bucket, Captured] = {}
-        # on a GPU, recorded after each replay's plan: a step launched ahead waits for the one
-        # before it to have copied its plan (DecodePipeline)
-        self.plan_copied = torch.cuda.Event() if device.type == "cuda" else None
+        # on a GPU, with a backend that plans a replay on the host, recorded after each plan
+        # (`run` waits for it before the next)
+        plans = type(backend).prepare_replay is not AttentionBackend.prepare_replay
+        self.plan_copied = torch.cuda.Event() if device.type == "cuda" and plans else None
 
     # ---- which bucket ------------------------------------------------------------------------
 
@@ -223,9 +224,15 @@ class GraphRunner(StaticGraphs):
         layer inputs, float32 logits) of its real rows, request after request."""
         static = self.batches[bucket]
         rows = self._load(batch, bucket)
-        self.backend.prepare_replay(static)
-        if self.plan_copied is not None:  # the plan's copies out of host buffers it reuses
+        if self.plan_copied is not None:
+            # an attention plan (FlashInfer's) refills host buffers that the replay before this
+            # one copies from: wait for that copy (at once unless a step was launched ahead,
+            # DecodePipeline, and then for little more than the step before it), then mark ours
+            self.plan_copied.synchronize()
+            self.backend.prepare_replay(static)
             self.plan_copied.record()
+        else:
+            self.backend.prepare_replay(static)
         captured = self.graphs.get(bucket)
         if captured is None:
             hidden, layers, logits = self._forward(static)

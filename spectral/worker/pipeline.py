@@ -41,12 +41,6 @@ class DecodePipeline:
         if len(self.launched) >= MAX_LAUNCHED:
             raise RuntimeError(f"{MAX_LAUNCHED} steps are out already: collect one first")
         worker = self.worker
-        graphs = worker.graphs
-        if graphs is not None and graphs.plan_copied is not None and self.launched:
-            # an attention plan (FlashInfer's) fills host buffers that the step out before
-            # copies from: that copy must be done (it is the step's first work, so this waits
-            # for little more than the step before it)
-            graphs.plan_copied.synchronize()
         batch = worker.to_forward_batch(wb)
         if min(wb.input_ids) < 0:
             if not self.launched:
@@ -54,7 +48,6 @@ class DecodePipeline:
             previous = self.launched[-1].tokens
             ids = batch.input_ids
             batch.input_ids = torch.where(ids < 0, previous[(-ids - 1).clamp(min=0)], ids)
-        replayed = graphs is not None and graphs.bucket_for(batch) is not None
         _, _, logits = worker.forward_batch(batch)
         tokens = sample(logits, wb.sampling, None, worker.model.kernels).next_token_ids
         if tokens.is_cuda:
@@ -62,8 +55,6 @@ class DecodePipeline:
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            if not replayed:  # an eager forward's plan is not tracked: the step ends here
-                done.synchronize()
         else:
             host, done = tokens, None
         self.launched.append(Launched(tokens, host, done))

@@ -18,8 +18,8 @@ import torch
 
 from spectral.core.cuda_graphs import StaticGraphs, capture_graphs
 from spectral.speculative.drafters.graphs import smallest_holding
-from spectral.speculative.tree import DraftTrees, select_trees_static
-from spectral.speculative.verify import accept_greedy_on_device
+from spectral.speculative.tree import DraftTrees, candidates_kept, select_trees_static
+from spectral.speculative.verify import packed_round
 
 Key = tuple[int, int, int]  # (batch size, tree size, candidates a request)
 
@@ -47,12 +47,8 @@ class _Shape:
         return select_trees_static(*args)
 
     def accept(self) -> torch.Tensor:
-        """[bs, 1 + 2n + n + C] float64: the walk's packed verdict, the node ranks and the
-        candidates' scores (what the host reads in one copy)."""
         assert self.trees is not None
-        packed = accept_greedy_on_device(self.trees, self.choices)
-        parts = (packed.double(), self.trees.ranks.double(), self.scores.double())
-        return torch.cat(parts, 1)
+        return packed_round(self.trees, self.choices, self.scores)
 
 
 class RoundGraphs(StaticGraphs):
@@ -103,7 +99,7 @@ class RoundGraphs(StaticGraphs):
             *(x[:real] for x in (trees.tokens, trees.parents, trees.depths, trees.mask)),
             next_token=trees.next_token[:real],
             next_sibling=trees.next_sibling[:real],
-            num_nodes=[1 + min(s - 1, candidates) for s in sizes],
+            num_nodes=[1 + kept for kept in candidates_kept(sizes, candidates)],
             ranks=trees.ranks[:real],
         )
 

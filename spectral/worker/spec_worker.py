@@ -25,7 +25,7 @@ from spectral.speculative.tree import (
     trees_from_parents,
 )
 from spectral.speculative.verify import (
-    accept_greedy_on_device,
+    packed_round,
     unpack_accepted,
 )
 from spectral.worker.grammar_follower import GrammarFollower
@@ -274,8 +274,7 @@ class SpeculativeWorker:
         choices[places] = outputs[2].argmax(dim=-1)
         host = graphs.accept(choices.view(B, n)) if graphs else None
         if host is None:
-            packed = accept_greedy_on_device(trees, choices.view(B, n))
-            host = torch.cat((packed.double(), trees.ranks.double(), scores.double()), 1).tolist()
+            host = packed_round(trees, choices.view(B, n), scores).tolist()
         verdict = unpack_accepted([[int(x) for x in row[: 1 + 2 * n]] for row in host])
         ranks = [
             [int(x) for x in row[1 + 2 * n : 1 + 2 * n + size]] for row, size in zip(host, sizes)
