@@ -4,10 +4,10 @@ MT-Bench first turns (all 80, or `--quick` for the first 16; `--dataset humaneva
 problems; `--dataset code-edit`: a HumanEval function and an instruction to change it), greedy
 or at `--temperature`, with the model's chat template; for each batch size (requests in flight
 at once) it prints tokens/s without speculation and with each algorithm, in `--passes` passes
-(the algorithms' order reversed every other pass, plain decoding before each pass and after the
-last, each on one engine kept across passes, every run from a flushed cache); each run is taken
-against the faster of the two plain runs around it and a speedup is the median over the passes
-(the plain runs' spread is printed). For each algorithm: tokens/s, the average accept length τ
+(each over every engine chunk by chunk in turn, bench/interleave.py: engines kept across passes,
+each pass from a flushed cache); each pass is taken against plain decoding's (with the control
+PLAIN, against the faster of the two plain engines) and a speedup is the median over the passes
+(the plain passes' spread is printed). For each algorithm: tokens/s, the average accept length τ
 (tokens per speculative round and request), and how many outputs equal the plain ones (bf16
 multi-token forwards round differently from one-token ones, so a few may differ; float32 output
 is identical, which the tests check). HumanEval prompts give a second τ for the drafter.
@@ -53,6 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import DATASETS, chat, humaneval_prompts, pyplot  # noqa: E402
+from interleave import interleaved_pass  # noqa: E402
 
 from spectral import Engine  # noqa: E402
 
@@ -174,8 +175,14 @@ def main() -> None:
         "--passes",
         type=int,
         default=1,
-        help="passes over plain decoding and every algorithm, interleaved (plain once more "
-        "after the last); each speedup the median over the passes",
+        help="passes over plain decoding and every algorithm, interleaved chunk by chunk; "
+        "each speedup the median over the passes",
+    )
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=0,
+        help="prompts a chunk: every engine generates a chunk in turn (default: the batch size)",
     )
     ap.add_argument("--out", default="spec.json", help="file name under bench/out")
     args = ap.parse_args()
@@ -262,54 +269,60 @@ def spec_engine(args, common: dict, spec_options: dict, size: int, algo: str) ->
 def run_size(
     args, size: int, algorithms: list[str], questions, common: dict, spec_options: dict
 ) -> tuple[list[dict], list[str]]:
-    """Every algorithm against plain decoding at batch `size`: `--passes` passes over plain
-    decoding and every algorithm (the algorithms' order reversed every other pass), and plain
-    decoding once more after the last, each on one engine kept across the passes (a server
-    that served the passes before; every run starts from a flushed cache: no radix hits and
-    no n-gram index of earlier runs). An algorithm's run is taken against the faster of the
-    two plain runs around it, and its speedup is the median over the passes (engines made and
-    dropped in turn in one process ran 10-20% slower one after the other here, whatever
-    they served). Returns (rows, prompts)."""
+    """Every algorithm against plain decoding at batch `size`: `--passes` passes, each over
+    every engine interleaved chunk by chunk (bench/interleave.py), every engine kept across the
+    passes and flushed at each pass's start. An algorithm's pass is taken against plain
+    decoding's in the same pass, or, with the control PLAIN among the algorithms (a second
+    engine without speculation), against the faster of the two; its speedup is the median over
+    the passes. Returns (rows, prompts)."""
     temp = args.temperature
     plain_engine = spec_engine(args, common, spec_options, size, "PLAIN")
     prompts = [chat(plain_engine.tokenizer, q) for q in questions]
-    engines = {algo: spec_engine(args, common, spec_options, size, algo) for algo in algorithms}
-    plain_runs, plain_out = [], None
-    runs: dict[str, list[tuple[float, list, float]]] = {algo: [] for algo in algorithms}
-    for p in range(args.passes + 1):
-        speed, out, _ = measure(plain_engine, prompts, args.max_new_tokens, temp)
-        plain_runs.append(speed)
-        plain_out = plain_out or out
-        print(f"batch {size:3d}  plain              {speed:7.2f} tok/s  (pass {p + 1})")
-        if p == args.passes:
-            break
-        for algo in algorithms if p % 2 == 0 else algorithms[::-1]:
-            speed, out, tau = measure(engines[algo], prompts, args.max_new_tokens, temp)
-            runs[algo].append((speed, out, tau))
-            same = sum(a == b for a, b in zip(out, plain_out))
+    engines = {"plain": plain_engine}
+    engines.update((a, spec_engine(args, common, spec_options, size, a)) for a in algorithms)
+    params = {"temperature": temp, "max_new_tokens": args.max_new_tokens}
+    if temp > 0:
+        params["seed"] = 0  # each request its own seeded stream: the same draws in every run
+    chunk = args.chunk or size
+    passes = []
+    for p in range(args.passes):
+        timings = interleaved_pass(engines, prompts, params, chunk, reverse=p % 2 == 1)
+        passes.append(timings)
+        plain = timings["plain"]
+        print(f"batch {size:3d}  plain              {plain.tok_s:7.2f} tok/s  (pass {p + 1})")
+        for algo in algorithms:
+            run = timings[algo]
+            same = sum(a == b for a, b in zip(run.outputs, plain.outputs))
             print(
-                f"batch {size:3d}  {algo:<18s} {speed:7.2f} tok/s  {speed / plain_runs[-1]:5.2f}x "
-                f"τ {tau:4.2f}  identical {same}/{len(prompts)}  (pass {p + 1})"
+                f"batch {size:3d}  {algo:<18s} {run.tok_s:7.2f} tok/s  "
+                f"{run.tok_s / plain.tok_s:5.2f}x τ {run.accept_length:4.2f}  "
+                f"identical {same}/{len(prompts)}  (pass {p + 1})"
             )
-    plain_engine.shutdown()
+    plain_out = passes[0]["plain"].outputs
+    plain_runs = [t["plain"].tok_s for t in passes]
+    baseline = [
+        max(t["plain"].tok_s, t["PLAIN"].tok_s) if "PLAIN" in t else t["plain"].tok_s
+        for t in passes
+    ]
     rows = []
     for algo in algorithms:
         engine = engines.pop(algo)
+        runs = [t[algo] for t in passes]
         ratios = [
-            speed / max(plain_runs[p], plain_runs[p + 1])
-            for p, (speed, _, _) in enumerate(runs[algo])
+            run.tok_s / (plain if algo == "PLAIN" else base)
+            for run, plain, base in zip(runs, plain_runs, baseline)
         ]
-        same = min(sum(a == b for a, b in zip(out, plain_out)) for _, out, _ in runs[algo])
+        same = min(sum(a == b for a, b in zip(run.outputs, plain_out)) for run in runs)
         planned = engine.get_server_info().get("speculative", {}).get("rounds", {})
         row = {
             "batch": size,
             "algorithm": algo,
-            "plain_tok_s": round(max(plain_runs), 2),
+            "plain_tok_s": round(max(baseline), 2),
             "plain_tok_s_runs": [round(x, 2) for x in plain_runs],
-            "spec_tok_s": round(statistics.median(x[0] for x in runs[algo]), 2),
+            "spec_tok_s": round(statistics.median(run.tok_s for run in runs), 2),
             "speedup": round(statistics.median(ratios), 3),
             "speedups": [round(x, 3) for x in ratios],
-            "accept_length": round(statistics.median(x[2] for x in runs[algo]), 3),
+            "accept_length": round(statistics.median(run.accept_length for run in runs), 3),
             "identical_outputs": f"{same}/{len(prompts)}",
             "tree_nodes_per_request": planned.get("tree_nodes_per_request"),
             "predicted_gain": planned.get("predicted_gain"),
@@ -337,9 +350,10 @@ def run_size(
             f"{', '.join(f'{x:.2f}' for x in ratios)})  τ {row['accept_length']:4.2f}  "
             f"identical {row['identical_outputs']}{extra}"
         )
+    plain_engine.shutdown()
     drift = max(plain_runs) / min(plain_runs) - 1
     listed = ", ".join(f"{x:.2f}" for x in plain_runs)
-    print(f"batch {size:3d}  plain runs {listed} tok/s (spread {drift:.1%})")
+    print(f"batch {size:3d}  plain passes {listed} tok/s (spread {drift:.1%})")
     return rows, prompts
 
 

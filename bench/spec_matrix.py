@@ -2,9 +2,9 @@
 algorithm in one run (issue 55: speculation that never loses).
 
 Each part is one `bench/spec.py` run in a process of its own (`--passes` passes, 3 by default,
-over plain decoding and every algorithm, plain once more after the last, each on one engine
-kept across the passes, every run from a flushed cache; a cell is the median over the passes of
-its run against the faster of the two plain runs around it): the default model (float32
+over two plain engines and every algorithm interleaved chunk by chunk, each engine kept across
+the passes, every pass from a flushed cache; a cell is the median over the passes of its pass
+against the faster of the two plain engines' in the same pass): the default model (float32
 activations, so that outputs compare token for token; its weights on the path `--quantization`
 names, by default auto's: the integer path on a CPU) on MT-Bench, HumanEval and code edits at
 every batch size, with NGRAM, LOOKAHEAD, EAGLE3, EAGLE3+NGRAM and every source
@@ -153,7 +153,7 @@ def heat_map(rows: list[dict], path: Path) -> None:
                 ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(col_keys)), [f"{d}\nbatch {b}" for d, b in col_keys], fontsize=8)
     ax.set_yticks(range(len(row_keys)), [f"{m} {a}" for m, a in row_keys], fontsize=8)
-    ax.set_title("speedup over plain decoding (median of passes, each against the plain around it)")
+    ax.set_title("speedup over plain decoding (median of passes, each against the faster plain)")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -177,7 +177,7 @@ def main() -> None:
         type=int,
         default=3,
         help="interleaved passes over plain decoding and every algorithm (bench/spec.py); a "
-        "cell is the median of its passes, each against the plain runs around it",
+        "cell is the median of its passes, each against the faster plain engine's pass",
     )
     ap.add_argument(
         "--quantization", default="auto", help="the default model's path (auto, gguf, gguf-int8)"
