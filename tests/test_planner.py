@@ -27,6 +27,7 @@ from spectral.speculative.cost_model import (
 from spectral.speculative.registry import get as get_algorithm
 from spectral.speculative.settings import SpecSettings
 from spectral.speculative.sources import planner as planner_module
+from spectral.speculative.sources import round as round_module
 from spectral.speculative.sources.acceptance import (
     HEAD,
     NGRAM,
@@ -710,18 +711,25 @@ def test_no_lookup_is_made_where_no_match_it_could_find_would_be_verified(
     assert lookups[1] == 200 * batch and skipped > (0.2 if batch == 1 else 0.02), lookups
 
 
-def test_a_request_whose_plan_takes_the_heads_tree_is_left_to_the_head() -> None:
-    """Beside the head (EAGLE3 with n-gram trees), a request with an n-gram match whose plan
-    takes the head's tree gets no scheduler tree (None: the worker's head drafts it), not an
-    empty one; one whose plan takes its n-gram tree gets that tree's first nodes."""
+def hybrid_round(head_accepted: float) -> SpecRound:
+    """EAGLE3's SpecRound with n-gram trees under STEEP: the confident head's drafts accepted
+    at `head_accepted` a node, 4-token matches' at 0.97."""
     spec = SpecSettings.from_args(
         ServerArgs(speculative_algorithm="EAGLE3", speculative_hybrid_ngram=8)
     )
     spec_round = SpecRound(spec, STEEP, None, 4096)
     planner, rng = spec_round.planner, random.Random(3)
-    observe_chains(planner.stats_for(head_bucket(0.9)), 0.95, 6, rng, scores=[0.9] * 6)
-    observe_chains(planner.stats_for(ngram_bucket(2)), 0.05, 6, rng)
+    observe_chains(planner.stats_for(head_bucket(0.9)), head_accepted, 6, rng, [0.9] * 6)
     observe_chains(planner.stats_for(ngram_bucket(4)), 0.97, 6, rng)
+    return spec_round
+
+
+def test_a_request_whose_plan_takes_the_heads_tree_is_left_to_the_head() -> None:
+    """Beside the head (EAGLE3 with n-gram trees), a request with an n-gram match whose plan
+    takes the head's tree gets no scheduler tree (None: the worker's head drafts it), not an
+    empty one; one whose plan takes its n-gram tree gets that tree's first nodes."""
+    spec_round = hybrid_round(head_accepted=0.95)
+    observe_chains(spec_round.planner.stats_for(ngram_bucket(2)), 0.05, 6, random.Random(4))
     weak = Req("weak", [1, 2, 9, 1, 2, 7, 5, 1, 2], SamplingParams())  # a 2-token match
     strong = Req("strong", [3, 4, 5, 6, 8, 3, 4, 5, 6], SamplingParams())  # a 4-token match
     weak.spec.draft_top1 = strong.spec.draft_top1 = 0.9  # the head confident (fresh)
@@ -732,3 +740,47 @@ def test_a_request_whose_plan_takes_the_heads_tree_is_left_to_the_head() -> None
     assert sizes is not None and sizes[0] > 1
     assert strong.spec.kind == ngram_bucket(4)
     assert strong.spec.draft_tokens == spec_round.ngram.propose(strong.all_ids)[0][: sizes[0] - 1]
+
+
+def test_a_head_given_no_tree_idles_then_wakes_for_one_plain_step(monkeypatch) -> None:
+    """EAGLE3 with n-gram trees, the head never accepted and 4-token matches nearly always:
+    after HEAD_IDLE_AFTER steps without a head tree the head idles (no head option planned: a
+    request without a match verifies its root alone instead of being left to the head) while
+    n-gram trees go on; after HEAD_WAKE_AFTER idle steps one step plans nothing (the head's
+    first step awake takes the states it drafts from), and the head is an option again."""
+    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 4)
+    monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 3)
+    spec_round = hybrid_round(head_accepted=0.0)
+    strong = Req("strong", [3, 4, 5, 6, 8, 3, 4, 5, 6], SamplingParams())  # a 4-token match
+    bare = Req("bare", [11, 12, 13, 14, 15, 16, 17], SamplingParams())  # no match
+    strong.spec.draft_top1 = bare.spec.draft_top1 = 0.9
+    idle = []
+    for _ in range(4):
+        sizes = spec_round.plan([strong, bare])
+        idle.append(spec_round.head_idle)
+        assert sizes is not None and sizes[0] > 1 and bare.spec.draft_tokens is None
+    assert idle == [False] * 3 + [True]  # idle from the fourth step's decode on
+    for _ in range(2):  # three idle steps in all
+        sizes = spec_round.plan([strong, bare])
+        assert spec_round.head_idle and sizes is not None and sizes[1] == 1 and sizes[0] > 1
+        assert strong.spec.kind == ngram_bucket(4) and bare.spec.draft_tokens == []
+    assert spec_round.plan([strong, bare]) is None  # awake: its first step plain
+    assert not spec_round.head_idle and strong.spec.draft_tokens is None
+    sizes = spec_round.plan([strong, bare])
+    assert sizes is not None and bare.spec.draft_tokens is None  # left to the head again
+
+
+def test_a_head_given_trees_never_idles(monkeypatch) -> None:
+    """A confident, accepted head gets a tree every step: it never idles; nor does a drafter
+    that cannot (a draft model's tokens must be committed every step)."""
+    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 2)
+    spec = SpecSettings.from_args(ServerArgs(speculative_algorithm="EAGLE3"))
+    spec_round = SpecRound(spec, STEEP, None, 4096)
+    observe_chains(
+        spec_round.planner.stats_for(head_bucket(0.9)), 0.95, 6, random.Random(3), [0.9] * 6
+    )
+    req = Req("r", [3, 4, 5, 6, 8], SamplingParams())
+    req.spec.draft_top1 = 0.9
+    for _ in range(10):
+        assert spec_round.plan([req]) is not None and not spec_round.head_idle
+    assert get_algorithm("EAGLE3").idles and not get_algorithm("STANDALONE").idles

@@ -22,6 +22,7 @@ from spectral.scheduler.config import SchedulerConfig
 from spectral.scheduler.scheduler import Scheduler
 from spectral.speculative.drafters.eagle_head import DraftHead, DraftHeadConfig
 from spectral.speculative.drafters.head_batches import joined, shifted_draft_batch
+from spectral.speculative.sources import round as round_module
 from spectral.speculative.sources.planner import PROBE_EVERY
 from spectral.speculative.tree import select_eagle_trees
 from spectral.worker.factory import create_worker
@@ -479,6 +480,45 @@ def test_hybrid_ngram_mixes_ngram_and_head_trees_and_matches_plain(
     tau_seen = sum(len(r.output_ids) for r in again[:6]) / sum(r.spec.verify_ct for r in again[:6])
     tau_first = sum(len(r.output_ids) for r in first) / sum(r.spec.verify_ct for r in first)
     assert tau_seen > max(3.0, tau_first)
+
+
+def test_a_head_idling_between_its_trees_keeps_output_plain(
+    monkeypatch, peaky_model_dir: str, eagle3_head: str, plain_outputs: list[list[int]]
+) -> None:
+    """A head that pays (planned every step) sent idle every 12th step, as a planner that
+    gave it no tree for HEAD_IDLE_AFTER steps would: 3 plain steps ask it for no upkeep (none
+    writes its KV: it misses those positions), one plain step wakes it, and it drafts again;
+    every output,
+    prompts seen before and new ones in mixed batches, is plain decoding's."""
+    monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 3)
+    seen, new, expected = seen_and_new_prompts(peaky_model_dir, plain_outputs)
+    s = hybrid_scheduler(peaky_model_dir, eagle3_head)
+    run(s, seen, at_once=6, temperature=0.0)
+    forward, idle_steps, head_rounds = s.worker.forward, [], []
+    head_draft = s.worker.drafter.draft
+
+    def recorded(wb):
+        idle_steps.append(wb.drafter_idle)
+        if len(idle_steps) % 12 == 0:
+            s.spec_round.head_idle, s.spec_round._head_steps = True, 0
+        return forward(wb)
+
+    def counted(rows: torch.Tensor, *args, **kwargs):
+        head_rounds.append(len(idle_steps))
+        return head_draft(rows, *args, **kwargs)
+
+    writes, write_kv = [], s.worker.drafter.write_kv
+
+    def written(*args, **kwargs):
+        writes.append(idle_steps[-1])
+        return write_kv(*args, **kwargs)
+
+    s.worker.forward, s.worker.drafter.draft = recorded, counted
+    s.worker.drafter.write_kv = written
+    again = run(s, seen + new, at_once=4, temperature=0.0)
+    assert [r.output_ids for r in again] == expected
+    assert sum(idle_steps) >= 6 and head_rounds and writes and not any(writes)
+    assert any(any(idle_steps[: n - 1]) for n in head_rounds)  # drafted after idling
 
 
 def test_merged_hybrid_trees_verify_ngram_and_head_drafts_together_and_match_plain(

@@ -198,9 +198,12 @@ class Scheduler:
         banned = self.finish.banned(batch.reqs)
         draft_next = self.spec is not None and self.spec.kv_pairs_next_token
         stale = [req.table_stale_from for req in batch.reqs]
+        idle = self.spec_round is not None and self.spec_round.head_idle
         try:
             started = time.perf_counter()
-            result = self.worker.forward(batch.to_worker_batch(banned, draft_next))
+            wb = batch.to_worker_batch(banned, draft_next)
+            wb.drafter_idle = batch.mode == ForwardMode.DECODE and idle
+            result = self.worker.forward(wb)
             if self.spec_round is not None:
                 elapsed = time.perf_counter() - started
                 self.spec_round.record_step(batch.mode, len(batch.reqs), elapsed)

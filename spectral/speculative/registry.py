@@ -32,6 +32,10 @@ class Algorithm:
     # the drafter's KV at position p pairs the target's feature there with token p + 1 (EAGLE
     # heads): the scheduler sends the token after a prefill chunk, and a cache hit recomputes
     kv_pairs_next_token: bool = False
+    # its upkeep of plain decode steps (the target's captured states, its KV) may stop while
+    # the planner gives it no tree for a long stretch (`SpecRound.head_idle`): its KV then
+    # misses those positions, so its later drafts may be worse, never wrong (they are verified)
+    idles: bool = False
     # LOOKAHEAD's Jacobi window and n-gram pool draft
     lookahead: bool = False
     # what --speculative-draft-quantization auto means for it
@@ -89,6 +93,7 @@ register(
         f"{_DRAFTERS}.eagle:build",
         HEAD_PATH,
         kv_pairs_next_token=True,
+        idles=True,
     )
 )
 register(
@@ -99,6 +104,7 @@ register(
         HEAD_PATH,
         default_draft_path="default",
         kv_pairs_next_token=True,
+        idles=True,
     )
 )
 register(

@@ -90,7 +90,7 @@ class SpeculativeWorker:
     def forward(self, wb: WorkerBatch) -> WorkerResult:
         if wb.mode == ForwardMode.TARGET_VERIFY:
             return self._verify_round(wb)
-        if self.drafter is None:
+        if self.drafter is None or wb.drafter_idle:  # idle: nothing captured, top-1 unknown
             return self.target.forward(wb)
         result, batch, hidden, captured = self.target.run(wb, self.drafter.capture_layers)
         next_ids = [

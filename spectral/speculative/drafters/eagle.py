@@ -32,7 +32,6 @@ from spectral.speculative.drafters.head_batches import (
     ExtendGraphs,
     Features,
     QueuedPositions,
-    joined,
     round_draft_batch,
     shifted_draft_batch,
 )
@@ -104,12 +103,11 @@ class EagleDrafter:
 
     def observe_step(self, batch: ForwardBatch, next_ids: list[int], features: Features) -> None:
         """A prefill or plain decode step of the target (`next_ids`: each request's token
-        after the batch). After a prefill the head extends at once (its top-k fresh for the
-        first round, as SGLang drafts after prefill: that round's time is a round's, not the
-        prompt's too); after a decode step only its KV is queued (`write_kv`)."""
-        if batch.mode == ForwardMode.EXTEND:
-            self.extend(shifted_draft_batch(batch, next_ids), joined(features))
-        elif all(n == 1 for n in batch.extend_lens):  # each position pairs with its next token
+        after the batch): only the head's KV is queued (`write_kv`). After a prefill too: a
+        request whose rounds are declined never pays for the head's layer over its prompt
+        (its K and V alone are computed), and its first round runs the head at its last
+        position first, as after plain steps."""
+        if all(n == 1 for n in batch.extend_lens):  # each position pairs with its next token
             self.write_kv(batch, features, next_ids)
         else:
             self.write_kv(shifted_draft_batch(batch, next_ids), features)

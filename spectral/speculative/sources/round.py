@@ -14,6 +14,8 @@ from spectral.core.req import FinishReason, Req
 from spectral.speculative.cost_model import CostModel
 from spectral.speculative.settings import SpecSettings
 from spectral.speculative.sources.acceptance import (
+    HEAD,
+    family,
     head_bucket,
     ngram_bucket,
     ngram_reach_bucket,
@@ -31,6 +33,14 @@ if TYPE_CHECKING:
 # The scheduler's draft of a request: its n-gram lookups (the tree not built yet), a tree, or
 # none.
 Draft = NgramMatch | tuple[list[int], list[int]] | None
+
+# A worker drafter that may idle (`Algorithm.idles`: EAGLE heads) stops its upkeep of plain
+# steps once the planner has given it no tree for HEAD_IDLE_AFTER steps in a row (where its
+# rounds stopped paying: the captured states and its KV cost a plain step 1-2%), and takes it up
+# again after HEAD_WAKE_AFTER idle steps, drafting from the step after that (its top-k needs a
+# step's states first); a planner that gives it trees again keeps it awake.
+HEAD_IDLE_AFTER = 256
+HEAD_WAKE_AFTER = 1024
 
 
 class SpecRound:
@@ -71,6 +81,12 @@ class SpecRound:
         # The last plan was no round: only then is a plan without lookups tried first (after a
         # round the next is likely a round too, and the bound would not decline).
         self._declined = True
+        # The worker's drafter idles (HEAD_IDLE_AFTER): its trees are not planned, and plain
+        # steps ask it for no upkeep (`WorkerBatch.drafter_idle`).
+        self.head_idle = False
+        self._head_steps = 0  # steps since its last tree, or, idle, since it went idle
+        self._head_planned = False  # this step's plan gives it a tree
+        self._may_idle = spec.has_drafter and spec.entry.idles and self.planner is not None
 
     def flush(self) -> None:
         """Forget past requests (the server's cache flushed): the n-gram index's corpus. What
@@ -79,6 +95,27 @@ class SpecRound:
             self.ngram.clear()
 
     def plan(self, running: list[Req]) -> list[int] | None:
+        """`_plan_step`, while counting the steps toward the worker's drafter idling or waking
+        (HEAD_IDLE_AFTER); the step it wakes plans nothing (its first step awake takes the
+        states it drafts from)."""
+        if not self._may_idle:
+            return self._plan_step(running)
+        if self.head_idle:
+            self._head_steps += 1
+            if self._head_steps >= HEAD_WAKE_AFTER:
+                self.head_idle, self._head_steps = False, 0
+                for req in running:
+                    req.spec.draft_tokens = req.spec.draft_parents = None
+                return None
+            return self._plan_step(running)
+        self._head_planned = False
+        sizes = self._plan_step(running)
+        self._head_steps = 0 if self._head_planned else self._head_steps + 1
+        if self._head_steps >= HEAD_IDLE_AFTER:
+            self.head_idle, self._head_steps = True, 0
+        return sizes
+
+    def _plan_step(self, running: list[Req]) -> list[int] | None:
         """Each request's tree size (its root included), its n-gram and forced nodes set on
         `req.spec.draft_tokens`/`draft_parents`; None where a plain decode step is expected to do
         better (NGRAM alone: where it has nothing for anyone). A tree ends before its
@@ -112,6 +149,11 @@ class SpecRound:
                 req.spec.draft_tokens = req.spec.draft_parents = None
             return None
         self._declined = False
+        if self._may_idle and any(
+            size > 1 and family(inp.options[sources[b] if sources else 0][0]) == HEAD
+            for b, (size, inp) in enumerate(zip(sizes, inputs))
+        ):
+            self._head_planned = True
         for b, (req, size, (tree, _), inp) in enumerate(zip(running, sizes, drafts, inputs)):
             source = sources[b] if sources else 0
             req.spec.kind = inp.options[source][0]
@@ -122,11 +164,20 @@ class SpecRound:
                     tree[0][: size - 1],
                     tree[1][: size - 1],
                 )
+            elif self.head_idle:  # nothing to verify but its root
+                req.spec.draft_tokens, req.spec.draft_parents = [], []
             else:  # the worker's drafter gives this tree
                 req.spec.draft_tokens = req.spec.draft_parents = None
                 if req.spec.lookahead is not None:
                     req.spec.lookahead.chain_nodes = []
         return [size + self._add_forced_chain(req, size) for req, size in zip(running, sizes)]
+
+    @property
+    def _tree_base(self) -> int:
+        """The nodes of a request's tree besides a scheduler's draft: the head's where they
+        merge (its root alone while the drafter idles)."""
+        merged = self.spec.hybrid_merge and not self.head_idle
+        return self.spec.num_draft_tokens if merged else 1
 
     def _declined_unlooked(self, running: list[Req]) -> bool:
         """Whether the planner declines this step's round whatever the n-gram lookups would
@@ -146,7 +197,8 @@ class SpecRound:
             if self.lookahead is not None:  # its pool drafts without a match too (bucket 1)
                 reach = max(reach, 1)
             if reach < shortest:  # no tree: the head's, or none
-                nodes, kind = (None, "") if self.spec.has_drafter else (0, ngram_bucket(0))
+                drafter = self.spec.has_drafter and not self.head_idle
+                nodes, kind = (None, "") if drafter else (0, ngram_bucket(0))
             else:
                 nodes, kind = most, ngram_reach_bucket(shortest, reach)
             inputs.append(self._plan_input(req, nodes, kind))
@@ -164,10 +216,13 @@ class SpecRound:
         spec = self.spec
         room = self.max_context_len - req.seq_len
         head = (head_bucket(req.spec.draft_top1), min(spec.num_draft_tokens, room))
-        if nodes is None:
+        if nodes is None and not self.head_idle:
             return PlanInput(*head, req.spec.accepted_tokens, req.spec.expected_drafts)
-        size = (spec.num_draft_tokens if spec.hybrid_merge else 1) + nodes
-        others = (head,) if spec.has_drafter and not spec.hybrid_merge else ()
+        if nodes is None:  # the drafter idles: no tree
+            nodes, kind = 0, ngram_bucket(0)
+        size = self._tree_base + nodes
+        beside = spec.has_drafter and not spec.hybrid_merge and not self.head_idle
+        others = (head,) if beside else ()
         return PlanInput(
             kind, min(size, room), req.spec.accepted_tokens, req.spec.expected_drafts, others
         )
@@ -195,8 +250,7 @@ class SpecRound:
             return False
         tree = self.ngram.tree(draft)
         drafts[b] = (tree, kind)
-        base = self.spec.num_draft_tokens if self.spec.hybrid_merge else 1
-        inputs[b].max_nodes = min(inputs[b].max_nodes, base + len(tree[0]))
+        inputs[b].max_nodes = min(inputs[b].max_nodes, self._tree_base + len(tree[0]))
         return True
 
     def _scheduler_draft(self, req: Req) -> tuple[Draft, str]:
@@ -287,5 +341,6 @@ class SpecRound:
             "algorithm": self.spec.algorithm,
             "tree_policy": "fixed" if self.planner is None else "planned",
             "max_tree_nodes": self.spec.num_draft_tokens,
+            "drafter_idle": self.head_idle,
             **(self.planner.to_dict() if self.planner is not None else {}),
         }
