@@ -181,13 +181,18 @@ class Scheduler:
         if self.grammars.compiling:
             idle = not (self.waiting or self.running or self.chunked)
             self.grammars.take_compiled(idle, self.waiting.append)
+        started = time.perf_counter()  # the planner weighs whole steps, host work included
         batch = self._next_batch()
         if batch is None:
             return []
         self.last_mode = batch.mode
         if self.overlap is not None and self.overlap.start(batch):
             return []
-        return self._run(batch)
+        changed = self._run(batch)
+        if self.spec_round is not None:
+            elapsed = time.perf_counter() - started
+            self.spec_round.record_step(batch.mode, len(batch.reqs), elapsed)
+        return changed
 
     def _run(self, batch: ScheduleBatch) -> list[Req]:
         """Forward `batch` and take in its results. When the worker fails on it, the batch is
@@ -200,13 +205,9 @@ class Scheduler:
         stale = [req.table_stale_from for req in batch.reqs]
         idle = self.spec_round is not None and self.spec_round.head_idle
         try:
-            started = time.perf_counter()
             wb = batch.to_worker_batch(banned, draft_next)
             wb.drafter_idle = batch.mode == ForwardMode.DECODE and idle
             result = self.worker.forward(wb)
-            if self.spec_round is not None:
-                elapsed = time.perf_counter() - started
-                self.spec_round.record_step(batch.mode, len(batch.reqs), elapsed)
         except WorkerLostError:
             raise
         except Exception as err:
