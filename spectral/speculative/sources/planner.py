@@ -5,7 +5,6 @@ measured cost model. Acceptance is learnt per rank of the drafter's confidence
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 
@@ -140,7 +139,7 @@ class TreePlanner:
         if last is not None and all(
             abs(a - b) <= DECLINED_TOLERANCE for a, b in zip(factors, last[0])
         ):
-            return dataclasses.replace(last[1], nodes=[1] * len(reqs))
+            return last[1]  # a declined plan: no one reads or changes its nodes
         best = self.best_plan(reqs)
         if best.speculate:
             self._declined_plans.pop(key, None)

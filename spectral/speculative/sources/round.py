@@ -86,7 +86,8 @@ class SpecRound:
         self.head_idle = False
         self._head_steps = 0  # steps since its last tree, or, idle, since it went idle
         self._head_planned = False  # this step's plan gives it a tree
-        self._may_idle = spec.has_drafter and spec.entry.idles and self.planner is not None
+        self._has_drafter = spec.has_drafter  # read every step: the registry looked up once
+        self._may_idle = self._has_drafter and spec.entry.idles and self.planner is not None
 
     def flush(self) -> None:
         """Forget past requests (the server's cache flushed): the n-gram index's corpus. What
@@ -123,7 +124,6 @@ class SpecRound:
         worker's drafter, the planner chooses which of the two it verifies. An n-gram tree is
         planned at the most nodes its lookups allow and built only where the plan verifies
         it (planned again, rarely, where it came out smaller than planned)."""
-        spec = self.spec
         declined_before, self._declined = self._declined, True
         if declined_before and self._declined_unlooked(running):
             for req in running:
@@ -143,7 +143,7 @@ class SpecRound:
             self._build_trees(drafts, inputs, None)
             self._plan, sizes, sources = None, [p.max_nodes for p in inputs], None
         if (self._plan is not None and not self._plan.speculate) or (
-            not spec.has_drafter and all(size == 1 for size in sizes)
+            not self._has_drafter and all(size == 1 for size in sizes)
         ):
             for req in running:
                 req.spec.draft_tokens = req.spec.draft_parents = None
@@ -191,13 +191,14 @@ class SpecRound:
         inputs = []
         for req in running:
             state = req.spec.ngram
-            reach = None if state is None else self.ngram.reach(len(req.all_ids), state)
+            length = len(req.input_ids) + len(req.output_ids)  # all_ids, not built
+            reach = None if state is None else self.ngram.reach(length, state)
             if reach is None:
                 return False
             if self.lookahead is not None:  # its pool drafts without a match too (bucket 1)
                 reach = max(reach, 1)
             if reach < shortest:  # no tree: the head's, or none
-                drafter = self.spec.has_drafter and not self.head_idle
+                drafter = self._has_drafter and not self.head_idle
                 nodes, kind = (None, "") if drafter else (0, ngram_bucket(0))
             else:
                 nodes, kind = most, ngram_reach_bucket(shortest, reach)
@@ -221,7 +222,7 @@ class SpecRound:
         if nodes is None:  # the drafter idles: no tree
             nodes, kind = 0, ngram_bucket(0)
         size = self._tree_base + nodes
-        beside = spec.has_drafter and not spec.hybrid_merge and not self.head_idle
+        beside = self._has_drafter and not spec.hybrid_merge and not self.head_idle
         others = (head,) if beside else ()
         return PlanInput(
             kind, min(size, room), req.spec.accepted_tokens, req.spec.expected_drafts, others
@@ -264,7 +265,7 @@ class SpecRound:
                 req.spec.ngram = NgramState()
             state = req.spec.ngram
             found = self.ngram.match(req.all_ids, state)
-            if found.has_continuations or not self.spec.has_drafter:
+            if found.has_continuations or not self._has_drafter:
                 # the datastore's (asked where no n-gram matched) count apart
                 kind = (
                     rest_bucket(state.retrieved_len)
