@@ -784,3 +784,23 @@ def test_a_head_given_trees_never_idles(monkeypatch) -> None:
     for _ in range(10):
         assert spec_round.plan([req]) is not None and not spec_round.head_idle
     assert get_algorithm("EAGLE3").idles and not get_algorithm("STANDALONE").idles
+
+
+def test_a_head_alone_idling_plans_nothing(monkeypatch) -> None:
+    """EAGLE3 without n-gram trees, its drafts never accepted: once idle, a step has no tree
+    to plan, so the planner is not asked (until it wakes, HEAD_WAKE_AFTER idle steps on)."""
+    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 3)
+    monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 4)
+    alone = ServerArgs(speculative_algorithm="EAGLE3", speculative_hybrid_ngram=0)
+    spec_round = SpecRound(SpecSettings.from_args(alone), STEEP, None, 4096)
+    planner = spec_round.planner
+    observe_chains(planner.stats_for(head_bucket(0.9)), 0.0, 6, random.Random(3), [0.9] * 6)
+    req = Req("r", [3, 4, 5, 6, 8], SamplingParams())
+    req.spec.draft_top1 = 0.9
+    assert [spec_round.plan([req]) for _ in range(3)] == [None] * 3 and spec_round.head_idle
+    asked, plan = [], planner.plan
+    monkeypatch.setattr(planner, "plan", lambda reqs: asked.append(reqs) or plan(reqs))
+    assert [spec_round.plan([req]) for _ in range(4)] == [None] * 4 and not asked
+    assert not spec_round.head_idle  # the fourth woke it
+    spec_round.plan([req])
+    assert asked  # awake: planned again

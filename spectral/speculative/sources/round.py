@@ -103,8 +103,10 @@ class SpecRound:
             return self._plan_step(running)
         if self.head_idle:
             self._head_steps += 1
-            if self._head_steps >= HEAD_WAKE_AFTER:
+            waking = self._head_steps >= HEAD_WAKE_AFTER
+            if waking:
                 self.head_idle, self._head_steps = False, 0
+            if waking or (self.ngram is None and self.lookahead is None):  # no tree to plan
                 for req in running:
                     req.spec.draft_tokens = req.spec.draft_parents = None
                 return None
