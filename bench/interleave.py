@@ -37,13 +37,24 @@ class PassTiming:
         return self.emitted / self.rounds if self.rounds else 0.0
 
 
-def _generate(engine: Engine, prompts: list, params: dict) -> list[dict]:
+def sampling(temperature: float, new_tokens: int) -> dict:
+    """Greedy, or at `temperature` with each request its own seeded stream (the same draws in
+    every run)."""
+    params = {"temperature": temperature, "max_new_tokens": new_tokens}
+    if temperature > 0:
+        params["seed"] = 0
+    return params
+
+
+def generate(engine: Engine, prompts: list, params: dict) -> list[dict]:
+    """`engine.generate` over prompts given as text or as token ids."""
     by_ids = bool(prompts) and isinstance(prompts[0], list)  # token ids rather than text
     key = "input_ids" if by_ids else "prompt"
     return engine.generate(**{key: prompts}, sampling_params=params)
 
 
-def _spec_counts(engine: Engine) -> tuple[int, int]:
+def spec_counts(engine: Engine) -> tuple[int, int]:
+    """The engine's speculative rounds and tokens they emitted, so far."""
     stats = engine.get_server_info()["stats"]
     return stats["spec_verify_ct"], stats["spec_emitted_tokens"]
 
@@ -55,22 +66,22 @@ def interleaved_pass(
     `reverse` starts with the engines' order reversed (alternate it between passes)."""
     names = list(engines)
     for engine in engines.values():
-        _generate(engine, prompts[:1], {**params, "max_new_tokens": 8})  # warm-up
+        generate(engine, prompts[:1], {**params, "max_new_tokens": 8})  # warm-up
         engine.flush_cache()
-    before = {name: _spec_counts(engine) for name, engine in engines.items()}
+    before = {name: spec_counts(engine) for name, engine in engines.items()}
     timings = {name: PassTiming() for name in names}
     for c, start in enumerate(range(0, len(prompts), chunk)):
         part = prompts[start : start + chunk]
         order = names[::-1] if (c % 2 == 1) != reverse else names
         for name in order:
             began = time.perf_counter()
-            outs = _generate(engines[name], part, params)
+            outs = generate(engines[name], part, params)
             timing = timings[name]
             timing.seconds += time.perf_counter() - began
             timing.tokens += sum(len(o["output_ids"]) for o in outs)
             timing.outputs.extend(o["output_ids"] for o in outs)
     for name, engine in engines.items():
-        rounds, emitted = _spec_counts(engine)
+        rounds, emitted = spec_counts(engine)
         timings[name].rounds = rounds - before[name][0]
         timings[name].emitted = emitted - before[name][1]
     return timings

@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import DATASETS, chat, humaneval_prompts, pyplot  # noqa: E402
-from interleave import interleaved_pass  # noqa: E402
+from interleave import generate, interleaved_pass, sampling, spec_counts  # noqa: E402
 
 from spectral import Engine  # noqa: E402
 
@@ -68,34 +68,23 @@ def timed_generate(
     max_running_requests at a time), after a warm-up on the first prompt and with an empty
     cache; `during` is entered around the timed part only. τ = 0 without speculation."""
     first = params[0] if isinstance(params, list) else params
-    by_ids = bool(prompts) and isinstance(prompts[0], list)  # token ids rather than text
-
-    def generate(batch, sampling):
-        return engine.generate(
-            **{"input_ids" if by_ids else "prompt": batch}, sampling_params=sampling
-        )
-
-    generate(prompts[0], {**first, "max_new_tokens": 8})  # warm-up
+    generate(engine, prompts[:1], {**first, "max_new_tokens": 8})  # warm-up
     engine.flush_cache()
-    before = engine.get_server_info()["stats"]
+    rounds, emitted = spec_counts(engine)
     with during or contextlib.nullcontext():
         start = time.perf_counter()
-        outs = generate(prompts, params)
+        outs = generate(engine, prompts, params)
         elapsed = time.perf_counter() - start
-    after = engine.get_server_info()["stats"]
-    rounds = after["spec_verify_ct"] - before["spec_verify_ct"]
-    emitted = after["spec_emitted_tokens"] - before["spec_emitted_tokens"]
-    return outs, elapsed, emitted / rounds if rounds else 0.0
+    rounds_after, emitted_after = spec_counts(engine)
+    rounds = rounds_after - rounds
+    return outs, elapsed, (emitted_after - emitted) / rounds if rounds else 0.0
 
 
 def measure(
     engine: Engine, prompts: list[str] | list[list[int]], new_tokens: int, temperature: float = 0.0
 ) -> tuple[float, list, float]:
     """(tokens/s, outputs, τ) for generating all prompts greedily or at `temperature`."""
-    params = {"temperature": temperature, "max_new_tokens": new_tokens}
-    if temperature > 0:
-        params["seed"] = 0  # each request its own seeded stream: the same draws in every run
-    outs, elapsed, tau = timed_generate(engine, prompts, params)
+    outs, elapsed, tau = timed_generate(engine, prompts, sampling(temperature, new_tokens))
     tokens = sum(len(o["output_ids"]) for o in outs)
     return tokens / elapsed, [o["output_ids"] for o in outs], tau
 
@@ -280,9 +269,7 @@ def run_size(
     prompts = [chat(plain_engine.tokenizer, q) for q in questions]
     engines = {"plain": plain_engine}
     engines.update((a, spec_engine(args, common, spec_options, size, a)) for a in algorithms)
-    params = {"temperature": temp, "max_new_tokens": args.max_new_tokens}
-    if temp > 0:
-        params["seed"] = 0  # each request its own seeded stream: the same draws in every run
+    params = sampling(temp, args.max_new_tokens)
     chunk = args.chunk or size
     passes = []
     for p in range(args.passes):

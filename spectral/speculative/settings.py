@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,9 +59,9 @@ class SpecSettings:
     # REST: a datastore (`spectral datastore build`) whose continuations join the n-gram trees
     datastore: str | None = None
 
-    @property
+    @functools.cached_property
     def entry(self) -> Algorithm:
-        """The algorithm's registry entry."""
+        """The algorithm's registry entry (looked up once: the scheduler reads it every step)."""
         return registry.get(self.algorithm)
 
     @property

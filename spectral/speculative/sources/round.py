@@ -85,9 +85,7 @@ class SpecRound:
         # steps ask it for no upkeep (`WorkerBatch.drafter_idle`).
         self.head_idle = False
         self._head_steps = 0  # steps since its last tree, or, idle, since it went idle
-        self._head_planned = False  # this step's plan gives it a tree
-        self._has_drafter = spec.has_drafter  # read every step: the registry looked up once
-        self._may_idle = self._has_drafter and spec.entry.idles and self.planner is not None
+        self._may_idle = spec.has_drafter and spec.entry.idles and self.planner is not None
 
     def flush(self) -> None:
         """Forget past requests (the server's cache flushed): the n-gram index's corpus. What
@@ -111,9 +109,11 @@ class SpecRound:
                     req.spec.draft_tokens = req.spec.draft_parents = None
                 return None
             return self._plan_step(running)
-        self._head_planned = False
         sizes = self._plan_step(running)
-        self._head_steps = 0 if self._head_planned else self._head_steps + 1
+        head_tree = sizes is not None and any(
+            size > 1 and family(req.spec.kind) == HEAD for req, size in zip(running, sizes)
+        )
+        self._head_steps = 0 if head_tree else self._head_steps + 1
         if self._head_steps >= HEAD_IDLE_AFTER:
             self.head_idle, self._head_steps = True, 0
         return sizes
@@ -145,17 +145,12 @@ class SpecRound:
             self._build_trees(drafts, inputs, None)
             self._plan, sizes, sources = None, [p.max_nodes for p in inputs], None
         if (self._plan is not None and not self._plan.speculate) or (
-            not self._has_drafter and all(size == 1 for size in sizes)
+            not self.spec.has_drafter and all(size == 1 for size in sizes)
         ):
             for req in running:
                 req.spec.draft_tokens = req.spec.draft_parents = None
             return None
         self._declined = False
-        if self._may_idle and any(
-            size > 1 and family(inp.options[sources[b] if sources else 0][0]) == HEAD
-            for b, (size, inp) in enumerate(zip(sizes, inputs))
-        ):
-            self._head_planned = True
         for b, (req, size, (tree, _), inp) in enumerate(zip(running, sizes, drafts, inputs)):
             source = sources[b] if sources else 0
             req.spec.kind = inp.options[source][0]
@@ -200,8 +195,7 @@ class SpecRound:
             if self.lookahead is not None:  # its pool drafts without a match too (bucket 1)
                 reach = max(reach, 1)
             if reach < shortest:  # no tree: the head's, or none
-                drafter = self._has_drafter and not self.head_idle
-                nodes, kind = (None, "") if drafter else (0, ngram_bucket(0))
+                nodes, kind = (None, "") if self.spec.has_drafter else (0, ngram_bucket(0))
             else:
                 nodes, kind = most, ngram_reach_bucket(shortest, reach)
             inputs.append(self._plan_input(req, nodes, kind))
@@ -224,7 +218,7 @@ class SpecRound:
         if nodes is None:  # the drafter idles: no tree
             nodes, kind = 0, ngram_bucket(0)
         size = self._tree_base + nodes
-        beside = self._has_drafter and not spec.hybrid_merge and not self.head_idle
+        beside = spec.has_drafter and not spec.hybrid_merge and not self.head_idle
         others = (head,) if beside else ()
         return PlanInput(
             kind, min(size, room), req.spec.accepted_tokens, req.spec.expected_drafts, others
@@ -267,7 +261,7 @@ class SpecRound:
                 req.spec.ngram = NgramState()
             state = req.spec.ngram
             found = self.ngram.match(req.all_ids, state)
-            if found.has_continuations or not self._has_drafter:
+            if found.has_continuations or not self.spec.has_drafter:
                 # the datastore's (asked where no n-gram matched) count apart
                 kind = (
                     rest_bucket(state.retrieved_len)
