@@ -20,33 +20,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spectral.kernels.cpu_kernels import load_cpu_kernels  # noqa: E402
-from spectral.layers.gguf_blocks import BLOCKS, LAYOUTS, pack_blocks, pack_int8  # noqa: E402
+from spectral.layers.gguf_blocks import BLOCKS, pack_int8  # noqa: E402
 from spectral.worker.cost_measure import timed  # noqa: E402
 from tests.test_gguf_blocks import random_blocks  # noqa: E402
 
 OUT = Path(__file__).parent / "out" / "int8-roofline.json"
-# (tile, format): the tiles of the 1.5B model (Q4_K and Q6_K compact, Q8_0h: Q6_K regrouped)
-# and of the default model (Q4_1, Q8_0).
-TILES = [
-    ("Q4_K", "Q4_K"),
-    ("Q6_K", "Q6_K"),
-    ("Q8_0h", "Q6_K"),
-    ("Q4_1", "Q4_1"),
-    ("Q8_0", "Q8_0"),
-]
+# The tiles the integer path serves models with: the 1.5B's (Q4_K and Q6_K in
+# their compact layouts) and the default model's (Q4_1, Q8_0). (Q8_0h, Q6_K regrouped for the
+# exact path, serves no model on the integer path since Q6_K has its own layout.)
+TILES = ["Q4_K", "Q6_K", "Q4_1", "Q8_0"]
 CACHED_SHAPE = (2048, 1536)  # (n, k): 1.7 to 3.3 MB of weights, within L3
 # The 1.5B model's shapes per format: the down projection and the gate | up projection.
 REAL_SHAPES = {"Q6_K": (1536, 8960), "Q4_K": (17920, 1536)}
 ROWS_AT_THE_END = 8  # the rows whose least fraction closes the table
 
 
-def packed(kernels, tile: str, fmt: str, n: int, k: int) -> tuple[torch.Tensor, str]:
-    """Random blocks of `fmt` packed as the integer path's `tile`: (data, gguf_linear_q8's
-    layout name)."""
+def packed(kernels, fmt: str, n: int, k: int) -> tuple[torch.Tensor, str]:
+    """Random blocks of `fmt` packed for the integer path: (data, gguf_linear_q8's layout
+    name)."""
     raw = torch.from_numpy(random_blocks(fmt, n, k // BLOCKS[fmt][0], 0))
-    if tile == "Q8_0h":
-        exact = pack_blocks(raw, fmt, k, kernels)
-        return kernels.pack_q8_layout(exact, LAYOUTS[fmt], n, k, False)
     data, layout = pack_int8(raw, fmt, k, kernels)
     return data, layout.removesuffix("+q8")
 
@@ -74,13 +66,13 @@ def main() -> None:
     peak = max(kernels.int8_peak_macs(0.5) for _ in range(3))
     threads = torch.get_num_threads()
     print(f"int8 peak: {peak / 1e9:.1f} GMAC/s on {threads} threads (vnni {kernels.int8_vnni()})")
-    cases = [(tile, fmt, *CACHED_SHAPE) for tile, fmt in TILES]
+    cases = [(tile, *CACHED_SHAPE) for tile in TILES]
     if args.real:
-        cases += [(fmt, fmt, *shape) for fmt, shape in REAL_SHAPES.items()]
+        cases += [(tile, *shape) for tile, shape in REAL_SHAPES.items()]
     results = []
     print(f"{'tile':>6} {'n x k':>12}  " + "  ".join(f"m={m:<2}  GMAC/s  peak" for m in rows))
-    for tile, fmt, n, k in cases:
-        data, layout = packed(kernels, tile, fmt, n, k)
+    for tile, n, k in cases:
+        data, layout = packed(kernels, tile, n, k)
         cells = []
         for m in rows:
             rate = tile_rate(kernels, data, layout, m, n, k)
