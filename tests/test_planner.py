@@ -744,12 +744,13 @@ def test_a_request_whose_plan_takes_the_heads_tree_is_left_to_the_head() -> None
 
 def test_a_head_given_no_tree_idles_then_wakes_for_one_plain_step(monkeypatch) -> None:
     """EAGLE3 with n-gram trees, the head never accepted and 4-token matches nearly always:
-    after HEAD_IDLE_AFTER steps without a head tree the head idles (no head option planned: a
-    request without a match verifies its root alone instead of being left to the head) while
-    n-gram trees go on; after HEAD_WAKE_AFTER idle steps one step plans nothing (the head's
-    first step awake takes the states it drafts from), and the head is an option again."""
-    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 4)
-    monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 3)
+    after HEAD_IDLE_AFTER tokens without a head tree (a step of two requests counts two) the
+    head idles (no head option planned: a request without a match verifies its root alone
+    instead of being left to the head) while n-gram trees go on; after HEAD_WAKE_AFTER tokens
+    idle one step plans nothing (the head's first step awake takes the states it drafts from),
+    and the head is an option again."""
+    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 8)
+    monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 6)
     spec_round = hybrid_round(head_accepted=0.0)
     strong = Req("strong", [3, 4, 5, 6, 8, 3, 4, 5, 6], SamplingParams())  # a 4-token match
     bare = Req("bare", [11, 12, 13, 14, 15, 16, 17], SamplingParams())  # no match

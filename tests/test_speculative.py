@@ -486,11 +486,11 @@ def test_a_head_idling_between_its_trees_keeps_output_plain(
     monkeypatch, peaky_model_dir: str, eagle3_head: str, plain_outputs: list[list[int]]
 ) -> None:
     """A head that pays (planned every step) sent idle every 12th step, as a planner that
-    gave it no tree for HEAD_IDLE_AFTER steps would: 3 plain steps ask it for no upkeep (none
-    writes its KV: it misses those positions), one plain step wakes it, and it drafts again;
-    every output,
-    prompts seen before and new ones in mixed batches, is plain decoding's."""
-    monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 3)
+    gave it no tree for HEAD_IDLE_AFTER tokens would: plain steps of 12 tokens ask it for no
+    upkeep (none writes its KV: it misses those positions), one plain step wakes it, and it
+    drafts again; every output, prompts seen before and new ones in mixed batches, is plain
+    decoding's."""
+    monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 12)
     seen, new, expected = seen_and_new_prompts(peaky_model_dir, plain_outputs)
     s = hybrid_scheduler(peaky_model_dir, eagle3_head)
     run(s, seen, at_once=6, temperature=0.0)
@@ -500,7 +500,7 @@ def test_a_head_idling_between_its_trees_keeps_output_plain(
     def recorded(wb):
         idle_steps.append(wb.drafter_idle)
         if len(idle_steps) % 12 == 0:
-            s.spec_round.head_idle, s.spec_round._head_steps = True, 0
+            s.spec_round.head_idle, s.spec_round._head_tokens = True, 0
         return forward(wb)
 
     def counted(rows: torch.Tensor, *args, **kwargs):

@@ -35,10 +35,12 @@ if TYPE_CHECKING:
 Draft = NgramMatch | tuple[list[int], list[int]] | None
 
 # A worker drafter that may idle (`Algorithm.idles`: EAGLE heads) stops its upkeep of plain
-# steps once the planner has given it no tree for HEAD_IDLE_AFTER steps in a row (where its
-# rounds stopped paying: the captured states and its KV cost a plain step 1-2%), and takes it up
-# again after HEAD_WAKE_AFTER idle steps, drafting from the step after that (its top-k needs a
-# step's states first); a planner that gives it trees again keeps it awake.
+# steps once the planner has given it no tree for HEAD_IDLE_AFTER tokens in a row (where its
+# rounds stopped paying: the captured states and its KV cost a plain step 1-3%), and takes it up
+# again after HEAD_WAKE_AFTER tokens idle, drafting from the step after that (its top-k needs a
+# step's states first); a planner that gives it trees again keeps it awake. Tokens, not steps:
+# a step of B requests counts B, as the upkeep it costs grows with B (a step of 16 pays ~16
+# times the KV a step of one does), so a large batch stops paying for an unused head as soon.
 HEAD_IDLE_AFTER = 256
 HEAD_WAKE_AFTER = 1024
 
@@ -84,7 +86,7 @@ class SpecRound:
         # The worker's drafter idles (HEAD_IDLE_AFTER): its trees are not planned, and plain
         # steps ask it for no upkeep (`WorkerBatch.drafter_idle`).
         self.head_idle = False
-        self._head_steps = 0  # steps since its last tree, or, idle, since it went idle
+        self._head_tokens = 0  # decoded since its last tree, or, idle, since it went idle
         self._may_idle = spec.has_drafter and spec.entry.idles and self.planner is not None
 
     def flush(self) -> None:
@@ -94,16 +96,16 @@ class SpecRound:
             self.ngram.clear()
 
     def plan(self, running: list[Req]) -> list[int] | None:
-        """`_plan_step`, while counting the steps toward the worker's drafter idling or waking
+        """`_plan_step`, while counting the tokens toward the worker's drafter idling or waking
         (HEAD_IDLE_AFTER); the step it wakes plans nothing (its first step awake takes the
         states it drafts from)."""
         if not self._may_idle:
             return self._plan_step(running)
         if self.head_idle:
-            self._head_steps += 1
-            waking = self._head_steps >= HEAD_WAKE_AFTER
+            self._head_tokens += len(running)
+            waking = self._head_tokens >= HEAD_WAKE_AFTER
             if waking:
-                self.head_idle, self._head_steps = False, 0
+                self.head_idle, self._head_tokens = False, 0
             if waking or (self.ngram is None and self.lookahead is None):  # no tree to plan
                 for req in running:
                     req.spec.draft_tokens = req.spec.draft_parents = None
@@ -113,9 +115,9 @@ class SpecRound:
         head_tree = sizes is not None and any(
             size > 1 and family(req.spec.kind) == HEAD for req, size in zip(running, sizes)
         )
-        self._head_steps = 0 if head_tree else self._head_steps + 1
-        if self._head_steps >= HEAD_IDLE_AFTER:
-            self.head_idle, self._head_steps = True, 0
+        self._head_tokens = 0 if head_tree else self._head_tokens + len(running)
+        if self._head_tokens >= HEAD_IDLE_AFTER:
+            self.head_idle, self._head_tokens = True, 0
         return sizes
 
     def _plan_step(self, running: list[Req]) -> list[int] | None:
