@@ -173,6 +173,13 @@ def main() -> None:
         default=0,
         help="prompts a chunk: every engine generates a chunk in turn (default: the batch size)",
     )
+    ap.add_argument(
+        "--min-chunks",
+        type=int,
+        default=1,
+        help="at each batch size at least this many chunks of prompts (the dataset's first "
+        "N x batch where --num-prompts gives fewer), so that a pass fills the batch",
+    )
     ap.add_argument("--out", default="spec.json", help="file name under bench/out")
     args = ap.parse_args()
 
@@ -207,7 +214,9 @@ def main() -> None:
     )
     algorithms = [a for a in args.algorithms.split(",") if a]
     for size in [int(b) for b in args.batches.split(",") if b]:
-        rows, prompts = run_size(args, size, algorithms, questions, common, spec_options)
+        wanted = args.min_chunks * size
+        sized = questions if len(questions) >= wanted else DATASETS[args.dataset](wanted)
+        rows, prompts = run_size(args, size, algorithms, sized, common, spec_options)
         if size == 1 and args.llama_modes:
             llama = llama_runs(args, prompts)
             if llama:
@@ -311,6 +320,7 @@ def run_size(
             "speedups": [round(x, 3) for x in ratios],
             "accept_length": round(statistics.median(run.accept_length for run in runs), 3),
             "identical_outputs": f"{same}/{len(prompts)}",
+            "prompts": len(prompts),
             "tree_nodes_per_request": planned.get("tree_nodes_per_request"),
             "predicted_gain": planned.get("predicted_gain"),
             "measured_gain": planned.get("measured_gain"),
