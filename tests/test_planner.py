@@ -36,6 +36,7 @@ from spectral.speculative.sources.acceptance import (
     head_bucket,
     ngram_bucket,
 )
+from spectral.speculative.sources.plan_record import HEAD_VALUE_DECAY, HEAD_VALUE_ROUNDS, HeadLedger
 from spectral.speculative.sources.planner import (
     EXHAUSTIVE_CHOICES,
     MIN_GAIN,
@@ -805,3 +806,75 @@ def test_a_head_alone_idling_plans_nothing(monkeypatch) -> None:
     assert not spec_round.head_idle  # the fourth woke it
     spec_round.plan([req])
     assert asked  # awake: planned again
+
+
+def paying_head_round(monkeypatch) -> tuple[SpecRound, Req]:
+    """EAGLE3 alone, its head's statistics accepting nearly everything (the planner gives it a
+    tree every step), and a request it drafts for."""
+    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 1 << 20)  # never for want of trees
+    alone = ServerArgs(speculative_algorithm="EAGLE3", speculative_hybrid_ngram=0)
+    spec_round = SpecRound(SpecSettings.from_args(alone), STEEP, None, 4096)
+    observe_chains(
+        spec_round.planner.stats_for(head_bucket(0.9)), 0.95, 6, random.Random(3), [0.9] * 6
+    )
+    req = Req("r", [3, 4, 5, 6, 8], SamplingParams())
+    req.spec.draft_top1 = 0.9
+    return spec_round, req
+
+
+def head_rounds(spec_round: SpecRound, req: Req, count: int, ms_of, accepted: int) -> None:
+    """`count` steps: each planned, run as a round of `ms_of(plan)` ms whose `accepted` drafts
+    the planner observes, and timed."""
+    for _ in range(count):
+        if spec_round.head_idle:
+            return
+        sizes = spec_round.plan([req])
+        assert sizes is not None and sizes[0] > 1
+        plan = spec_round._plan
+        spec_round.record_plan(sizes)
+        spec_round.planner.observe(req.spec.kind, sizes[0] - 1, list(range(accepted)), None)
+        spec_round.record_step(ForwardMode.TARGET_VERIFY, 1, ms_of(plan) / 1000)
+
+
+def test_a_head_whose_ledger_is_losing_sleeps(monkeypatch) -> None:
+    """The planner keeps giving the head trees (its statistics say they pay), but its ledger
+    (its rounds against the plain steps their tokens would have taken, less its upkeep) is
+    negative after HEAD_VALUE_ROUNDS rounds: the next step puts it to sleep, though a tree was
+    planned, and the ledger starts again from nothing."""
+    spec_round, req = paying_head_round(monkeypatch)
+    head_rounds(spec_round, req, 3, lambda plan: plan.predicted_ms, accepted=3)
+    ledger = spec_round.planner.head_ledger
+    assert not spec_round.head_idle and ledger.rounds == 3 and not ledger.losing
+    for _ in range(HEAD_VALUE_ROUNDS):
+        ledger.round(emitted=1, batch=1, plain_step_ms=10.0, ms=30.0)
+    assert ledger.losing
+    sizes = spec_round.plan([req])
+    assert sizes is not None and sizes[0] > 1  # this step's tree stands
+    assert spec_round.head_idle and ledger.rounds == 0 and ledger.value == 0.0
+
+
+def test_a_head_whose_rounds_pay_stays_awake(monkeypatch) -> None:
+    """The same head, its rounds as fast as planned and every draft accepted, plain steps
+    between them charged its upkeep: its ledger stays positive and it never idles."""
+    spec_round, req = paying_head_round(monkeypatch)
+    for _ in range(5):
+        head_rounds(spec_round, req, 4, lambda plan: plan.predicted_ms, accepted=3)
+        spec_round.record_step(ForwardMode.DECODE, 1, STEEP.plain_ms(1) / 1000)
+    ledger = spec_round.planner.head_ledger
+    assert not spec_round.head_idle and ledger.rounds == 20 and ledger.value > 0
+    before = ledger.value
+    head_rounds(spec_round, req, 1, lambda plan: 20 * plan.predicted_ms, accepted=0)
+    assert ledger.value < before  # a round slower than the plain steps it replaced
+
+
+def test_the_head_ledger_weighs_rounds_against_plain_steps_and_upkeep() -> None:
+    """A round adds the plain time of the tokens it emitted less its own; a plain step while
+    the head is awake takes off its upkeep; entries decay; judged after HEAD_VALUE_ROUNDS."""
+    ledger = HeadLedger()
+    ledger.round(emitted=3, batch=1, plain_step_ms=10.0, ms=12.0)
+    assert ledger.value == pytest.approx(18.0) and not ledger.losing
+    ledger.plain_step(0.5)
+    assert ledger.value == pytest.approx(18.0 * HEAD_VALUE_DECAY - 0.5)
+    for _ in range(HEAD_VALUE_ROUNDS - 1):
+        ledger.round(emitted=4, batch=2, plain_step_ms=10.0, ms=25.0)  # 2 steps' tokens in 2.5
+    assert ledger.rounds == HEAD_VALUE_ROUNDS and ledger.losing

@@ -54,6 +54,12 @@ class Plan:
         """Expected tokens per ms."""
         return self.expected_tokens / self.predicted_ms
 
+    def beats(self, best: Plan) -> bool:
+        """It speculates and `best` does not, or both do and it is faster."""
+        if self.speculate != best.speculate:
+            return self.speculate
+        return self.speculate and self.rate > best.rate
+
     @property
     def predicted_gain(self) -> float:
         """Expected tokens/s of the plan over a plain step's."""
@@ -93,3 +99,35 @@ class Record:
             )
             out["tree_nodes_per_request"] = self.verified_nodes / self.requests
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
+# The head's ledger decays by this factor an entry (its rounds and the plain steps while it is
+# awake), and judges it after this many of its rounds.
+HEAD_VALUE_DECAY = 0.99
+HEAD_VALUE_ROUNDS = 8
+
+
+@dataclass
+class HeadLedger:
+    """What keeping a worker drafter (an EAGLE head) awake has been worth, in ms, decayed by
+    HEAD_VALUE_DECAY an entry: each round it drafted adds the time plain steps would have taken
+    for the tokens the round emitted less the round's time; each plain step while it is awake
+    takes off what keeping it ready cost that step (the cost model's `idle_ms`)."""
+
+    value: float = 0.0
+    rounds: int = 0
+
+    def round(self, emitted: int, batch: int, plain_step_ms: float, ms: float) -> None:
+        self.value = HEAD_VALUE_DECAY * self.value + emitted / batch * plain_step_ms - ms
+        self.rounds += 1
+
+    def plain_step(self, upkeep_ms: float) -> None:
+        self.value = HEAD_VALUE_DECAY * self.value - upkeep_ms
+
+    @property
+    def losing(self) -> bool:
+        """Its rounds, HEAD_VALUE_ROUNDS or more of them, have not paid for its upkeep."""
+        return self.rounds >= HEAD_VALUE_ROUNDS and self.value < 0
+
+    def reset(self) -> None:
+        self.value, self.rounds = 0.0, 0

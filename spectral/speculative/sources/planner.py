@@ -20,7 +20,7 @@ from spectral.speculative.sources.acceptance import (
     ngram_bucket,
     reach_range,
 )
-from spectral.speculative.sources.plan_record import Plan, PlanInput, Record
+from spectral.speculative.sources.plan_record import HeadLedger, Plan, PlanInput, Record
 
 __all__ = ["Plan", "PlanInput", "TreePlanner"]
 
@@ -75,6 +75,8 @@ class TreePlanner:
         }
         self._scale = (1.0, 1.0, 1.0)  # this plan's factors, in that order
         self.record = Record()
+        self.head_ledger = HeadLedger()
+        self._emitted_seen = 0  # the record's emitted tokens at the last step timed
         self.last: dict = {}
         self._pending: Plan | None = None
         # per family: (accepted, expected) drafts over every request's rounds, decayed
@@ -184,7 +186,7 @@ class TreePlanner:
         best: Plan | None = None
         for choice in dict.fromkeys(tuple(c) for c in choices):
             plan = self._plan_for(reqs, list(choice), table)
-            if best is None or _better(plan, best):
+            if best is None or plan.beats(best):
                 best = plan
         return best
 
@@ -312,10 +314,12 @@ class TreePlanner:
             "predicted_gain": round(plan.predicted_gain, 3),
         }
 
-    def record_step(self, mode: ForwardMode, batch: int, seconds: float) -> None:
-        """How long a verify round or a plain decode step took."""
+    def record_step(self, mode: ForwardMode, batch: int, seconds: float, awake=False) -> None:
+        """How long a verify round or a plain decode step took (`awake`: the head kept ready)."""
         ms = 1000 * seconds
         if mode == ForwardMode.TARGET_VERIFY and self._pending is not None:
+            emitted = self.record.emitted_tokens - self._emitted_seen  # by this round
+            self._emitted_seen = self.record.emitted_tokens
             self.record.measured_ms += ms
             plan, self._pending = self._pending, None
             kind = "drafted_rounds" if plan.draft_ms > 0 else "rounds"
@@ -323,7 +327,13 @@ class TreePlanner:
             base = plan.verify_ms + plan.draft_ms
             start = plan.predicted_ms / base if base > 0 else 1.0
             self.calibration[kind].observe(ms, base, len(plan.nodes), start)
+            if plan.draft_ms > 0:  # the head drafted: its ledger, against plain steps without it
+                B = len(plan.nodes)
+                plain_step = self.curves.plain(B) * self.factors(B)[0] - self.cost.idle_ms(B)
+                self.head_ledger.round(emitted, B, plain_step, ms)
         elif mode == ForwardMode.DECODE:
+            if awake:
+                self.head_ledger.plain_step(self.cost.idle_ms(batch))
             predicted = self.curves.plain(batch)
             record = self.record
             record.plain_steps += 1
@@ -373,6 +383,7 @@ class TreePlanner:
             "acceptance": {kind: self.stats[kind].to_dict() for kind in sorted(self.stats)},
             "rounds": self.record.to_dict(),
             "last": self.last,
+            "head_value_ms": round(self.head_ledger.value, 1),
             "acceptance_over_expected": {
                 name: round((a + FAMILY_PRIOR) / (e + FAMILY_PRIOR), 3)
                 for name, (a, e) in sorted(self._family.items())
@@ -387,10 +398,3 @@ def head_kind(kind: str) -> int:
     if family(kind) != HEAD:
         return 0
     return STALE if kind == head_bucket(None) else FRESH
-
-
-def _better(plan: Plan, best: Plan) -> bool:
-    """`plan` beats `best`: it speculates and `best` does not, or both do and it is faster."""
-    if plan.speculate != best.speculate:
-        return plan.speculate
-    return plan.speculate and plan.rate > best.rate

@@ -36,7 +36,8 @@ Draft = NgramMatch | tuple[list[int], list[int]] | None
 
 # A worker drafter that may idle (`Algorithm.idles`: EAGLE heads) stops its upkeep of plain
 # steps once the planner has given it no tree for HEAD_IDLE_AFTER tokens in a row (where its
-# rounds stopped paying: the captured states and its KV cost a plain step 1-3%), and takes it up
+# rounds stopped paying: the captured states and its KV cost a plain step 1-3%), or once its
+# rounds have not paid for that upkeep (the planner's `head_ledger`), and takes it up
 # again after HEAD_WAKE_AFTER tokens idle, drafting from the step after that (its top-k needs a
 # step's states first); a planner that gives it trees again keeps it awake. Tokens, not steps:
 # a step of B requests counts B, as the upkeep it costs grows with B (a step of 16 pays ~16
@@ -116,8 +117,9 @@ class SpecRound:
             size > 1 and family(req.spec.kind) == HEAD for req, size in zip(running, sizes)
         )
         self._head_tokens = 0 if head_tree else self._head_tokens + len(running)
-        if self._head_tokens >= HEAD_IDLE_AFTER:
+        if self._head_tokens >= HEAD_IDLE_AFTER or self.planner.head_ledger.losing:
             self.head_idle, self._head_tokens = True, 0
+            self.planner.head_ledger.reset()
         return sizes
 
     def _plan_step(self, running: list[Req]) -> list[int] | None:
@@ -310,7 +312,7 @@ class SpecRound:
     def record_step(self, mode: ForwardMode, batch: int, seconds: float) -> None:
         """A decode or verify step's measured time (the planner compares it to its model)."""
         if self.planner is not None and mode != ForwardMode.EXTEND:
-            self.planner.record_step(mode, batch, seconds)
+            self.planner.record_step(mode, batch, seconds, self._may_idle and not self.head_idle)
 
     def observe(self, req: Req, result: WorkerResult, i: int, verified: int) -> None:
         """Learn acceptance by rank from request `req`'s (row `i`) verified round of
