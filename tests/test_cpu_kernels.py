@@ -114,6 +114,42 @@ def check_silu_mul(dtype: torch.dtype, kernels) -> None:
     assert torch.allclose(got.float(), expected.float(), rtol=tol, atol=tol)
 
 
+def check_argmax_rows(build) -> None:
+    """Each row's argmax against NumPy's (the first of equal largest values, the first NaN):
+    widths around the vector lanes and a vocabulary's, ties, NaNs, infinities, signed zeros,
+    strided rows."""
+    rng = np.random.default_rng(5)
+    for width in (1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 100, 49152):
+        x = rng.standard_normal((9, width)).astype(np.float32)
+        x[1] = np.round(x[1])  # ties
+        x[2, rng.integers(0, width)] = np.nan
+        x[3] = -np.inf
+        x[4] = 0.0
+        x[4, width // 2] = -0.0
+        x[5, width - 1] = np.inf
+        x[6, -1:] = np.nan  # in the scalar tail
+        if width > 3:
+            x[7, [1, 3]] = np.nan
+            x[7, 0] = np.inf
+        x[8] = x[8].max() + 1.0
+        got = build.argmax_rows(torch.from_numpy(x))
+        assert got.dtype == torch.int64
+        assert got.tolist() == np.argmax(x, axis=1).tolist(), width
+    wide = torch.from_numpy(rng.standard_normal((6, 80)).astype(np.float32))
+    assert (
+        build.argmax_rows(wide[::2, 3:70]).tolist()
+        == np.argmax(wide.numpy()[::2, 3:70], 1).tolist()
+    )
+    with pytest.raises(RuntimeError, match="float32 CPU logits"):
+        build.argmax_rows(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="each row contiguous"):
+        build.argmax_rows(torch.zeros(8, 2).t())
+
+
+def test_argmax_rows_matches_numpy():
+    check_argmax_rows(kernels)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_matches_the_torch_backend(dtype):
     """A batch of decode queries over scattered slots with different lengths."""
@@ -495,6 +531,7 @@ def test_narrower_builds_hold_to_the_same_references(isa):
     for dtype in DTYPES:
         check_prefill_rows(dtype, 64, build)
         check_silu_mul(dtype, build)
+    check_argmax_rows(build)
 
 
 class CountingLayer:

@@ -14,7 +14,12 @@ from spectral.constrained import apply_bitmask
 from spectral.core.worker_io import RequestSampling, WorkerResult
 from spectral.speculative.tree import DraftTrees
 from spectral.speculative.verify import VerifyResult, verify_greedy, verify_sampling
-from spectral.worker.sampler import apply_penalties, filtered_probs, request_step_seed
+from spectral.worker.sampler import (
+    apply_penalties,
+    argmax_rows,
+    filtered_probs,
+    request_step_seed,
+)
 
 
 def verify_trees(
@@ -36,8 +41,11 @@ def verify_trees(
     greedy_rows = [b for b, s in enumerate(sampling) if s.params.is_greedy]
     sampled_rows = [b for b, s in enumerate(sampling) if not s.params.is_greedy]
     adjusted: list[torch.Tensor] = []
+    starts: list[int] = []
+    untouched = True  # every block the raw logits' rows
     offset = 0
     for b, size in enumerate(sizes):
+        starts.append(offset)
         raw = logits[offset : offset + size]
         block = raw
         node_sampling = _node_sampling(trees, b, size, sampling[b])
@@ -48,11 +56,16 @@ def verify_trees(
             block = block.clone() if block is raw else block
             block = apply_bitmask(block, masks[b], kernels)
         adjusted.append(block)
+        untouched = untouched and block is raw
         offset += size
     # the target's choice after each node: greedy verification's, and what a round that
     # reports node choices reports for every request
     chosen_rows = range(B) if report_node_choices else greedy_rows
-    choices = {b: adjusted[b].argmax(dim=-1) for b in chosen_rows}
+    if untouched:  # one call over every node
+        everyone = argmax_rows(logits[:offset], kernels)
+        choices = {b: everyone[starts[b] : starts[b] + sizes[b]] for b in chosen_rows}
+    else:
+        choices = {b: argmax_rows(adjusted[b], kernels) for b in chosen_rows}
     if greedy_rows:
         ids = torch.full((len(greedy_rows), n), -1, dtype=torch.int64, device=logits.device)
         for i, b in enumerate(greedy_rows):

@@ -31,6 +31,7 @@ from spectral.speculative.verify import (
 from spectral.worker.grammar_follower import GrammarFollower
 from spectral.worker.model_worker import ModelWorker
 from spectral.worker.round_graphs import RoundGraphs
+from spectral.worker.sampler import argmax_rows
 from spectral.worker.spec_verify import round_result, verify_trees
 
 
@@ -271,7 +272,7 @@ class SpeculativeWorker:
         batch.capture_layers = self.drafter.capture_layers
         outputs = target.forward_batch(batch)
         choices = torch.full((B * n,), -1, dtype=torch.int64, device=scores.device)
-        choices[places] = outputs[2].argmax(dim=-1)
+        choices[places] = argmax_rows(outputs[2], target.model.kernels)
         host = graphs.accept(choices.view(B, n)) if graphs else None
         if host is None:
             host = packed_round(trees, choices.view(B, n), scores).tolist()

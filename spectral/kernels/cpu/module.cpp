@@ -14,12 +14,14 @@
 #include "quant_int8.cpp"
 #include "int8_peak.cpp"
 #include "fused_ops.cpp"
+#include "argmax.cpp"
 #if !defined(SPECTRAL_TEST_BUILD)  // a test build of the kernels, without the fused layer
 #include "decoder_layer.cpp"
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);
+  register_argmax(m);
 #if !defined(SPECTRAL_TEST_BUILD)
   register_decoder_layer(m);
 #endif
