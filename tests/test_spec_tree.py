@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from spectral.speculative.tree import (
     DraftTrees,
+    _assemble,
     merge_tree_nodes,
     select_eagle_trees,
     tree_positions,
@@ -197,6 +198,31 @@ def test_trees_from_parents_lays_out_and_pads_each_tree() -> None:
         next_sibling=[-1] * 6,
         num_nodes=1,
     )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+    extra=st.integers(0, 3),
+    data=st.data(),
+)
+def test_trees_from_parents_equals_the_tensor_assembly(shapes, extra, data) -> None:
+    """The host walk gives every field `_assemble`'s tensor operations derive from the same
+    parents (random trees, padded)."""
+    n = max(shapes) + 1 + extra
+    toks = [data.draw(st.lists(st.integers(0, 50), min_size=k, max_size=k)) for k in shapes]
+    pars = [[data.draw(st.integers(0, i)) for i in range(k)] for k in shapes]
+    roots = list(range(7, 7 + len(shapes)))
+    got = trees_from_parents(roots, toks, pars, n)
+    tokens = torch.zeros((len(shapes), n), dtype=torch.int64)
+    parents = torch.full((len(shapes), n), -1, dtype=torch.int64)
+    for b, (root, tk, pr) in enumerate(zip(roots, toks, pars)):
+        tokens[b, : len(tk) + 1] = torch.tensor([root, *tk])
+        parents[b, 1 : len(pr) + 1] = torch.tensor(pr, dtype=torch.int64)
+    want = _assemble(tokens, parents, [k + 1 for k in shapes])
+    for name in ("tokens", "parents", "depths", "mask", "next_token", "next_sibling", "ranks"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.num_nodes == want.num_nodes
 
 
 @pytest.mark.parametrize(

@@ -70,7 +70,7 @@ def verify_trees(
         ids = torch.full((len(greedy_rows), n), -1, dtype=torch.int64, device=logits.device)
         for i, b in enumerate(greedy_rows):
             ids[i, : sizes[b]] = choices[b]
-        part = verify_greedy(_select(trees, greedy_rows), ids)
+        part = verify_greedy(trees if len(greedy_rows) == B else _select(trees, greedy_rows), ids)
         for i, b in enumerate(greedy_rows):
             accepted[b], emitted[b] = part.accepted[i], part.emitted[i]
     if sampled_rows:
