@@ -3,11 +3,15 @@ running its root-to-node path alone would give."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spectral.core.forward import ForwardMode
+from spectral.attention.torch_backend import query_row_slots
+from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.worker_io import WorkerBatch
 from spectral.worker.model_worker import ModelWorker
 from tests.conftest import make_worker
@@ -117,3 +121,43 @@ def test_two_trees_in_one_batch_match_separate_runs(worker):
     assert logits.shape[0] == len(expected)
     for got, want in zip(logits, expected):
         assert (got - want).abs().max().item() < 1e-4
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(0, 9), st.integers(1, 6), st.integers(0, 2**16)),
+        min_size=1,
+        max_size=4,
+    ),
+    causal=st.booleans(),
+)
+def test_query_row_slots_match_a_row_by_row_reference(requests, causal):
+    """Each new token's row (the batch built at once) against its row written out alone: the
+    request's prefix slots, then the slots of the new tokens its mask shows, in order."""
+    table = torch.arange(1000, 1000 + 6 * 20, dtype=torch.int64).view(6, 20)
+    rows = list(range(len(requests)))[::-1]
+    masks, expected = [], []
+    for row, (prefix, n, seed) in zip(rows, requests):
+        rng = random.Random(seed)
+        parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+        for i in range(n):
+            seen = list(range(i + 1)) if causal else sorted(ancestors(parents, i))
+            masks.extend(j in seen for j in range(n))
+            expected.append(
+                table[row, :prefix].tolist() + [int(table[row, prefix + j]) for j in seen]
+            )
+    batch = ForwardBatch(
+        mode=ForwardMode.TARGET_VERIFY,
+        input_ids=torch.zeros(len(expected), dtype=torch.int64),
+        positions=torch.zeros(len(expected), dtype=torch.int64),
+        out_cache_loc=torch.zeros(len(expected), dtype=torch.int64),
+        req_pool_indices=torch.tensor(rows),
+        prefix_lens=[p for p, _, _ in requests],
+        extend_lens=[n for _, n, _ in requests],
+        custom_mask=None if causal else torch.tensor(masks),
+    )
+    kv_indices, lens = query_row_slots(batch, table)
+    assert lens.tolist() == [len(e) for e in expected]
+    width = max(p + n for p, n, _ in requests)
+    assert kv_indices.tolist() == [e + [0] * (width - len(e)) for e in expected]

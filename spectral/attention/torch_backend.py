@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -44,27 +45,32 @@ def query_row_slots(batch: ForwardBatch, table: torch.Tensor) -> tuple[torch.Ten
     """Every new token as a query row over the KV slots it attends to: its request's prefix,
     then the new tokens its mask lets it see (causal without a custom mask; in a tree, its
     ancestors and itself), packed to the front of its row. Returns (kv_indices [T, L] int64,
-    lens [T]); entries past a row's length are slot 0."""
-    num_tokens = sum(batch.extend_lens)
+    lens [T]); entries past a row's length are slot 0. For the decode kernel, whose table is
+    on the CPU: built in NumPy, a few operations a request (torch's cost a call is most of
+    the work of a tree's few rows)."""
+    slots_of = table.numpy()
+    mask = None if batch.custom_mask is None else batch.custom_mask.numpy()
     width = max(p + n for p, n in zip(batch.prefix_lens, batch.extend_lens))
-    kv_indices = torch.zeros((num_tokens, width), dtype=torch.int64, device=table.device)
-    lens = torch.empty(num_tokens, dtype=torch.int64, device=table.device)
+    kv_indices = np.zeros((sum(batch.extend_lens), width), dtype=np.int64)
+    lens = np.empty(len(kv_indices), dtype=np.int64)
     start = mask_offset = 0
-    rows = batch.req_pool_indices.tolist()
-    for row, prefix, n in zip(rows, batch.prefix_lens, batch.extend_lens):
-        if batch.custom_mask is not None:
-            visible = batch.custom_mask[mask_offset : mask_offset + n * n].view(n, n)
+    for row, prefix, n in zip(batch.host_rows(), batch.prefix_lens, batch.extend_lens):
+        if mask is not None:
+            visible = mask[mask_offset : mask_offset + n * n].reshape(n, n)
             mask_offset += n * n
         else:
-            visible = torch.ones((n, n), dtype=torch.bool, device=table.device).tril()
-        slots = table[row, : prefix + n]
+            visible = np.tri(n, dtype=bool)
+        slots = slots_of[row, : prefix + n]
         block = kv_indices[start : start + n]
         block[:, :prefix] = slots[:prefix]
-        visible_first = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
-        block[:, prefix : prefix + n] = slots[prefix:][visible_first]
-        lens[start : start + n] = prefix + visible.sum(dim=1)
+        count = visible.sum(axis=1)
+        first = np.argsort(~visible, axis=1, kind="stable")  # the visible ones, in order
+        block[:, prefix : prefix + n] = np.where(
+            np.arange(n) < count[:, None], slots[prefix:][first], 0
+        )
+        lens[start : start + n] = prefix + count
         start += n
-    return kv_indices, lens
+    return torch.from_numpy(kv_indices), torch.from_numpy(lens)
 
 
 class TorchAttentionBackend(AttentionBackend):
