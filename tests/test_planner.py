@@ -36,7 +36,13 @@ from spectral.speculative.sources.acceptance import (
     head_bucket,
     ngram_bucket,
 )
-from spectral.speculative.sources.plan_record import HEAD_VALUE_DECAY, HEAD_VALUE_ROUNDS, HeadLedger
+from spectral.speculative.sources.plan_record import (
+    HEAD_VALUE_DECAY,
+    HEAD_VALUE_ROUNDS,
+    PLAN_BACKOFF_AFTER,
+    PLAN_BACKOFF_MOST,
+    HeadLedger,
+)
 from spectral.speculative.sources.planner import (
     EXHAUSTIVE_CHOICES,
     MIN_GAIN,
@@ -675,6 +681,8 @@ def test_no_lookup_is_made_where_no_match_it_could_find_would_be_verified(
     grows)."""
     monkeypatch.setattr(planner_module, "PROBE_EVERY", 1 << 30)  # the same plans in both
     rounds = [ngram_round(random.Random(7)) for _ in range(2)]
+    for spec_round in rounds:
+        spec_round.backoff = None  # every step planned
     lookups = [0, 0]
     for i, spec_round in enumerate(rounds):
         match = spec_round.ngram.match
@@ -878,3 +886,49 @@ def test_the_head_ledger_weighs_rounds_against_plain_steps_and_upkeep() -> None:
     for _ in range(HEAD_VALUE_ROUNDS - 1):
         ledger.round(emitted=4, batch=2, plain_step_ms=10.0, ms=25.0)  # 2 steps' tokens in 2.5
     assert ledger.rounds == HEAD_VALUE_ROUNDS and ledger.losing
+
+
+def test_plans_come_further_apart_after_many_declined_until_a_request_joins() -> None:
+    """Under a cost model where every round loses, the first PLAN_BACKOFF_AFTER steps are
+    planned, then plans come further and further apart, at most PLAN_BACKOFF_MOST plain steps;
+    a request joining is planned for at once, and a batch with a request under a grammar every
+    step. No round runs."""
+    losing = CostModel(
+        verify=[(1, 10.0), (2, 20.0), (64, 640.0)], decode_one=10.0, draft=[(1, 0.5, 1.5)]
+    )
+    spec_round = ngram_round(random.Random(3))
+    spec_round.planner = TreePlanner(losing)
+    planned: list[int] = []
+    make = spec_round._plan_sizes
+    step = 0
+
+    def counted(running, make=make):
+        planned.append(step)
+        return make(running)
+
+    spec_round._plan_sizes = counted
+    rng = random.Random(4)
+    reqs = [Req("a", [rng.randrange(VOCAB) for _ in range(30)], SamplingParams())]
+
+    def run(steps: int) -> None:
+        nonlocal step
+        for _ in range(steps):
+            assert spec_round.plan(reqs) is None
+            for req in reqs:
+                req.output_ids.append(rng.randrange(VOCAB))
+            step += 1
+
+    run(700)
+    gaps = [b - a for a, b in zip(planned, planned[1:])]
+    assert planned[:PLAN_BACKOFF_AFTER] == list(range(PLAN_BACKOFF_AFTER))
+    assert gaps == sorted(gaps) and max(gaps) == PLAN_BACKOFF_MOST + 1 == gaps[-1]
+    reqs.append(Req("b", [rng.randrange(VOCAB) for _ in range(30)], SamplingParams()))
+    joined = step
+    run(PLAN_BACKOFF_AFTER)
+    assert planned[-PLAN_BACKOFF_AFTER:] == list(range(joined, step))
+    run(2 * PLAN_BACKOFF_MOST)
+    assert planned[-1] - planned[-2] > 1  # backing off again
+    reqs[0].grammar = object()  # declined before its forced text is asked for
+    under_grammar = step
+    run(10)
+    assert planned[-10:] == list(range(under_grammar, step))

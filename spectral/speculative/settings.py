@@ -64,7 +64,7 @@ class SpecSettings:
         """The algorithm's registry entry (looked up once: the scheduler reads it every step)."""
         return registry.get(self.algorithm)
 
-    @property
+    @functools.cached_property
     def has_drafter(self) -> bool:
         """A drafter runs in the worker (an EAGLE head, a draft model, Medusa heads, ...)."""
         return not self.entry.model_free

@@ -5,6 +5,7 @@ round costs"."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 HEAD, NGRAM, REST = "head", "ngram", "rest"
@@ -44,6 +45,7 @@ def ngram_reach_bucket(shortest: int, longest: int) -> str:
     return f"{NGRAM}:{shortest}-{longest}"
 
 
+@functools.lru_cache(maxsize=1024)
 def reach_range(kind: str) -> tuple[int, int] | None:
     """(shortest, longest) of an `ngram_reach_bucket`, None for any other kind."""
     family_name, _, rest = kind.partition(":")
@@ -58,6 +60,7 @@ def rest_bucket(match_len: int) -> str:
     return f"{REST}:{min(match_len, REST_LONGEST_BUCKET)}"
 
 
+@functools.lru_cache(maxsize=1024)
 def family(kind: str) -> str:
     """HEAD or NGRAM, for a bucket name (or a family name)."""
     return kind.split(":", 1)[0]

@@ -131,3 +131,41 @@ class HeadLedger:
 
     def reset(self) -> None:
         self.value, self.rounds = 0.0, 0
+
+
+# After this many plans in a row declined no round, the next plans come a plain step apart, and
+# one more step apart after each further PLAN_BACKOFF_AFTER declined, up to PLAN_BACKOFF_MOST
+# steps: where no source has paid for a while (chat at batch 4 and 16, where the planner
+# declined ~95% of steps) its lookups and planning, 1.5-2.5% of a plain step, cost a few
+# tenths of that, and a source that starts to pay is planned again within that many steps.
+PLAN_BACKOFF_AFTER = 16
+PLAN_BACKOFF_MOST = 8
+
+
+@dataclass
+class PlanBackoff:
+    """Which steps a SpecRound plans: every one, until PLAN_BACKOFF_AFTER plans in a row have
+    declined; then one in a few (see above), until a plan runs a round or a request joins."""
+
+    declined: int = 0  # plans in a row without a round
+    skip: int = 0  # plain steps left before the next plan
+    batch: frozenset = frozenset()  # the running requests' ids at the last step
+
+    def plans(self, rids: list[str]) -> bool:
+        """Whether this step is planned (else it is a plain step, counted)."""
+        running = frozenset(rids)
+        if not running <= self.batch:  # a request joined: its lookups may pay at once
+            self.declined = self.skip = 0
+        self.batch = running
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def planned(self, speculate: bool) -> None:
+        """The step's plan ran a round or declined one."""
+        if speculate:
+            self.declined = self.skip = 0
+        else:
+            self.declined += 1
+            self.skip = min(PLAN_BACKOFF_MOST, self.declined // PLAN_BACKOFF_AFTER)

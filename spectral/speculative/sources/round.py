@@ -24,6 +24,7 @@ from spectral.speculative.sources.acceptance import (
 from spectral.speculative.sources.datastore import Datastore
 from spectral.speculative.sources.lookahead import LookaheadDrafter, LookaheadState
 from spectral.speculative.sources.ngram import NgramDrafter, NgramMatch, NgramState
+from spectral.speculative.sources.plan_record import PlanBackoff
 from spectral.speculative.sources.planner import Plan, PlanInput, TreePlanner
 from spectral.speculative.tree import merge_tree_nodes
 
@@ -89,6 +90,8 @@ class SpecRound:
         self.head_idle = False
         self._head_tokens = 0  # decoded since its last tree, or, idle, since it went idle
         self._may_idle = spec.has_drafter and spec.entry.idles and self.planner is not None
+        # plans a step apart or more after many declined in a row (a planner's only)
+        self.backoff = PlanBackoff() if self.planner is not None else None
 
     def flush(self) -> None:
         """Forget past requests (the server's cache flushed): the n-gram index's corpus. What
@@ -123,6 +126,23 @@ class SpecRound:
         return sizes
 
     def _plan_step(self, running: list[Req]) -> list[int] | None:
+        """`_plan_sizes`, on the steps the backoff plans (every step where a request is under
+        a grammar: the text it forces drafts for nothing)."""
+        backoff = self.backoff
+        if (
+            backoff is not None
+            and not any(req.grammar is not None for req in running)
+            and not backoff.plans([req.rid for req in running])
+        ):
+            for req in running:
+                req.spec.draft_tokens = req.spec.draft_parents = None
+            return None
+        sizes = self._plan_sizes(running)
+        if backoff is not None:
+            backoff.planned(sizes is not None)
+        return sizes
+
+    def _plan_sizes(self, running: list[Req]) -> list[int] | None:
         """Each request's tree size (its root included), its n-gram and forced nodes set on
         `req.spec.draft_tokens`/`draft_parents`; None where a plain decode step is expected to do
         better (NGRAM alone: where it has nothing for anyone). A tree ends before its
