@@ -24,7 +24,7 @@ from spectral.speculative.sources.acceptance import (
 from spectral.speculative.sources.datastore import Datastore
 from spectral.speculative.sources.lookahead import LookaheadDrafter, LookaheadState
 from spectral.speculative.sources.ngram import NgramDrafter, NgramMatch, NgramState
-from spectral.speculative.sources.plan_record import PlanBackoff
+from spectral.speculative.sources.plan_record import HEAD_VALUE_ROUNDS, PlanBackoff
 from spectral.speculative.sources.planner import Plan, PlanInput, TreePlanner
 from spectral.speculative.tree import merge_tree_nodes
 
@@ -45,6 +45,12 @@ Draft = NgramMatch | tuple[list[int], list[int]] | None
 # times the KV a step of one does), so a large batch stops paying for an unused head as soon.
 HEAD_IDLE_AFTER = 256
 HEAD_WAKE_AFTER = 1024
+# A head that goes to sleep again without having paid for itself while awake (its ledger's last
+# HEAD_VALUE_ROUNDS rounds or more positive) sleeps twice as long as the time before, up to
+# HEAD_WAKE_MOST tokens: where it never pays (chat at batch 16, the head alone on code) each
+# wake costs its upkeep and the rounds its ledger judges it on, a few tenths of a percent of
+# the time it sleeps; one that pays starts again from HEAD_WAKE_AFTER.
+HEAD_WAKE_MOST = 8192
 
 
 class SpecRound:
@@ -89,6 +95,7 @@ class SpecRound:
         # steps ask it for no upkeep (`WorkerBatch.drafter_idle`).
         self.head_idle = False
         self._head_tokens = 0  # decoded since its last tree, or, idle, since it went idle
+        self._unpaid_sleeps = 0  # sleeps in a row it went to without having paid
         self._may_idle = spec.has_drafter and spec.entry.idles and self.planner is not None
         # plans a step apart or more after many declined in a row (a planner's only)
         self.backoff = PlanBackoff() if self.planner is not None else None
@@ -107,7 +114,8 @@ class SpecRound:
             return self._plan_step(running)
         if self.head_idle:
             self._head_tokens += len(running)
-            waking = self._head_tokens >= HEAD_WAKE_AFTER
+            sleep = HEAD_WAKE_AFTER << min(max(self._unpaid_sleeps - 1, 0), 16)
+            waking = self._head_tokens >= min(sleep, max(HEAD_WAKE_MOST, HEAD_WAKE_AFTER))
             if waking:
                 self.head_idle, self._head_tokens = False, 0
             if waking or (self.ngram is None and self.lookahead is None):  # no tree to plan
@@ -120,9 +128,12 @@ class SpecRound:
             size > 1 and family(req.spec.kind) == HEAD for req, size in zip(running, sizes)
         )
         self._head_tokens = 0 if head_tree else self._head_tokens + len(running)
-        if self._head_tokens >= HEAD_IDLE_AFTER or self.planner.head_ledger.losing:
+        ledger = self.planner.head_ledger
+        if self._head_tokens >= HEAD_IDLE_AFTER or ledger.losing:
             self.head_idle, self._head_tokens = True, 0
-            self.planner.head_ledger.reset()
+            paid = ledger.rounds >= HEAD_VALUE_ROUNDS and ledger.value > 0
+            self._unpaid_sleeps = 0 if paid else self._unpaid_sleeps + 1
+            ledger.reset()
         return sizes
 
     def _plan_step(self, running: list[Req]) -> list[int] | None:
