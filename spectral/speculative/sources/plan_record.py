@@ -135,9 +135,9 @@ class HeadLedger:
 
 # After this many plans in a row declined no round, the next plans come a plain step apart, and
 # one more step apart after each further PLAN_BACKOFF_AFTER declined, up to PLAN_BACKOFF_MOST
-# steps: where no source has paid for a while (chat at batch 4 and 16, where the planner
-# declined ~95% of steps) its lookups and planning, 1.5-2.5% of a plain step, cost a few
-# tenths of that, and a source that starts to pay is planned again within that many steps.
+# steps: where no source has paid for a while (chat at batches 4 and 16) the lookups and
+# planning, 1.5-2.5% of a plain step, cost a few tenths of that, and a source that starts to
+# pay is planned again within that many steps.
 PLAN_BACKOFF_AFTER = 16
 PLAN_BACKOFF_MOST = 8
 
