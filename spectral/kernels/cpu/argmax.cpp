@@ -7,37 +7,23 @@
 // torch.argmax's: the first of equal largest values, the first NaN where a row has one.
 
 // The row's largest value, or NaN where it has a NaN (comparisons with NaN are false, so the
-// vector maxima skip them; their count says whether there were any).
+// vector maxima skip them; their lanes are noted apart).
 inline float row_max(const float* x, int64_t n, bool* nan) {
   int64_t i = 0;
   float best = x[0];
   bool unordered = false;
-#if SPECTRAL_VEC == 512
-  if (n >= 16) {
-    __m512 m = _mm512_loadu_ps(x);
-    __mmask16 u = _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
-    for (i = 16; i + 16 <= n; i += 16) {
-      __m512 v = _mm512_loadu_ps(x + i);
-      u |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      m = _mm512_max_ps(m, v);
+#if defined(SPECTRAL_VEC)
+  using spectral_cpu::Vec;
+  if (n >= Vec::kWidth) {
+    Vec::R m = Vec::load(x);
+    unsigned u = Vec::nan_lanes(m);
+    for (i = Vec::kWidth; i + Vec::kWidth <= n; i += Vec::kWidth) {
+      Vec::R v = Vec::load(x + i);
+      u |= Vec::nan_lanes(v);
+      m = Vec::max(m, v);
     }
     unordered = u != 0;
-    best = _mm512_reduce_max_ps(m);
-  }
-#elif SPECTRAL_VEC == 256
-  if (n >= 8) {
-    __m256 m = _mm256_loadu_ps(x);
-    __m256 u = _mm256_cmp_ps(m, m, _CMP_UNORD_Q);
-    for (i = 8; i + 8 <= n; i += 8) {
-      __m256 v = _mm256_loadu_ps(x + i);
-      u = _mm256_or_ps(u, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-      m = _mm256_max_ps(m, v);
-    }
-    unordered = _mm256_movemask_ps(u) != 0;
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    best = _mm_cvtss_f32(h);
+    best = Vec::reduce_max(m);
   }
 #endif
   for (; i < n; ++i) {
@@ -51,16 +37,11 @@ inline float row_max(const float* x, int64_t n, bool* nan) {
 // The first index in [0, n) whose value equals `value` (not NaN), n where none does.
 inline int64_t first_equal(const float* x, int64_t n, float value) {
   int64_t i = 0;
-#if SPECTRAL_VEC == 512
-  const __m512 want = _mm512_set1_ps(value);
-  for (; i + 16 <= n; i += 16) {
-    __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), want, _CMP_EQ_OQ);
-    if (hit) return i + __builtin_ctz(hit);
-  }
-#elif SPECTRAL_VEC == 256
-  const __m256 want = _mm256_set1_ps(value);
-  for (; i + 8 <= n; i += 8) {
-    int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), want, _CMP_EQ_OQ));
+#if defined(SPECTRAL_VEC)
+  using spectral_cpu::Vec;
+  const Vec::R want = Vec::set1(value);
+  for (; i + Vec::kWidth <= n; i += Vec::kWidth) {
+    unsigned hit = Vec::equal_lanes(Vec::load(x + i), want);
     if (hit) return i + __builtin_ctz(hit);
   }
 #endif

@@ -53,6 +53,11 @@ struct Vec {
   static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
   static R div(R a, R b) { return _mm512_div_ps(a, b); }
   static float reduce(R v) { return _mm512_reduce_add_ps(v); }
+  static R max(R a, R b) { return _mm512_max_ps(a, b); }
+  static float reduce_max(R v) { return _mm512_reduce_max_ps(v); }
+  // one bit a lane, lowest lane first: NaN lanes; lanes where a equals b (neither NaN)
+  static unsigned nan_lanes(R v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+  static unsigned equal_lanes(R a, R b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
 };
 #elif SPECTRAL_VEC == 256
 struct Vec {
@@ -75,11 +80,22 @@ struct Vec {
   static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
   static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
   static R div(R a, R b) { return _mm256_div_ps(a, b); }
-  static float reduce(R v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  // the lanes combined pairwise by `op` (on halves, then quarters, then the last two)
+  template <typename Op>
+  static float fold(R v, Op op) {
+    __m128 s = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = op(s, _mm_movehl_ps(s, s));
+    s = op(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+  }
+  static float reduce(R v) { return fold(v, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); }); }
+  static R max(R a, R b) { return _mm256_max_ps(a, b); }
+  static float reduce_max(R v) {
+    return fold(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
+  }
+  static unsigned nan_lanes(R v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)); }
+  static unsigned equal_lanes(R a, R b) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ));
   }
 };
 #endif

@@ -114,8 +114,8 @@ class SpecRound:
             return self._plan_step(running)
         if self.head_idle:
             self._head_tokens += len(running)
-            sleep = HEAD_WAKE_AFTER << min(max(self._unpaid_sleeps - 1, 0), 16)
-            waking = self._head_tokens >= min(sleep, max(HEAD_WAKE_MOST, HEAD_WAKE_AFTER))
+            sleep = HEAD_WAKE_AFTER << max(self._unpaid_sleeps - 1, 0)
+            waking = self._head_tokens >= min(sleep, HEAD_WAKE_MOST)
             if waking:
                 self.head_idle, self._head_tokens = False, 0
             if waking or (self.ngram is None and self.lookahead is None):  # no tree to plan
@@ -132,7 +132,8 @@ class SpecRound:
         if self._head_tokens >= HEAD_IDLE_AFTER or ledger.losing:
             self.head_idle, self._head_tokens = True, 0
             paid = ledger.rounds >= HEAD_VALUE_ROUNDS and ledger.value > 0
-            self._unpaid_sleeps = 0 if paid else self._unpaid_sleeps + 1
+            # capped: a long-running server must not shift by an ever larger count
+            self._unpaid_sleeps = 0 if paid else min(self._unpaid_sleeps + 1, 16)
             ledger.reset()
         return sizes
 
