@@ -1,4 +1,4 @@
-"""The KV slot allocator against a naive model of ownership."""
+"""The KV slot allocator against a naive model of ownership: the lowest free slots first."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spectral.mem import allocator
 from spectral.mem.allocator import OutOfSlotsError, TokenSlotAllocator
 
 NUM_SLOTS = 64
@@ -14,6 +15,7 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("alloc"), st.integers(0, 20)),
         st.tuples(st.just("free"), st.integers(0, 10)),
+        st.tuples(st.just("free_many"), st.integers(0, 10)),
         st.tuples(st.just("snapshot_restore"), st.integers(0, 20)),
     ),
     max_size=60,
@@ -23,6 +25,12 @@ ops = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(ops)
 def test_any_alloc_free_sequence_keeps_ownership_exact(sequence):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(allocator, "HEAPIFY_AT", 8)  # both ways of taking slots back
+        check_sequence(sequence)
+
+
+def check_sequence(sequence):
     alloc = TokenSlotAllocator(NUM_SLOTS)
     owned: list[list[int]] = []
     for op, n in sequence:
@@ -32,13 +40,17 @@ def test_any_alloc_free_sequence_keeps_ownership_exact(sequence):
                 with pytest.raises(OutOfSlotsError):
                     alloc.alloc(n)
                 continue
+            free = sorted(set(range(1, NUM_SLOTS + 1)) - held)
             got = alloc.alloc(n)
-            assert len(got) == n
+            assert got == free[:n], "not the lowest free slots, in order"
             assert not held & set(got), "a slot was handed out twice"
             assert all(1 <= s <= NUM_SLOTS for s in got)
             owned.append(got)
         elif op == "free" and owned:
             alloc.free(owned.pop(n % len(owned)))
+        elif op == "free_many" and owned:  # several groups at once, past HEAPIFY_AT
+            groups = [owned.pop(i % len(owned)) for i in range(min(n, len(owned)))]
+            alloc.free([s for group in groups for s in group])
         elif op == "snapshot_restore":
             state = alloc.snapshot()
             if n <= alloc.free_count:

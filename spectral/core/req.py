@@ -90,6 +90,8 @@ class Req(TokenizedRequest):
     kv_slots: list[int] = field(default_factory=list)
     protected_len: int = 0
     last_node: TreeNode | None = None
+    # Slots it holds for its next tokens (KVManager.take), lowest first; in no other place.
+    kv_spare: list[int] = field(default_factory=list)
     # Lowest position whose slot the worker's req-to-token row may not hold yet.
     table_stale_from: int | None = None
     # This round's prefill: tokens [extend_start, extend_start + extend_len) of all_ids.

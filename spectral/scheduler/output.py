@@ -94,7 +94,7 @@ class ResultIntake:
         kept = [slots[node] for node in result.accepted_nodes[i][:appended]]
         req.kv_slots.extend(kept)
         kept_set = set(kept)
-        self.kv.allocator.free([s for s in slots if s not in kept_set])
+        self.kv.give_back(req, [s for s in slots if s not in kept_set])
         req.spec.verify_ct += 1
         req.spec.accepted_tokens += appended - 1
         self.stats.spec_verify_ct += 1

@@ -91,7 +91,7 @@ class DecodeOverlap:
         if not reqs or s.kv.available < len(reqs) or not self._qualifies(reqs, 1):
             return None
         rows = {id(req): i for i, req in enumerate(batch.reqs)}
-        slots = s.kv.alloc_slots(len(reqs))
+        slots = [slot for req in reqs for slot in s.kv.take(req, 1)]
         follow = ScheduleBatch(ForwardMode.DECODE, reqs)
         try:
             self.pipeline.launch(follow.to_follow_batch([rows[id(r)] for r in reqs], slots))

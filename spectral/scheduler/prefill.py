@@ -83,7 +83,7 @@ class PrefillAdder:
         if self.rem_chunk is not None and extend > self.rem_chunk:
             extend = self.rem_chunk
             self.new_chunked = req
-        new_slots = self.kv.alloc_slots(extend)
+        new_slots = self.kv.take(req, extend)
         req.kv_slots.extend(new_slots)
         req.extend_start, req.extend_len = start, extend
         self.rem_total -= extend

@@ -299,7 +299,7 @@ class Scheduler:
         while kv.available < len(self.running) and len(self.running) > 1:
             self._retract_one()
         for req in self.running:
-            req.kv_slots.extend(kv.alloc_slots(1))
+            req.kv_slots.extend(kv.take(req, 1))
         self.decay_new_token_ratio()
         self.stats.decode_steps += 1
         return ScheduleBatch(ForwardMode.DECODE, list(self.running))
@@ -321,7 +321,7 @@ class Scheduler:
                 sizes_of[req.rid] = 1
                 req.spec.draft_tokens, req.spec.draft_parents = [], []
         for req in self.running:
-            req.spec.slots = kv.alloc_slots(sizes_of[req.rid])
+            req.spec.slots = kv.take(req, sizes_of[req.rid])
         self.spec_round.record_plan([sizes_of[r.rid] for r in self.running])
         self.stats.decode_steps += 1
         self.decay_new_token_ratio()
