@@ -1,12 +1,15 @@
-"""Several engines timed on the same prompts, interleaved chunk by chunk (bench/spec.py).
+"""Several engines timed on the same prompts, interleaved step by step (bench/spec.py).
 
 A pass warms every engine up and flushes its cache, then walks the prompts a chunk at a time
-(by default as many prompts as the batch holds: one at a time at batch 1), and each engine
-generates the chunk in turn, the order reversed every other chunk. An engine's time in a pass
-is the sum of its chunks': its cache and n-gram index grow over the pass as in one run over
-every prompt, while engines compared are never more than a chunk apart in time. On these
-machines speed drifts 10-20% over tens of seconds; a whole run of every prompt per engine put
-that drift between a run and the plain one it was compared with.
+(bench/spec.py: all of a pass's prompts in one chunk, each engine's batch refilled from its
+queue as requests finish, as a server's is): every engine is given the chunk, then the
+engines take one scheduler step each in turn, the order rotated by one every round, until each
+has finished it. An engine's time in a pass is the sum of its steps': its cache and n-gram
+index grow over the pass as in one run over every prompt, while engines compared are never
+more than a step of each apart in time. On these machines speed drifts 10-20% over tens of
+seconds; a whole run of every prompt per engine put that drift between a run and the plain
+one it was compared with. (Two plain engines in a pass were still 2-8% apart at batch 16
+until the KV slots were handed out lowest first: spectral/mem/allocator.py.)
 """
 
 from __future__ import annotations
@@ -62,24 +65,38 @@ def spec_counts(engine: Engine) -> tuple[int, int]:
 def interleaved_pass(
     engines: dict[str, Engine], prompts: list, params: dict, chunk: int, reverse: bool = False
 ) -> dict[str, PassTiming]:
-    """Time every engine over `prompts`, `chunk` prompts at a time in turn (see the module);
-    `reverse` starts with the engines' order reversed (alternate it between passes)."""
-    names = list(engines)
+    """Time every engine over `prompts`, `chunk` prompts at a time, a step of each in turn
+    (see the module); `reverse` starts from the engines' order reversed (alternate it between
+    passes)."""
+    names = list(engines)[::-1] if reverse else list(engines)
     for engine in engines.values():
         generate(engine, prompts[:1], {**params, "max_new_tokens": 8})  # warm-up
         engine.flush_cache()
     before = {name: spec_counts(engine) for name, engine in engines.items()}
-    timings = {name: PassTiming() for name in names}
-    for c, start in enumerate(range(0, len(prompts), chunk)):
-        part = prompts[start : start + chunk]
-        order = names[::-1] if (c % 2 == 1) != reverse else names
-        for name in order:
-            began = time.perf_counter()
-            outs = generate(engines[name], part, params)
+    timings = {name: PassTiming() for name in engines}
+    by_ids = bool(prompts) and isinstance(prompts[0], list)  # token ids rather than text
+    for start in range(0, len(prompts), chunk):
+        key = "input_ids" if by_ids else "prompt"
+        part = {
+            n: engines[n].submit(**{key: prompts[start : start + chunk]}, sampling_params=params)
+            for n in names
+        }
+        busy, turn = list(names), 0
+        while busy:
+            for name in busy[turn % len(busy) :] + busy[: turn % len(busy)]:
+                began = time.perf_counter()
+                working = engines[name].step()
+                timings[name].seconds += time.perf_counter() - began
+                if not working:
+                    busy.remove(name)
+            turn += 1
+        for name, reqs in part.items():
             timing = timings[name]
-            timing.seconds += time.perf_counter() - began
-            timing.tokens += sum(len(o["output_ids"]) for o in outs)
-            timing.outputs.extend(o["output_ids"] for o in outs)
+            unfinished = [req.rid for req in reqs if not req.finished]
+            if unfinished:
+                raise RuntimeError(f"{name}: requests {unfinished} stopped unfinished")
+            timing.tokens += sum(len(req.output_ids) for req in reqs)
+            timing.outputs.extend(list(req.output_ids) for req in reqs)
     for name, engine in engines.items():
         rounds, emitted = spec_counts(engine)
         timings[name].rounds = rounds - before[name][0]

@@ -4,14 +4,14 @@ MT-Bench first turns (all 80, or `--quick` for the first 16; `--dataset humaneva
 problems; `--dataset code-edit`: a HumanEval function and an instruction to change it), greedy
 or at `--temperature`, with the model's chat template; for each batch size (requests in flight
 at once) it prints tokens/s without speculation and with each algorithm, in `--passes` passes
-(each over every engine chunk by chunk in turn, bench/interleave.py: engines kept across passes,
-each pass from a flushed cache); each pass is taken against plain decoding's (with the control
-PLAIN, against the faster of the two plain engines) and a speedup is the median over the passes
-(the plain passes' spread is printed). For each algorithm: tokens/s, the average accept length τ
-(tokens per speculative round and request), and how many outputs equal the plain ones (bf16
-multi-token forwards round differently from one-token ones, so a few may differ; float32 output
-is identical, which the tests check). HumanEval prompts give a second τ for the drafter.
-Results also go to bench/out/spec.json.
+(each over every engine a scheduler step of each in turn, bench/interleave.py: engines kept
+across passes, each pass from a flushed cache); each pass is taken against plain decoding's
+(with the control PLAIN, against the faster of the two plain engines) and a speedup is the
+median over the passes (the plain passes' spread is printed). For each algorithm: tokens/s,
+the average accept length τ (tokens per speculative round and request), and how many outputs
+equal the plain ones (bf16 multi-token forwards round differently from one-token ones, so a
+few may differ; float32 output is identical, which the tests check). HumanEval prompts give
+a second τ for the drafter. Results also go to bench/out/spec.json.
 
     python bench/spec.py --quick
     python bench/spec.py --algorithms EAGLE3 --draft default --batches 1
@@ -164,21 +164,22 @@ def main() -> None:
         "--passes",
         type=int,
         default=1,
-        help="passes over plain decoding and every algorithm, interleaved chunk by chunk; "
+        help="passes over plain decoding and every algorithm, interleaved step by step; "
         "each speedup the median over the passes",
     )
     ap.add_argument(
         "--chunk",
         type=int,
         default=0,
-        help="prompts a chunk: every engine generates a chunk in turn (default: the batch size)",
+        help="prompts given to the engines at a time (default: all of a pass's, the batch "
+        "refilled from the queue as requests finish, as a server's is)",
     )
     ap.add_argument(
-        "--min-chunks",
+        "--min-batches",
         type=int,
         default=1,
-        help="at each batch size at least this many chunks of prompts (the dataset's first "
-        "N x batch where --num-prompts gives fewer), so that a pass fills the batch",
+        help="at each batch size at least this many batches' worth of prompts (the dataset's "
+        "first N x batch where --num-prompts gives fewer), so that a pass runs the batch full",
     )
     ap.add_argument("--out", default="spec.json", help="file name under bench/out")
     args = ap.parse_args()
@@ -214,7 +215,7 @@ def main() -> None:
     )
     algorithms = [a for a in args.algorithms.split(",") if a]
     for size in [int(b) for b in args.batches.split(",") if b]:
-        wanted = args.min_chunks * size
+        wanted = args.min_batches * size
         sized = questions if len(questions) >= wanted else DATASETS[args.dataset](wanted)
         rows, prompts = run_size(args, size, algorithms, sized, common, spec_options)
         if size == 1 and args.llama_modes:
@@ -268,7 +269,7 @@ def run_size(
     args, size: int, algorithms: list[str], questions, common: dict, spec_options: dict
 ) -> tuple[list[dict], list[str]]:
     """Every algorithm against plain decoding at batch `size`: `--passes` passes, each over
-    every engine interleaved chunk by chunk (bench/interleave.py), every engine kept across the
+    every engine interleaved step by step (bench/interleave.py), every engine kept across the
     passes and flushed at each pass's start. An algorithm's pass is taken against plain
     decoding's in the same pass, or, with the control PLAIN among the algorithms (a second
     engine without speculation), against the faster of the two; its speedup is the median over
@@ -279,7 +280,7 @@ def run_size(
     engines = {"plain": plain_engine}
     engines.update((a, spec_engine(args, common, spec_options, size, a)) for a in algorithms)
     params = sampling(temp, args.max_new_tokens)
-    chunk = args.chunk or size
+    chunk = args.chunk or len(prompts)
     passes = []
     for p in range(args.passes):
         timings = interleaved_pass(engines, prompts, params, chunk, reverse=p % 2 == 1)

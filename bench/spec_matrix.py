@@ -1,11 +1,12 @@
 """Speculation against plain decoding over the whole matrix: every dataset, batch size and
 algorithm in one run (issue 55: speculation that never loses).
 
-Each part is one `bench/spec.py` run in a process of its own (at each batch size at least two
-batches' worth of prompts, `--min-chunks`: batch 16 runs 32 prompts where `--num-prompts` says
-8, so that the batch is full and a pass lasts seconds; `--passes` passes, 3 by default,
-over two plain engines and every algorithm interleaved chunk by chunk, each engine kept across
-the passes, every pass from a flushed cache; a cell is the median over the passes of its pass
+Each part is one `bench/spec.py` run in a process of its own (at each batch size at least four
+batches' worth of prompts, `--min-batches`: batch 16 runs 64 prompts where `--num-prompts` says
+8, so that the batch runs full, refilled from the queue as requests finish, and the last
+requests' drain is a small part of a pass; `--passes` passes, 3 by default, over two plain
+engines and every algorithm interleaved a scheduler step of each in turn, each engine kept
+across the passes, every pass from a flushed cache; a cell is the median over the passes of its pass
 against the faster of the two plain engines' in the same pass): the default model (float32
 activations, so that outputs compare token for token; its weights on the path `--quantization`
 names, by default auto's: the integer path on a CPU) on MT-Bench, HumanEval and code edits at
@@ -50,7 +51,7 @@ LARGE_ALGORITHMS = ["NGRAM", "LOOKAHEAD", "STANDALONE"]
 def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(output file name, bench/spec.py arguments) of each part of the matrix."""
     sizing = ["--max-new-tokens", str(args.max_new_tokens), "--passes", str(args.passes)]
-    sizing += ["--min-chunks", str(args.min_chunks)]
+    sizing += ["--min-batches", str(args.min_batches)]
     if args.num_prompts:
         sizing += ["--num-prompts", str(args.num_prompts)]
     out = []
@@ -183,11 +184,11 @@ def main() -> None:
         "cell is the median of its passes, each against the faster plain engine's pass",
     )
     ap.add_argument(
-        "--min-chunks",
+        "--min-batches",
         type=int,
-        default=2,
-        help="at each batch size at least this many batches' worth of prompts (batch 16: 32), "
-        "so that a pass runs the batch full and lasts long enough to time (bench/spec.py)",
+        default=4,
+        help="at each batch size at least this many batches' worth of prompts (batch 16: 64), "
+        "so that a pass runs the batch full and its drain is short (bench/spec.py)",
     )
     ap.add_argument(
         "--quantization", default="auto", help="the default model's path (auto, gguf, gguf-int8)"

@@ -68,8 +68,8 @@ class Engine:
     # ---- driving the scheduler -----------------------------------------------------------------
     # Whoever waits for results drives: a caller of generate() runs scheduler steps itself while
     # it holds the driver lock (kernels run fastest on the thread that made their OpenMP team;
-    # docs/internals.md). Other callers' requests advance
-    # in the same steps. async_generate starts a background driver thread.
+    # docs/internals.md). Other callers' requests advance in the same steps. async_generate
+    # starts a background driver thread; `step` is one step for a caller driving it by hand.
 
     def _start_loop(self) -> None:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -192,19 +192,15 @@ class Engine:
         reqs, single = self._make_reqs(
             prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, logprob_start_len
         )
-        done = threading.Event()
-        remaining = [len(reqs)]
-        errors: list[BaseException] = []
-        lock = threading.Lock()
+        done, errors, pending = threading.Event(), [], {req.rid for req in reqs}
 
-        def on_update(req: Req, error: BaseException | None) -> None:
+        def on_update(req: Req, error: BaseException | None) -> None:  # under the driver lock
             if error is not None:
                 errors.append(error)
             if req.finished or error is not None:
-                with lock:
-                    remaining[0] -= 1
-                    if remaining[0] == 0:
-                        done.set()
+                pending.discard(req.rid)
+                if not pending:
+                    done.set()
 
         self._submit(reqs, on_update)
         try:
@@ -215,8 +211,23 @@ class Engine:
             raise
         if errors:
             raise RuntimeError(f"generation failed: {errors[0]}") from errors[0]
-        outputs = [self._output(req) for req in reqs]
+        outputs = [self.output(req) for req in reqs]
         return outputs[0] if single else outputs
+
+    def submit(
+        self, prompt: Prompt = None, sampling_params: dict | None = None, input_ids: InputIds = None
+    ) -> list[Req]:
+        """Queue prompts without waiting: they advance with `step` (or anyone's `generate`);
+        `output(req)` once `req.finished`. For a caller driving engines in turn (benchmarks)."""
+        reqs, _ = self._make_reqs(prompt, input_ids, sampling_params, False, 0)
+        self._submit(reqs, lambda req, error: None)
+        return reqs
+
+    def step(self) -> bool:
+        """One scheduler step on the calling thread; whether work remains."""
+        with self._driver:
+            self._tick()
+            return self.scheduler.has_work or not self._inbox.empty()
 
     async def async_generate(
         self,
@@ -253,7 +264,7 @@ class Engine:
                 if error is not None:
                     raise RuntimeError(f"generation failed: {error}") from error
                 if req.finished or stream:
-                    yield self._output(req)
+                    yield self.output(req)
                 if req.finished:
                     return
         finally:
@@ -314,7 +325,8 @@ class Engine:
         ]
         return reqs, single and len(reqs) == 1
 
-    def _output(self, req: Req) -> dict[str, Any]:
+    def output(self, req: Req) -> dict[str, Any]:
+        """A request's output as `generate` gives it (so far, where it has not finished)."""
         p = req.sampling_params
         text = p.decode(self.tokenizer, req.output_ids)
         if req.stop_text_cut is not None:
@@ -324,12 +336,9 @@ class Engine:
             text = text.rstrip("\ufffd")
         meta: dict[str, Any] = {
             "id": req.rid,
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
+            **req.usage(),
             "finish_reason": req.finished_reason.to_dict() if req.finished_reason else None,
             "e2e_latency": (req.finished_at or time.perf_counter()) - req.created_at,
-            **req.spec.meta(),
         }
         if req.return_logprob:
             meta |= logprob_meta(
@@ -349,8 +358,7 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Empty the radix cache. Only when idle: returns False while requests are in flight."""
-        done = threading.Event()
-        result = [False]
+        done, result = threading.Event(), [False]
 
         def flush() -> None:
             result[0] = self.scheduler.flush_cache()

@@ -166,6 +166,15 @@ class Req(TokenizedRequest):
         start = min(self.logprob_start_len, len(self.input_ids) - 1)
         return list(zip(self.input_logprobs, self.input_ids[start:]))
 
+    def usage(self) -> dict[str, Any]:
+        """Its token counts and speculation figures, as every output reports them."""
+        return {
+            "prompt_tokens": len(self.input_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            **self.spec.meta(),
+        }
+
     def remaining_new_tokens(self, max_output: int) -> int:
         return max(max_output - len(self.output_ids), 0)
 

@@ -124,12 +124,7 @@ class SchedulerProcess:
             logprobs = [
                 [lp, tok, top] for lp, tok, top in zip(req.output_logprobs[start:], new, tops)
             ]
-        meta = {
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            **req.spec.meta(),
-        }
+        meta = req.usage()
         first = start == 0 and (new or req.finished)
         if first and req.return_logprob and req.logprob_start_len >= 0:
             meta["input_token_logprobs"] = req.input_token_logprobs()
