@@ -1,12 +1,12 @@
-"""Several engines timed on the same prompts, interleaved step by step (bench/spec.py).
+"""Several engines timed on the same prompts, in turns of a few steps (bench/spec.py).
 
 A pass warms every engine up and flushes its cache, then walks the prompts a chunk at a time
 (bench/spec.py: all of a pass's prompts in one chunk, each engine's batch refilled from its
 queue as requests finish, as a server's is): every engine is given the chunk, then the
-engines take one scheduler step each in turn, the order rotated by one every round, until each
-has finished it. An engine's time in a pass is the sum of its steps': its cache and n-gram
-index grow over the pass as in one run over every prompt, while engines compared are never
-more than a step of each apart in time. On these machines speed drifts 10-20% over tens of
+engines take turns of scheduler steps (TURN_S each), the order rotated by one every round,
+until each has finished it. An engine's time in a pass is the sum of its steps': its cache and
+n-gram index grow over the pass as in one run over every prompt, while engines compared are
+never more than a turn of each apart in time. On these machines speed drifts 10-20% over tens of
 seconds; a whole run of every prompt per engine put that drift between a run and the plain
 one it was compared with. (Two plain engines in a pass were still 2-8% apart at batch 16
 until the KV slots were handed out lowest first: spectral/mem/allocator.py.)
@@ -18,6 +18,12 @@ import time
 from dataclasses import dataclass, field
 
 from spectral import Engine
+
+# An engine's turn: steps for this long. Long enough that the first step's reads of weights
+# the other engines pushed out of the cache are ~1% of it (these CPUs' L3 holds the default
+# model's 150 MB; engines a step of each in turn read every weight from memory, 25% slower at
+# batch 1), short enough that the machine's drift is the same for every engine.
+TURN_S = 0.5
 
 
 @dataclass
@@ -62,12 +68,32 @@ def spec_counts(engine: Engine) -> tuple[int, int]:
     return stats["spec_verify_ct"], stats["spec_emitted_tokens"]
 
 
+def steps_for(engine: Engine, timing: PassTiming, seconds: float) -> bool:
+    """Scheduler steps of `engine` for about `seconds`, each timed into `timing`; whether it
+    has work left."""
+    spent = 0.0
+    while spent < seconds:
+        began = time.perf_counter()
+        working = engine.step()
+        step = time.perf_counter() - began
+        spent += step
+        timing.seconds += step
+        if not working:
+            return False
+    return True
+
+
 def interleaved_pass(
-    engines: dict[str, Engine], prompts: list, params: dict, chunk: int, reverse: bool = False
+    engines: dict[str, Engine],
+    prompts: list,
+    params: dict,
+    chunk: int,
+    reverse: bool = False,
+    turn_s: float = TURN_S,
 ) -> dict[str, PassTiming]:
-    """Time every engine over `prompts`, `chunk` prompts at a time, a step of each in turn
-    (see the module); `reverse` starts from the engines' order reversed (alternate it between
-    passes)."""
+    """Time every engine over `prompts`, `chunk` prompts at a time, `turn_s` of steps of
+    each in turn (see the module); `reverse` starts from the engines' order reversed
+    (alternate it between passes)."""
     names = list(engines)[::-1] if reverse else list(engines)
     for engine in engines.values():
         generate(engine, prompts[:1], {**params, "max_new_tokens": 8})  # warm-up
@@ -84,10 +110,7 @@ def interleaved_pass(
         busy, turn = list(names), 0
         while busy:
             for name in busy[turn % len(busy) :] + busy[: turn % len(busy)]:
-                began = time.perf_counter()
-                working = engines[name].step()
-                timings[name].seconds += time.perf_counter() - began
-                if not working:
+                if not steps_for(engines[name], timings[name], turn_s):
                     busy.remove(name)
             turn += 1
         for name, reqs in part.items():
