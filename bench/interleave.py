@@ -28,16 +28,28 @@ TURN_S = 0.5
 
 @dataclass
 class PassTiming:
-    """One engine's pass: seconds generating, tokens out, outputs, speculative rounds."""
+    """One engine's pass: seconds generating, tokens out, outputs, speculative rounds; and
+    the part of it with the batch full (`full_*`: until the queue's last prompt was admitted)."""
 
     seconds: float = 0.0
     tokens: int = 0
     outputs: list = field(default_factory=list)
     rounds: int = 0
     emitted: int = 0
+    full_seconds: float = 0.0
+    full_tokens: int = 0
 
     @property
     def tok_s(self) -> float:
+        """Tokens/s with the batch full: the speed at the batch size timed. The last
+        requests' drain, at smaller batches, is left out: where requests finish at staggered
+        times (speculation's do) the last one admitted runs alone for a while, which is the
+        end of a finite queue, not the batch's speed."""
+        return self.full_tokens / self.full_seconds
+
+    @property
+    def whole_tok_s(self) -> float:
+        """Tokens/s over the whole pass, the drain included."""
         return self.tokens / self.seconds
 
     @property
@@ -68,19 +80,34 @@ def spec_counts(engine: Engine) -> tuple[int, int]:
     return stats["spec_verify_ct"], stats["spec_emitted_tokens"]
 
 
-def steps_for(engine: Engine, timing: PassTiming, seconds: float) -> bool:
-    """Scheduler steps of `engine` for about `seconds`, each timed into `timing`; whether it
-    has work left."""
-    spent = 0.0
-    while spent < seconds:
-        began = time.perf_counter()
-        working = engine.step()
-        step = time.perf_counter() - began
-        spent += step
-        timing.seconds += step
-        if not working:
-            return False
-    return True
+@dataclass
+class ChunkRun:
+    """One engine's run of a chunk of prompts: its requests, seconds so far, and whether its
+    queue still holds prompts not admitted (the batch full until the last is)."""
+
+    engine: Engine
+    reqs: list
+    seconds: float = 0.0
+    queued: bool = False  # given more prompts than its batch holds, some not admitted yet
+
+    def steps(self, timing: PassTiming, seconds: float) -> bool:
+        """Scheduler steps for about `seconds`, timed into `timing` (its `full_*` once the
+        last prompt is admitted); whether work is left."""
+        spent = 0.0
+        while spent < seconds:
+            began = time.perf_counter()
+            working = self.engine.step()
+            step = time.perf_counter() - began
+            spent += step
+            self.seconds += step
+            timing.seconds += step
+            if self.queued and not self.engine.scheduler.waiting:
+                self.queued = False
+                timing.full_seconds += self.seconds
+                timing.full_tokens += sum(len(req.output_ids) for req in self.reqs)
+            if not working:
+                return False
+        return True
 
 
 def interleaved_pass(
@@ -103,22 +130,28 @@ def interleaved_pass(
     by_ids = bool(prompts) and isinstance(prompts[0], list)  # token ids rather than text
     for start in range(0, len(prompts), chunk):
         key = "input_ids" if by_ids else "prompt"
-        part = {
-            n: engines[n].submit(**{key: prompts[start : start + chunk]}, sampling_params=params)
-            for n in names
-        }
+        texts = prompts[start : start + chunk]
+        runs = {}
+        for name, engine in engines.items():
+            queued = len(texts) > engine.args.max_running_requests
+            reqs = engine.submit(**{key: texts}, sampling_params=params)
+            runs[name] = ChunkRun(engine, reqs, queued=queued)
         busy, turn = list(names), 0
         while busy:
             for name in busy[turn % len(busy) :] + busy[: turn % len(busy)]:
-                if not steps_for(engines[name], timings[name], turn_s):
+                if not runs[name].steps(timings[name], turn_s):
                     busy.remove(name)
             turn += 1
-        for name, reqs in part.items():
-            timing = timings[name]
+        for name, run in runs.items():
+            timing, reqs = timings[name], run.reqs
             unfinished = [req.rid for req in reqs if not req.finished]
             if unfinished:
                 raise RuntimeError(f"{name}: requests {unfinished} stopped unfinished")
-            timing.tokens += sum(len(req.output_ids) for req in reqs)
+            tokens = sum(len(req.output_ids) for req in reqs)
+            if len(texts) <= run.engine.args.max_running_requests:  # never queued: all of it
+                timing.full_seconds += run.seconds
+                timing.full_tokens += tokens
+            timing.tokens += tokens
             timing.outputs.extend(list(req.output_ids) for req in reqs)
     for name, engine in engines.items():
         rounds, emitted = spec_counts(engine)
