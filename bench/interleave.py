@@ -29,7 +29,8 @@ TURN_S = 0.5
 @dataclass
 class PassTiming:
     """One engine's pass: seconds generating, tokens out, outputs, speculative rounds; and
-    the part of it with the batch full (`full_*`: until the queue's last prompt was admitted)."""
+    the part of it with the batch full (`full_*`: until the queue was empty and a request
+    finished; at batch 1, all of it)."""
 
     seconds: float = 0.0
     tokens: int = 0
@@ -83,16 +84,17 @@ def spec_counts(engine: Engine) -> tuple[int, int]:
 @dataclass
 class ChunkRun:
     """One engine's run of a chunk of prompts: its requests, seconds so far, and whether its
-    queue still holds prompts not admitted (the batch full until the last is)."""
+    batch is still full (until its queue is empty and a request has finished after that)."""
 
     engine: Engine
     reqs: list
+    batch: int  # the engine's max_running_requests
     seconds: float = 0.0
-    queued: bool = False  # given more prompts than its batch holds, some not admitted yet
+    queued: bool = False  # given more prompts than its batch holds: a drain to leave out
 
     def steps(self, timing: PassTiming, seconds: float) -> bool:
-        """Scheduler steps for about `seconds`, timed into `timing` (its `full_*` once the
-        last prompt is admitted); whether work is left."""
+        """Scheduler steps for about `seconds`, timed into `timing` (its `full_*` when the
+        batch stops being full); whether work is left."""
         spent = 0.0
         while spent < seconds:
             began = time.perf_counter()
@@ -101,8 +103,9 @@ class ChunkRun:
             spent += step
             self.seconds += step
             timing.seconds += step
-            if self.queued and not self.engine.scheduler.waiting:
-                self.queued = False
+            scheduler = self.engine.scheduler
+            if self.queued and not scheduler.waiting and len(scheduler.running) < self.batch:
+                self.queued = False  # the queue empty and a request gone: the drain begins
                 timing.full_seconds += self.seconds
                 timing.full_tokens += sum(len(req.output_ids) for req in self.reqs)
             if not working:
@@ -133,9 +136,9 @@ def interleaved_pass(
         texts = prompts[start : start + chunk]
         runs = {}
         for name, engine in engines.items():
-            queued = len(texts) > engine.args.max_running_requests
+            batch = engine.args.max_running_requests
             reqs = engine.submit(**{key: texts}, sampling_params=params)
-            runs[name] = ChunkRun(engine, reqs, queued=queued)
+            runs[name] = ChunkRun(engine, reqs, batch, queued=len(texts) > batch > 1)
         busy, turn = list(names), 0
         while busy:
             for name in busy[turn % len(busy) :] + busy[: turn % len(busy)]:
@@ -148,7 +151,7 @@ def interleaved_pass(
             if unfinished:
                 raise RuntimeError(f"{name}: requests {unfinished} stopped unfinished")
             tokens = sum(len(req.output_ids) for req in reqs)
-            if len(texts) <= run.engine.args.max_running_requests:  # never queued: all of it
+            if not (len(texts) > run.batch > 1):  # no drain (batch 1, or never queued): all
                 timing.full_seconds += run.seconds
                 timing.full_tokens += tokens
             timing.tokens += tokens

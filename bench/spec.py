@@ -4,7 +4,7 @@ MT-Bench first turns (all 80, or `--quick` for the first 16; `--dataset humaneva
 problems; `--dataset code-edit`: a HumanEval function and an instruction to change it), greedy
 or at `--temperature`, with the model's chat template; for each batch size (requests in flight
 at once) it prints tokens/s without speculation and with each algorithm while the batch is
-full (until the last prompt is admitted; the whole pass's, the drain included, beside it), in
+full (until the queue is empty and a request finishes; the whole pass's beside it), in
 `--passes` passes (each over every engine in turns of steps, bench/interleave.py: engines kept
 across passes, each pass from a flushed cache); each pass is taken against plain decoding's
 (with the control PLAIN, against the faster of the two plain engines) and a speedup is the
