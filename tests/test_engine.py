@@ -115,6 +115,21 @@ def test_batch_with_different_lengths_and_params_finishes_each_on_its_own(engine
     assert_no_leaks(engine_fp32)
 
 
+def test_submit_and_step_drive_requests_to_the_same_output(engine_fp32, reference):
+    """A caller driving the engine by hand (benchmarks interleaving engines) gets what generate
+    gives, and every slot back (the requests' spare ones included)."""
+    reqs = engine_fp32.submit([PROMPT] * 3, GREEDY)
+    steps = 0
+    while engine_fp32.step():
+        steps += 1
+        assert steps < 1000, "the engine never finished"
+    assert all(req.finished for req in reqs)
+    outs = [engine_fp32.output(req) for req in reqs]
+    assert [o["output_ids"] for o in outs] == [reference["output_ids"]] * 3
+    assert outs[0]["meta_info"]["completion_tokens"] == 24
+    assert_no_leaks(engine_fp32)
+
+
 def test_seeded_sampling_is_reproducible(engine_fp32):
     params = {"temperature": 1.0, "top_k": 50, "max_new_tokens": 12, "seed": 42, "ignore_eos": True}
     a = engine_fp32.generate(PROMPT, params)
