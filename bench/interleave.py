@@ -68,11 +68,15 @@ def sampling(temperature: float, new_tokens: int) -> dict:
     return params
 
 
+def given(prompts: list) -> dict:
+    """The Engine argument that takes `prompts`: `input_ids` for token ids, else `prompt`."""
+    by_ids = bool(prompts) and isinstance(prompts[0], list)
+    return {"input_ids" if by_ids else "prompt": prompts}
+
+
 def generate(engine: Engine, prompts: list, params: dict) -> list[dict]:
     """`engine.generate` over prompts given as text or as token ids."""
-    by_ids = bool(prompts) and isinstance(prompts[0], list)  # token ids rather than text
-    key = "input_ids" if by_ids else "prompt"
-    return engine.generate(**{key: prompts}, sampling_params=params)
+    return engine.generate(**given(prompts), sampling_params=params)
 
 
 def spec_counts(engine: Engine) -> tuple[int, int]:
@@ -91,6 +95,7 @@ class ChunkRun:
     batch: int  # the engine's max_running_requests
     seconds: float = 0.0
     queued: bool = False  # given more prompts than its batch holds: a drain to leave out
+    timed_full: bool = False  # its `full_*` part added to the pass's timing
 
     def steps(self, timing: PassTiming, seconds: float) -> bool:
         """Scheduler steps for about `seconds`, timed into `timing` (its `full_*` when the
@@ -103,14 +108,22 @@ class ChunkRun:
             spent += step
             self.seconds += step
             timing.seconds += step
-            scheduler = self.engine.scheduler
-            if self.queued and not scheduler.waiting and len(scheduler.running) < self.batch:
-                self.queued = False  # the queue empty and a request gone: the drain begins
-                timing.full_seconds += self.seconds
-                timing.full_tokens += sum(len(req.output_ids) for req in self.reqs)
+            if self.queued and not self.timed_full and self.draining():
+                self.add_full(timing)
             if not working:
                 return False
         return True
+
+    def draining(self) -> bool:
+        """The queue is empty and a request has finished: the batch is no longer full."""
+        scheduler = self.engine.scheduler
+        return not scheduler.waiting and len(scheduler.running) < self.batch
+
+    def add_full(self, timing: PassTiming) -> None:
+        """Its run so far as the batch-full part of `timing`."""
+        self.timed_full = True
+        timing.full_seconds += self.seconds
+        timing.full_tokens += sum(len(req.output_ids) for req in self.reqs)
 
 
 def interleaved_pass(
@@ -130,14 +143,12 @@ def interleaved_pass(
         engine.flush_cache()
     before = {name: spec_counts(engine) for name, engine in engines.items()}
     timings = {name: PassTiming() for name in engines}
-    by_ids = bool(prompts) and isinstance(prompts[0], list)  # token ids rather than text
     for start in range(0, len(prompts), chunk):
-        key = "input_ids" if by_ids else "prompt"
         texts = prompts[start : start + chunk]
         runs = {}
         for name, engine in engines.items():
             batch = engine.args.max_running_requests
-            reqs = engine.submit(**{key: texts}, sampling_params=params)
+            reqs = engine.submit(**given(texts), sampling_params=params)
             runs[name] = ChunkRun(engine, reqs, batch, queued=len(texts) > batch > 1)
         busy, turn = list(names), 0
         while busy:
@@ -150,11 +161,9 @@ def interleaved_pass(
             unfinished = [req.rid for req in reqs if not req.finished]
             if unfinished:
                 raise RuntimeError(f"{name}: requests {unfinished} stopped unfinished")
-            tokens = sum(len(req.output_ids) for req in reqs)
-            if not (len(texts) > run.batch > 1):  # no drain (batch 1, or never queued): all
-                timing.full_seconds += run.seconds
-                timing.full_tokens += tokens
-            timing.tokens += tokens
+            if not run.timed_full:  # no drain (batch 1, or never queued): all of it
+                run.add_full(timing)
+            timing.tokens += sum(len(req.output_ids) for req in reqs)
             timing.outputs.extend(list(req.output_ids) for req in reqs)
     for name, engine in engines.items():
         rounds, emitted = spec_counts(engine)

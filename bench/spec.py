@@ -266,6 +266,19 @@ def spec_engine(args, common: dict, spec_options: dict, size: int, algo: str) ->
     )
 
 
+def faster_plain(timings: dict, rate: str) -> float:
+    """A pass's plain speed (`rate`: a PassTiming property): the faster of the plain engine
+    and the control PLAIN where it ran."""
+    return max(getattr(timings[name], rate) for name in ("plain", "PLAIN") if name in timings)
+
+
+def against_plain(algo: str, timings: dict, rate: str) -> float:
+    """`algo`'s speed in a pass over plain decoding's (the control PLAIN: over the plain
+    engine's alone)."""
+    plain = getattr(timings["plain"], rate) if algo == "PLAIN" else faster_plain(timings, rate)
+    return getattr(timings[algo], rate) / plain
+
+
 def run_size(
     args, size: int, algorithms: list[str], questions, common: dict, spec_options: dict
 ) -> tuple[list[dict], list[str]]:
@@ -298,22 +311,13 @@ def run_size(
             )
     plain_out = passes[0]["plain"].outputs
     plain_runs = [t["plain"].tok_s for t in passes]
-    baseline = [
-        max(t["plain"].tok_s, t["PLAIN"].tok_s) if "PLAIN" in t else t["plain"].tok_s
-        for t in passes
-    ]
+    baseline = [faster_plain(t, "tok_s") for t in passes]
     rows = []
     for algo in algorithms:
         engine = engines.pop(algo)
         runs = [t[algo] for t in passes]
-        ratios = [
-            run.tok_s / (plain if algo == "PLAIN" else base)
-            for run, plain, base in zip(runs, plain_runs, baseline)
-        ]
-        whole = [
-            run.whole_tok_s / max(t["plain"].whole_tok_s, t.get("PLAIN", t["plain"]).whole_tok_s)
-            for run, t in zip(runs, passes)
-        ]
+        ratios = [against_plain(algo, t, "tok_s") for t in passes]
+        whole = [against_plain(algo, t, "whole_tok_s") for t in passes]
         same = min(sum(a == b for a, b in zip(run.outputs, plain_out)) for run in runs)
         planned = engine.get_server_info().get("speculative", {}).get("rounds", {})
         row = {

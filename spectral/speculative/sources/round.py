@@ -53,6 +53,12 @@ HEAD_WAKE_AFTER = 1024
 HEAD_WAKE_MOST = 8192
 
 
+def _no_round(running: list[Req]) -> None:
+    """A plain step for the batch: no request keeps a draft."""
+    for req in running:
+        req.spec.draft_tokens = req.spec.draft_parents = None
+
+
 class SpecRound:
     def __init__(
         self,
@@ -119,9 +125,7 @@ class SpecRound:
             if waking:
                 self.head_idle, self._head_tokens = False, 0
             if waking or (self.ngram is None and self.lookahead is None):  # no tree to plan
-                for req in running:
-                    req.spec.draft_tokens = req.spec.draft_parents = None
-                return None
+                return _no_round(running)
             return self._plan_step(running)
         sizes = self._plan_step(running)
         head_tree = sizes is not None and any(
@@ -146,9 +150,7 @@ class SpecRound:
             and not any(req.grammar is not None for req in running)
             and not backoff.plans([req.rid for req in running])
         ):
-            for req in running:
-                req.spec.draft_tokens = req.spec.draft_parents = None
-            return None
+            return _no_round(running)
         sizes = self._plan_sizes(running)
         if backoff is not None:
             backoff.planned(sizes is not None)
@@ -164,9 +166,7 @@ class SpecRound:
         it (planned again, rarely, where it came out smaller than planned)."""
         declined_before, self._declined = self._declined, True
         if declined_before and self._declined_unlooked(running):
-            for req in running:
-                req.spec.draft_tokens = req.spec.draft_parents = None
-            return None
+            return _no_round(running)
         drafts = [self._scheduler_draft(req) for req in running]
         inputs = [
             self._plan_input(req, self._draft_nodes(draft), kind)
@@ -183,9 +183,7 @@ class SpecRound:
         if (self._plan is not None and not self._plan.speculate) or (
             not self.spec.has_drafter and all(size == 1 for size in sizes)
         ):
-            for req in running:
-                req.spec.draft_tokens = req.spec.draft_parents = None
-            return None
+            return _no_round(running)
         self._declined = False
         for b, (req, size, (tree, _), inp) in enumerate(zip(running, sizes, drafts, inputs)):
             source = sources[b] if sources else 0
