@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from spectral.attention.registry import create_attention_backend
 from spectral.attention.rows import explicit_rows, rows_attention
 from spectral.core.req import Req
 from spectral.kernels.cpu_kernels import load_cpu_kernels
@@ -203,19 +204,37 @@ def _head_state(drafter, rows, slots) -> list[torch.Tensor]:
     ]
 
 
+def _extend_and_restore(drafter, round_):
+    """The head's state after an eager extend over `round_` (`_fake_round`'s), the state
+    before it put back: (before, after)."""
+    batch, prefix_lens, tokens, slots, features = round_
+    rows = batch.req_pool_indices
+    before = _head_state(drafter, rows, slots)
+    drafter.extend(round_draft_batch(batch, prefix_lens, tokens, slots), features)
+    after = _head_state(drafter, rows, slots)
+    drafter.topk_logprobs[rows], drafter.topk_ids[rows], drafter.last_hidden[rows] = before[:3]
+    drafter.kv_pool.write(0, slots, before[3], before[4])
+    return before, after
+
+
+def _same_state(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    for a, b in zip(got, expected):
+        if a.dtype == torch.int64:
+            assert torch.equal(a, b)
+        else:
+            assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
 def test_the_static_extend_after_a_round_equals_the_eager_extend(prefilled):
     """A round's extend through ExtendGraphs (3 requests padded to 4, accepting 1, 5 and 2
     tokens) leaves the head's top-k, last output and KV as the eager extend does; 5 requests
     or a request past the width do not fit the static path and leave everything untouched."""
     s, reqs = prefilled
     drafter = s.worker.drafter
-    batch, prefix_lens, tokens, slots, features = _fake_round(s, reqs[:3], [1, 5, 2])
+    round_ = _fake_round(s, reqs[:3], [1, 5, 2])
+    batch, prefix_lens, tokens, slots, features = round_
     rows = batch.req_pool_indices
-    before = _head_state(drafter, rows, slots)
-    drafter.extend(round_draft_batch(batch, prefix_lens, tokens, slots), features)
-    eager = _head_state(drafter, rows, slots)
-    drafter.topk_logprobs[rows], drafter.topk_ids[rows], drafter.last_hidden[rows] = before[:3]
-    drafter.kv_pool.write(0, slots, before[3], before[4])
+    before, eager = _extend_and_restore(drafter, round_)
     assert all(torch.equal(a, b) for a, b in zip(_head_state(drafter, rows, slots), before))
 
     summary = drafter.use_graphs([1, 2, 4])
@@ -231,11 +250,7 @@ def test_the_static_extend_after_a_round_equals_the_eager_extend(prefilled):
     assert graphs.slots[:20].tolist() == (
         slots[:1].tolist() + [0] * 4 + slots[1:6].tolist() + slots[6:8].tolist() + [0] * 8
     )
-    for got, expected in zip(_head_state(drafter, rows, slots), eager):
-        if got.dtype == torch.int64:
-            assert torch.equal(got, expected)
-        else:
-            assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    _same_state(_head_state(drafter, rows, slots), eager)
     assert graphs.static_runs == 1
 
     wide = _fake_round(s, reqs[:1], [6], seed=1)
@@ -246,3 +261,19 @@ def test_the_static_extend_after_a_round_equals_the_eager_extend(prefilled):
         after = _head_state(drafter, batch.req_pool_indices, slots)
         assert all(torch.equal(a, b) for a, b in zip(after, state))
     assert graphs.static_runs == 1
+
+
+def test_the_heads_extend_attends_through_the_cpu_kernels_as_torch_does(prefilled):
+    """With the CPU kernels loaded the head's extends (after a round, and at a stale row's
+    last position) attend through the decode kernel, as the target's do: the top-k, last
+    output and KV they leave equal those of the plain torch backend (gathered keys, SDPA)."""
+    s, reqs = prefilled
+    drafter = s.worker.drafter
+    assert drafter.backend._has_decode_kernel
+    round_ = _fake_round(s, reqs[:3], [1, 5, 2])
+    _, kernel = _extend_and_restore(drafter, round_)
+    drafter.backend = create_attention_backend(
+        "torch", drafter.kv_pool, drafter.req_to_token, drafter.scaling, "cpu"
+    )
+    assert not drafter.backend._has_decode_kernel
+    _same_state(_extend_and_restore(drafter, round_)[1], kernel)

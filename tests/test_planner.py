@@ -887,6 +887,28 @@ def test_a_head_whose_ledger_is_losing_sleeps(monkeypatch) -> None:
     assert spec_round.head_idle and ledger.rounds == 0 and ledger.value == 0.0
 
 
+def test_a_head_whose_few_rounds_lost_sleeps_though_given_trees(monkeypatch) -> None:
+    """Fewer rounds than the ledger judges on, but they cost more than they gave (its value
+    below zero): the trees the planner goes on giving the head no longer keep it awake, and it
+    sleeps after HEAD_IDLE_AFTER tokens as if it had been given none; back in the black, a tree
+    keeps it awake again."""
+    spec_round, req = paying_head_round(monkeypatch)
+    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 3)
+    ledger = spec_round.planner.head_ledger
+    ledger.round(emitted=1, batch=1, plain_step_ms=10.0, ms=30.0)
+    assert ledger.value < 0 and not ledger.losing
+    planned = []
+    for _ in range(3):
+        sizes = spec_round.plan([req])
+        planned.append(sizes is not None and sizes[0] > 1)
+    assert all(planned) and spec_round.head_idle
+    spec_round, req = paying_head_round(monkeypatch)
+    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 3)
+    spec_round.planner.head_ledger.round(emitted=4, batch=1, plain_step_ms=10.0, ms=12.0)
+    for _ in range(6):
+        assert spec_round.plan([req]) is not None and not spec_round.head_idle
+
+
 def test_a_head_whose_rounds_pay_stays_awake(monkeypatch) -> None:
     """The same head, its rounds as fast as planned and every draft accepted, plain steps
     between them charged its upkeep: its ledger stays positive and it never idles."""

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from spectral.args import ServerArgs
+from spectral.core.forward import ForwardMode
 from spectral.core.req import Req
 from spectral.models.config import ModelConfig
 from spectral.models.resolved import resolve_model
@@ -485,12 +486,12 @@ def test_hybrid_ngram_mixes_ngram_and_head_trees_and_matches_plain(
 def test_a_head_idling_between_its_trees_keeps_output_plain(
     monkeypatch, peaky_model_dir: str, eagle3_head: str, plain_outputs: list[list[int]]
 ) -> None:
-    """A head that pays (planned every step) sent idle every 12th step, as a planner that
-    gave it no tree for HEAD_IDLE_AFTER tokens would: plain steps of 12 tokens ask it for no
-    upkeep (none writes its KV: it misses those positions), one plain step wakes it, and it
-    drafts again; every output, prompts seen before and new ones in mixed batches, is plain
-    decoding's."""
-    monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 12)
+    """A head that pays (planned every step) sent idle every 16 steps, as a planner that
+    gave it no tree for HEAD_IDLE_AFTER tokens would: steps of 32 tokens and the n-gram
+    rounds among them ask it for no upkeep (none writes its KV or extends it: it misses those
+    positions), one plain step wakes it, and it drafts again; every output, prompts seen
+    before and new ones in mixed batches, is plain decoding's."""
+    monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 32)
     seen, new, expected = seen_and_new_prompts(peaky_model_dir, plain_outputs)
     s = hybrid_scheduler(peaky_model_dir, eagle3_head)
     run(s, seen, at_once=6, temperature=0.0)
@@ -499,7 +500,8 @@ def test_a_head_idling_between_its_trees_keeps_output_plain(
 
     def recorded(wb):
         idle_steps.append(wb.drafter_idle)
-        if len(idle_steps) % 12 == 0:
+        idle_rounds.append(wb.drafter_idle and wb.mode == ForwardMode.TARGET_VERIFY)
+        if len(idle_steps) % 16 == 4:
             s.spec_round.head_idle, s.spec_round._head_tokens = True, 0
         return forward(wb)
 
@@ -507,17 +509,23 @@ def test_a_head_idling_between_its_trees_keeps_output_plain(
         head_rounds.append(len(idle_steps))
         return head_draft(rows, *args, **kwargs)
 
-    writes, write_kv = [], s.worker.drafter.write_kv
+    drafter, idle_rounds, writes = s.worker.drafter, [], []
+    write_kv, observe_round = drafter.write_kv, drafter.observe_round
 
     def written(*args, **kwargs):
         writes.append(idle_steps[-1])
         return write_kv(*args, **kwargs)
 
-    s.worker.forward, s.worker.drafter.draft = recorded, counted
-    s.worker.drafter.write_kv = written
+    def observed(*args, **kwargs):
+        writes.append(idle_steps[-1])
+        return observe_round(*args, **kwargs)
+
+    s.worker.forward, drafter.draft = recorded, counted
+    drafter.write_kv, drafter.observe_round = written, observed
     again = run(s, seen + new, at_once=4, temperature=0.0)
     assert [r.output_ids for r in again] == expected
     assert sum(idle_steps) >= 6 and head_rounds and writes and not any(writes)
+    assert any(idle_rounds)  # n-gram rounds ran while it idled
     assert any(any(idle_steps[: n - 1]) for n in head_rounds)  # drafted after idling
 
 

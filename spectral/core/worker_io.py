@@ -59,8 +59,8 @@ class WorkerBatch:
     # Speculative decoding. EXTEND with a draft head: per request, the token after the batch's
     # last position when it is known (a prompt chunk), else -1 (the sampled token follows).
     draft_next_ids: list[int] = field(default_factory=list)
-    # DECODE, EXTEND: the drafter idles this step (`SpecRound.head_idle`): no upkeep asked of
-    # it (a prompt prefilled while it idles is not given to it either).
+    # The drafter idles this step (`SpecRound.head_idle`): no upkeep asked of it (a prompt
+    # prefilled or a round's accepted tokens while it idles are not given to it either).
     drafter_idle: bool = False
     # TARGET_VERIFY: `input_ids` holds each request's root (its last token) and `extend_lens`
     # the tree sizes; trees come from the worker's draft head, or are given here (n-gram):

@@ -206,7 +206,7 @@ class Scheduler:
         idle = self.spec_round is not None and self.spec_round.head_idle
         try:
             wb = batch.to_worker_batch(banned, draft_next)
-            wb.drafter_idle = batch.mode != ForwardMode.TARGET_VERIFY and idle
+            wb.drafter_idle = idle
             result = self.worker.forward(wb)
         except WorkerLostError:
             raise

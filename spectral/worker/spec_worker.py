@@ -35,6 +35,11 @@ from spectral.worker.sampler import argmax_rows
 from spectral.worker.spec_verify import round_result, verify_trees
 
 
+def wakes(drafter: Drafter | None, wb: WorkerBatch) -> bool:
+    """The batch asks `drafter` for work: there is one and it does not idle this step."""
+    return drafter is not None and not wb.drafter_idle
+
+
 class SpeculativeWorker:
     def __init__(
         self,
@@ -91,7 +96,7 @@ class SpeculativeWorker:
     def forward(self, wb: WorkerBatch) -> WorkerResult:
         if wb.mode == ForwardMode.TARGET_VERIFY:
             return self._verify_round(wb)
-        if self.drafter is None or wb.drafter_idle:  # idle: nothing captured, top-1 unknown
+        if not wakes(self.drafter, wb):  # idle: nothing captured, top-1 unknown
             return self.target.forward(wb)
         result, batch, hidden, captured = self.target.run(wb, self.drafter.capture_layers)
         next_ids = [
@@ -157,11 +162,12 @@ class SpeculativeWorker:
         )
         kept_slots = batch.out_cache_loc[kept["rows"]]
         self.target.req_to_token.table.view(-1).index_copy_(0, kept["places"], kept_slots)
-        if self.drafter is not None:
+        drafter = self.drafter if wakes(self.drafter, wb) else None  # idle: given nothing
+        if drafter is not None:
             features = None
-            if self.drafter.needs_features:
+            if drafter.needs_features:
                 features = self._features(hidden, captured)[kept["rows"]]
-            self.drafter.observe_round(
+            drafter.observe_round(
                 batch,
                 list(wb.prefix_lens),
                 # the accepted nodes' tokens: the root, then all but the last emitted
@@ -174,8 +180,8 @@ class SpeculativeWorker:
         result = round_result(verdict, logits, offsets, wb.sampling)
         result.node_ranks = ranks
         result.draft_probs = probs
-        if self.drafter is not None:
-            result.draft_top1 = self.drafter.top1(wb.req_pool_indices)
+        if drafter is not None:
+            result.draft_top1 = drafter.top1(wb.req_pool_indices)
         return result
 
     def _round(self, wb: WorkerBatch, sizes: list[int], offsets: list[int]) -> tuple:
@@ -199,7 +205,7 @@ class SpeculativeWorker:
             wb, input_ids=token_ids, positions=positions, custom_mask=mask
         )
         batch = target.to_forward_batch(verify_wb)
-        batch.capture_layers = self.drafter.capture_layers if self.drafter else ()
+        batch.capture_layers = self.drafter.capture_layers if wakes(self.drafter, wb) else ()
         outputs = target.forward_batch(batch)  # logits stay on the device
         verdict = verify_trees(
             trees,
@@ -303,7 +309,7 @@ class SpeculativeWorker:
         # A request under a grammar is given the tokens its grammar forces: the head's tree
         # joins them.
         merged = [
-            self.drafter is not None and (self.merge_given_trees or s.params.grammar is not None)
+            wakes(self.drafter, wb) and (self.merge_given_trees or s.params.grammar is not None)
             for s in wb.sampling
         ]
         drafted = [b for b in range(B) if (merged[b] or not given[b]) and sizes[b] > 1]

@@ -76,8 +76,9 @@ class EagleDrafter:
         scratch = rows * max(num_steps - 1, 0) * topk
         self.kv_pool = KVPool(num_slots + scratch, 1, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.scaling = cfg.head_dim**-0.5
+        # its extends' attention through the CPU kernels where loaded, as the target's
         self.backend = create_attention_backend(
-            attention_backend, self.kv_pool, req_to_token, self.scaling, device
+            attention_backend, self.kv_pool, req_to_token, self.scaling, device, kernels
         )
         self.topk_logprobs = torch.zeros((rows, topk), dtype=torch.float32, device=device)
         self.topk_ids = torch.zeros((rows, topk), dtype=torch.int64, device=device)

@@ -40,7 +40,9 @@ Draft = NgramMatch | tuple[list[int], list[int]] | None
 # rounds stopped paying: the captured states and its KV cost a plain step 1-3%), or once its
 # rounds have not paid for that upkeep (the planner's `head_ledger`), and takes it up
 # again after HEAD_WAKE_AFTER tokens idle, drafting from the step after that (its top-k needs a
-# step's states first); a planner that gives it trees again keeps it awake. Tokens, not steps:
+# step's states first); a planner that gives it trees again keeps it awake, while its ledger is
+# not in the red (a few losing rounds a pass, too few for the ledger to judge, kept a head that
+# never paid awake: code edits at batch 1, half the steps). Tokens, not steps:
 # a step of B requests counts B, as the upkeep it costs grows with B (a step of 16 pays ~16
 # times the KV a step of one does), so a large batch stops paying for an unused head as soon.
 HEAD_IDLE_AFTER = 256
@@ -98,7 +100,7 @@ class SpecRound:
         # round the next is likely a round too, and the bound would not decline).
         self._declined = True
         # The worker's drafter idles (HEAD_IDLE_AFTER): its trees are not planned, and plain
-        # steps ask it for no upkeep (`WorkerBatch.drafter_idle`).
+        # steps and other sources' rounds ask it for no upkeep (`WorkerBatch.drafter_idle`).
         self.head_idle = False
         self._head_tokens = 0  # decoded since its last tree, or, idle, since it went idle
         self._unpaid_sleeps = 0  # sleeps in a row it went to without having paid
@@ -128,11 +130,14 @@ class SpecRound:
                 return _no_round(running)
             return self._plan_step(running)
         sizes = self._plan_step(running)
-        head_tree = sizes is not None and any(
-            size > 1 and family(req.spec.kind) == HEAD for req, size in zip(running, sizes)
+        ledger = self.planner.head_ledger
+        # a tree keeps the head awake only while its rounds have not cost more than they gave
+        head_tree = (
+            sizes is not None
+            and ledger.value >= 0
+            and any(size > 1 and family(req.spec.kind) == HEAD for req, size in zip(running, sizes))
         )
         self._head_tokens = 0 if head_tree else self._head_tokens + len(running)
-        ledger = self.planner.head_ledger
         if self._head_tokens >= HEAD_IDLE_AFTER or ledger.losing:
             self.head_idle, self._head_tokens = True, 0
             paid = ledger.rounds >= HEAD_VALUE_ROUNDS and ledger.value > 0
