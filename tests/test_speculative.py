@@ -224,6 +224,27 @@ def test_a_measured_cost_model_times_the_heads_upkeep_apart_and_outputs_stay_pla
     reqs = run(s, prompts(20)[:8], at_once=4, temperature=0.0)
     assert [r.output_ids for r in reqs] == plain_outputs[:8]
 
+    # measured again: the upkeep of each plain step and each draft timed right after a target
+    # step (as they run in serving, the target's weights having gone through the caches)
+    worker, calls = s.worker, []
+    for obj, name in ((worker.target, "run"), (worker, "observe_step"), (worker.drafter, "draft")):
+        monkeypatch.setattr(obj, name, recording(getattr(obj, name), name, calls))
+    monkeypatch.setattr(worker.target, "forward", recording(worker.target.forward, "run", calls))
+    cost_measure.measure(worker)
+    after = [calls[i - 1] for i, name in enumerate(calls) if name in ("observe_step", "draft")]
+    assert calls.count("observe_step") > cost_measure.IDLE_STEPS and calls.count("draft") > 4
+    assert set(after) == {"run"}
+
+
+def recording(fn, name: str, calls: list[str]):
+    """`fn`, appending `name` to `calls` at each call."""
+
+    def recorded(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+
+    return recorded
+
 
 def test_eagle_head_greedy_output_equals_plain_decoding(
     peaky_model_dir: str, eagle_head: str, plain_outputs: list[list[int]]
