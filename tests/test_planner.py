@@ -782,18 +782,23 @@ def test_a_head_given_no_tree_idles_then_wakes_for_one_plain_step(monkeypatch) -
 
 def test_a_head_that_never_pays_sleeps_longer_each_time(monkeypatch) -> None:
     """The head never accepted: each sleep without its having paid lasts twice the one before
-    (HEAD_WAKE_AFTER, then 2x, 4x ...), up to HEAD_WAKE_MOST tokens; a head whose ledger is
-    positive when it next goes to sleep sleeps HEAD_WAKE_AFTER again."""
-    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 4)
+    (HEAD_WAKE_AFTER, then 2x, 4x ...), up to HEAD_WAKE_MOST tokens, and each wake after one
+    waits half as long for a tree (HEAD_IDLE_AFTER, then 1/2, down to 1/4); a head whose
+    ledger is positive when it next goes to sleep sleeps HEAD_WAKE_AFTER again."""
+    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 8)
     monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 6)
     monkeypatch.setattr(round_module, "HEAD_WAKE_MOST", 40)
     spec_round = hybrid_round(head_accepted=0.0)
     req = Req("r", [11, 12, 13, 14, 15, 16, 17], SamplingParams())  # no match: the head's
     req.spec.draft_top1 = 0.9
 
+    awake: list[int] = []
+
     def sleep_tokens() -> int:
+        awake.append(0)
         while not spec_round.head_idle:
             spec_round.plan([req])
+            awake[-1] += 1
         slept = 0
         while spec_round.head_idle:
             spec_round.plan([req])
@@ -801,6 +806,7 @@ def test_a_head_that_never_pays_sleeps_longer_each_time(monkeypatch) -> None:
         return slept
 
     assert [sleep_tokens() for _ in range(5)] == [6, 12, 24, 40, 40]
+    assert awake == [8, 4, 2, 2, 2]
     ledger = spec_round.planner.head_ledger
     ledger.rounds, ledger.value = HEAD_VALUE_ROUNDS, 5.0  # paid while awake
     assert sleep_tokens() == 6
