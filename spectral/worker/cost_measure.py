@@ -100,34 +100,19 @@ def _read(file: Path) -> CostModel | None:
         return None
 
 
-def timed(fn, repeats: int = REPEATS, warmup: int = 1) -> float:
-    """Median seconds of `fn()` over `repeats` calls, after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
+def timed(fn, repeats: int = REPEATS, warmup: int = 1, before=None) -> float:
+    """Median seconds of `fn()` over `repeats` calls, after `warmup` calls; with `before`,
+    each call comes right after an untimed `before()` (a round's draft follows the target's
+    step, whose weights have pushed the drafter's out of the caches: timed back to back, the
+    head's three levels here took 1.8 ms where rounds found them costing 2.6-3.2)."""
     times = []
-    for _ in range(repeats):
+    for i in range(warmup + repeats):
+        if before is not None:
+            before()
         t = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def _ms(fn) -> float:
-    return 1000 * timed(fn)
-
-
-def _ms_after(before, fn, repeats: int = REPEATS) -> float:
-    """Median ms of `fn()` over `repeats` calls, each right after an untimed `before()` (and
-    one call of both first): a round's draft follows the target's step, whose weights have
-    pushed the drafter's out of the caches (timed back to back, the head's three levels here
-    took 1.8 ms where rounds found them costing 2.6-3.2)."""
-    times = []
-    for i in range(repeats + 1):
-        before()
-        t = time.perf_counter()
-        fn()
-        if i:
-            times.append(1000 * (time.perf_counter() - t))
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
@@ -208,8 +193,8 @@ def measure(worker: SpeculativeWorker) -> CostModel:
             def run(levels: int, rows=rows, roots=roots, root_slots=root_slots) -> None:
                 drafter.draft(rows, seq.expand(len(rows)), levels, roots, root_slots)
 
-            first = _ms_after(plain, lambda run=run: run(1))
-            deep = _ms_after(plain, lambda run=run, levels=levels: run(levels))
+            first = 1000 * timed(lambda run=run: run(1), before=plain)
+            deep = 1000 * timed(lambda run=run, levels=levels: run(levels), before=plain)
             draft.append((b, first, max(deep - first, 0.0) / (levels - 1)))
     return CostModel(verify=verify, decode_one=decode_one, draft=draft, idle=idle)
 

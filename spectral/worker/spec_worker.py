@@ -35,11 +35,6 @@ from spectral.worker.sampler import argmax_rows
 from spectral.worker.spec_verify import round_result, verify_trees
 
 
-def wakes(drafter: Drafter | None, wb: WorkerBatch) -> bool:
-    """The batch asks `drafter` for work: there is one and it does not idle this step."""
-    return drafter is not None and not wb.drafter_idle
-
-
 class SpeculativeWorker:
     def __init__(
         self,
@@ -93,10 +88,15 @@ class SpeculativeWorker:
             info = info | {"draft": draft}
         return info
 
+    def awake(self, wb: WorkerBatch) -> Drafter | None:
+        """The drafter, where the batch asks it for work (None where there is none or it idles
+        this step: nothing captured for it, nothing given to it, its top-1 unknown)."""
+        return None if wb.drafter_idle else self.drafter
+
     def forward(self, wb: WorkerBatch) -> WorkerResult:
         if wb.mode == ForwardMode.TARGET_VERIFY:
             return self._verify_round(wb)
-        if not wakes(self.drafter, wb):  # idle: nothing captured, top-1 unknown
+        if self.awake(wb) is None:
             return self.target.forward(wb)
         result, batch, hidden, captured = self.target.run(wb, self.drafter.capture_layers)
         next_ids = [
@@ -162,7 +162,7 @@ class SpeculativeWorker:
         )
         kept_slots = batch.out_cache_loc[kept["rows"]]
         self.target.req_to_token.table.view(-1).index_copy_(0, kept["places"], kept_slots)
-        drafter = self.drafter if wakes(self.drafter, wb) else None  # idle: given nothing
+        drafter = self.awake(wb)
         if drafter is not None:
             features = None
             if drafter.needs_features:
@@ -205,7 +205,8 @@ class SpeculativeWorker:
             wb, input_ids=token_ids, positions=positions, custom_mask=mask
         )
         batch = target.to_forward_batch(verify_wb)
-        batch.capture_layers = self.drafter.capture_layers if wakes(self.drafter, wb) else ()
+        drafter = self.awake(wb)
+        batch.capture_layers = drafter.capture_layers if drafter is not None else ()
         outputs = target.forward_batch(batch)  # logits stay on the device
         verdict = verify_trees(
             trees,
@@ -308,9 +309,9 @@ class SpeculativeWorker:
         given = [toks is not None for toks in node_tokens]
         # A request under a grammar is given the tokens its grammar forces: the head's tree
         # joins them.
+        awake = self.awake(wb) is not None
         merged = [
-            wakes(self.drafter, wb) and (self.merge_given_trees or s.params.grammar is not None)
-            for s in wb.sampling
+            awake and (self.merge_given_trees or s.params.grammar is not None) for s in wb.sampling
         ]
         drafted = [b for b in range(B) if (merged[b] or not given[b]) and sizes[b] > 1]
         probs: list[list[float] | None] = [None] * B

@@ -125,9 +125,14 @@ class HeadLedger:
         self.value = HEAD_VALUE_DECAY * self.value - upkeep_ms
 
     @property
+    def in_the_red(self) -> bool:
+        """Its rounds so far have cost more than they gave (judged or not yet)."""
+        return self.value < 0
+
+    @property
     def losing(self) -> bool:
         """Its rounds, HEAD_VALUE_ROUNDS or more of them, have not paid for its upkeep."""
-        return self.rounds >= HEAD_VALUE_ROUNDS and self.value < 0
+        return self.rounds >= HEAD_VALUE_ROUNDS and self.in_the_red
 
     def reset(self) -> None:
         self.value, self.rounds = 0.0, 0

@@ -138,7 +138,7 @@ class SpecRound:
         # a tree keeps the head awake only while its rounds have not cost more than they gave
         head_tree = (
             sizes is not None
-            and ledger.value >= 0
+            and not ledger.in_the_red
             and any(size > 1 and family(req.spec.kind) == HEAD for req, size in zip(running, sizes))
         )
         self._head_tokens = 0 if head_tree else self._head_tokens + len(running)
