@@ -4,6 +4,7 @@ as GGUF blocks (`gguf_linear`); either serves any number of rows. PyTorch where 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -146,28 +147,20 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.kernels, self.packed)
 
 
-def weight_bytes(root: nn.Module) -> int:
-    """Bytes of the weights `root` holds: its parameters and the packed weights its modules
-    (and their heads) keep, each storage counted once (buffers, such as rotary tables, are
-    not weights)."""
-    storages: dict[int, int] = {}
-
-    def add(tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-
-    def add_packed(value: object) -> None:
-        if isinstance(value, PackedWeight):
-            add(value.data)
-        elif isinstance(value, PackedRows):
-            for part in value.parts:
-                add(part.data)
-
-    for tensor in root.parameters():
-        if tensor.numel():
-            add(tensor)
+def weight_tensors(root: nn.Module, buffers: bool = False) -> Iterator[torch.Tensor]:
+    """The weights `root` holds, in its modules' order: its parameters and the packed weights
+    its modules (and their heads) keep; with `buffers`, its buffers too (rotary tables)."""
     for module in root.modules():
+        yield from module.parameters(recurse=False)
+        if buffers:
+            yield from module.buffers(recurse=False)
         for value in vars(module).values():
-            add_packed(value)
-            add_packed(getattr(value, "packed", None))  # a head object's own packed copy
-    return sum(storages.values())
+            for packed in (value, getattr(value, "packed", None)):  # a head's own packed copy
+                if isinstance(packed, (PackedWeight, PackedRows)):
+                    yield from (part.data for part in PackedRows.of(packed).parts)
+
+
+def weight_bytes(root: nn.Module) -> int:
+    """Bytes of the weights `root` holds (`weight_tensors`), a tied weight counted once (by
+    its own bytes: its storage may be a slab it shares, spectral/mem/weights.py)."""
+    return sum({t.data_ptr(): t.nbytes for t in weight_tensors(root) if t.numel()}.values())

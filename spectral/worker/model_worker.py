@@ -12,12 +12,13 @@ from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.transfer import stage, to_device
 from spectral.core.worker_io import WorkerBatch, WorkerResult
 from spectral.kernels.cpu_kernels import load_cpu_kernels
-from spectral.layers.linear import weight_bytes
+from spectral.layers.linear import weight_bytes, weight_tensors
 from spectral.layers.parallel import TensorParallel
 from spectral.layers.routing import route_to_cpu_kernels
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.process import eager_release, report_huge_pages
 from spectral.mem.req_to_token import ReqToTokenPool
+from spectral.mem.weights import gather
 from spectral.models.config import ModelConfig
 from spectral.models.gguf_native import load_gguf_model
 from spectral.models.loader import build_model, dummy_model, load_model
@@ -151,6 +152,7 @@ class ModelWorker:
                 tensor_parallel,
                 quantize,
             )
+            gather(weight_tensors(self.model, buffers=True))  # off 4 KiB pages (mem/weights.py)
         # what this process's layers and KV pool hold
         shares = self.model.shares
         cfg: ModelConfig = shares.config(self.config) if shares is not None else self.config

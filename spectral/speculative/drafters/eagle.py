@@ -22,8 +22,10 @@ from spectral.attention.registry import create_attention_backend
 from spectral.attention.rows import rows_attention
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.core.transfer import on_device
+from spectral.layers.linear import weight_tensors
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
+from spectral.mem.weights import gather
 from spectral.speculative.drafters.base import DrafterContext, file_stamp
 from spectral.speculative.drafters.eagle_head import DraftHead, load_draft_head, resolve_draft_path
 from spectral.speculative.drafters.expansion import TreeExpansion
@@ -65,6 +67,7 @@ class EagleDrafter:
         KV pool of `dtype`: a backend that refuses the dtype refuses here with the same error.
         `kernels`: spectral's CPU kernels (the tree levels' attention on a CPU), if loaded."""
         cfg = head.cfg
+        gather(weight_tensors(head, buffers=True))  # off 4 KiB pages (spectral/mem/weights.py)
         self.head = head
         self.topk = topk
         self.num_steps = num_steps

@@ -23,8 +23,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spectral.core.forward import ForwardBatch
-from spectral.layers.linear import Linear
+from spectral.layers.linear import Linear, weight_tensors
 from spectral.layers.routing import route_to_cpu_kernels
+from spectral.mem.weights import gather
 from spectral.speculative.drafters.base import DrafterContext, file_stamp
 from spectral.speculative.drafters.expansion import TreeExpansion
 from spectral.speculative.drafters.graphs import DraftGraphs, expand_through
@@ -166,6 +167,7 @@ class MedusaDrafter:
                 f"--speculative-num-steps {num_steps} exceeds the {heads.num_heads} Medusa "
                 "heads (a tree is at most one level a head deep)"
             )
+        gather(weight_tensors(heads, buffers=True))  # off 4 KiB pages (spectral/mem/weights.py)
         self.heads = heads
         self.topk = topk
         self.num_steps = num_steps
