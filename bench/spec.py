@@ -203,7 +203,6 @@ def main() -> None:
         model_path=args.model_path,
         dtype=args.dtype,
         quantization=args.quantization,
-        max_total_tokens=65536,
         disable_radix_cache=args.disable_radix_cache,
     )
     spec_options = dict(
@@ -243,11 +242,12 @@ def spec_engine(args, common: dict, spec_options: dict, size: int, algo: str) ->
     one without speculation, timed as the algorithms are (a control: its cell is what the
     method gives where nothing differs)."""
     name, *extras = algo.split("+")
+    sizing = dict(max_running_requests=size, max_total_tokens=kv_tokens(size))
     if name == "PLAIN":
-        return Engine(**common, max_running_requests=size)
+        return Engine(**common, **sizing)
     return Engine(
         **common,
-        max_running_requests=size,
+        **sizing,
         speculative_algorithm=name,
         speculative_draft_model_path=(
             None
@@ -264,6 +264,13 @@ def spec_engine(args, common: dict, spec_options: dict, size: int, algo: str) ->
         speculative_datastore=args.datastore if "REST" in (name, *extras) else None,
         **spec_options,
     )
+
+
+def kv_tokens(size: int) -> int:
+    """An engine's KV pool at batch `size`: 2048 tokens a request (a prompt here and its new
+    tokens, with room for the radix cache), 16384 at least, 65536 at most: the matrix's seven
+    engines of the default model in float32 at 65536 each (3 GiB) held 22.5 of 24 GiB."""
+    return min(65536, max(16384, 2048 * size))
 
 
 def faster_plain(timings: dict, rate: str) -> float:

@@ -848,6 +848,33 @@ def test_a_head_alone_idling_plans_nothing(monkeypatch) -> None:
     assert asked  # awake: planned again
 
 
+def test_a_head_sleeps_once_its_plans_decline_every_round_in_a_row(monkeypatch) -> None:
+    """EAGLE3 alone, its drafts never accepted: the planner declines every step, so the head
+    idles after HEAD_IDLE_DECLINES plans in a row, long before HEAD_IDLE_AFTER tokens (plain
+    steps the backoff spaces between plans are not counted); awake again, it counts anew."""
+    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 1000)
+    monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 4)
+    monkeypatch.setattr(round_module, "HEAD_IDLE_DECLINES", 5)
+    alone = ServerArgs(speculative_algorithm="EAGLE3", speculative_hybrid_ngram=0)
+    spec_round = SpecRound(SpecSettings.from_args(alone), STEEP, None, 4096)
+    observe_chains(
+        spec_round.planner.stats_for(head_bucket(0.9)), 0.0, 6, random.Random(3), [0.9] * 6
+    )
+    req = Req("r", [3, 4, 5, 6, 8], SamplingParams())
+    req.spec.draft_top1 = 0.9
+    steps = 0
+    while not spec_round.head_idle:
+        assert spec_round.plan([req]) is None
+        steps += 1
+    assert steps == 5
+    spec_round.backoff.skip = 2  # the backoff's plain steps between plans: not plans
+    for _ in range(4 + 2 + 4):  # asleep 4 (the last wakes it), 2 skipped, 4 declined
+        spec_round.plan([req])
+    assert not spec_round.head_idle
+    spec_round.plan([req])
+    assert spec_round.head_idle
+
+
 def paying_head_round(monkeypatch) -> tuple[SpecRound, Req]:
     """EAGLE3 alone, its head's statistics accepting nearly everything (the planner gives it a
     tree every step), and a request it drafts for."""
