@@ -113,7 +113,7 @@ class SpecRound:
         self.head_idle = False
         self._head_tokens = 0  # decoded since its last tree, or, idle, since it went idle
         self._declines = 0  # plans in a row that ran no round, while it is awake
-        self._planned = False  # the last `_plan_step` planned (was not a backoff's plain step)
+        self._planned = False  # the last `_plan_step` planned (not a backoff's plain step)
         self._unpaid_sleeps = 0  # sleeps in a row it went to without having paid
         self._may_idle = spec.has_drafter and spec.entry.idles and self.planner is not None
         # plans a step apart or more after many declined in a row (a planner's only)
@@ -149,10 +149,7 @@ class SpecRound:
             and any(size > 1 and family(req.spec.kind) == HEAD for req, size in zip(running, sizes))
         )
         self._head_tokens = 0 if head_tree else self._head_tokens + len(running)
-        if sizes is not None:
-            self._declines = 0
-        elif self._planned:
-            self._declines += 1
+        self._declines = 0 if sizes is not None else self._declines + int(self._planned)
         awake_for = HEAD_IDLE_AFTER >> min(self._unpaid_sleeps, HEAD_SHORTER_WAKES)
         nothing_pays = self._declines >= HEAD_IDLE_DECLINES
         if self._head_tokens >= awake_for or nothing_pays or ledger.losing:
