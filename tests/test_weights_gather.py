@@ -120,3 +120,24 @@ def test_a_freed_slab_is_forgotten_so_what_lands_where_it_was_is_gathered():
     assert weights._in_slab(inside)
     del weight  # the model freed: its slab with it
     assert not weights._in_slab(inside)
+
+
+def test_each_old_storage_is_freed_once_its_holders_are_rebound(monkeypatch):
+    """A load's peak is its weights and one slab: a storage moved is not kept to the end."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from spectral.mem import weights
+
+    monkeypatch.setattr(weights, "SLAB_BYTES", 4096)
+    tensors = [torch.randn(1024) for _ in range(4)]  # 4 KiB each: a slab apiece
+    refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+    alive_at_fill = []
+    fill = weights._fill
+
+    def counting(batch, size):
+        alive_at_fill.append(sum(not ref.expired() for ref in refs))
+        fill(batch, size)
+
+    monkeypatch.setattr(weights, "_fill", counting)
+    weights.gather(tensors)
+    assert alive_at_fill == [4, 3, 2, 1]

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-SLAB_BYTES = 256 << 20  # a slab's size where storages are smaller (one larger gets its own)
+SLAB_BYTES = 64 << 20  # a slab's size where storages are smaller (one larger gets its own)
 ALIGN = 64  # each storage's start in a slab: a cache line (and any dtype's alignment)
 
 # the slabs alive, as (start, end) addresses: a storage in one is not moved again (a head's
@@ -28,41 +28,44 @@ def gather(tensors: Iterable[torch.Tensor]) -> int:
     a forward reads them); every tensor among `tensors` that views a moved storage views the
     slab after, with its values, shape and strides. Tensors not given that view a moved storage
     keep the old one (still valid, its memory kept). Returns the bytes moved."""
-    groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+    groups: dict[int, list[torch.Tensor]] = {}  # each storage's holders, by its address
     for tensor in tensors:
         if tensor.device.type != "cpu" or tensor.layout is not torch.strided:
             continue
-        storage = tensor.untyped_storage()
-        start = storage.data_ptr()
-        if storage.nbytes() == 0 or _in_slab(start):
+        start = tensor.untyped_storage().data_ptr()
+        if tensor.untyped_storage().nbytes() == 0 or _in_slab(start):
             continue
-        holders = groups.setdefault(start, (storage, []))[1]
+        holders = groups.setdefault(start, [])
         if all(held is not tensor for held in holders):  # a tied weight comes twice
             holders.append(tensor)
+    # no storage referenced here but through its holders: each is freed as soon as they are
+    # rebound, so a load's peak is the weights and one slab
     moved, batch, size = 0, [], 0
-    for storage, holders in groups.values():
-        nbytes = -(-storage.nbytes() // ALIGN) * ALIGN
+    for holders in groups.values():
+        nbytes = holders[0].untyped_storage().nbytes()
         if batch and size + nbytes > SLAB_BYTES:
             _fill(batch, size)
             batch, size = [], 0
-        batch.append((size, storage, holders))
-        size += nbytes
-        moved += storage.nbytes()
+        batch.append((size, holders))
+        size += -(-nbytes // ALIGN) * ALIGN
+        moved += nbytes
     if batch:
         _fill(batch, size)
     return moved
 
 
-def _fill(batch: list[tuple[int, torch.UntypedStorage, list[torch.Tensor]]], size: int) -> None:
-    """One slab of `size` bytes holding each (offset, storage, its holders) of `batch`."""
+def _fill(batch: list[tuple[int, list[torch.Tensor]]], size: int) -> None:
+    """One slab of `size` bytes holding, at each (offset, holders) of `batch`, the storage the
+    holders view, each of them rebound to it."""
     slab = torch.empty(size, dtype=torch.uint8)
     storage = slab.untyped_storage()
     start = storage.data_ptr()
     _slabs.append((start, start + size, StorageWeakRef(storage)))
     with torch.no_grad():
-        for offset, old, holders in batch:
-            source = torch.empty(0, dtype=torch.uint8).set_(old)
-            slab[offset : offset + old.nbytes()].copy_(source)
+        for offset, holders in batch:
+            old = torch.empty(0, dtype=torch.uint8).set_(holders[0].untyped_storage())
+            slab[offset : offset + old.numel()].copy_(old)
+            del old
             for tensor in holders:
                 width = tensor.element_size()
                 at = offset // width + tensor.storage_offset()
