@@ -833,12 +833,8 @@ def test_a_head_alone_idling_plans_nothing(monkeypatch) -> None:
     to plan, so the planner is not asked (until it wakes, HEAD_WAKE_AFTER idle steps on)."""
     monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 3)
     monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 4)
-    alone = ServerArgs(speculative_algorithm="EAGLE3", speculative_hybrid_ngram=0)
-    spec_round = SpecRound(SpecSettings.from_args(alone), STEEP, None, 4096)
+    spec_round, req = head_alone_round(accepted=0.0)
     planner = spec_round.planner
-    observe_chains(planner.stats_for(head_bucket(0.9)), 0.0, 6, random.Random(3), [0.9] * 6)
-    req = Req("r", [3, 4, 5, 6, 8], SamplingParams())
-    req.spec.draft_top1 = 0.9
     assert [spec_round.plan([req]) for _ in range(3)] == [None] * 3 and spec_round.head_idle
     asked, plan = [], planner.plan
     monkeypatch.setattr(planner, "plan", lambda reqs: asked.append(reqs) or plan(reqs))
@@ -855,38 +851,41 @@ def test_a_head_sleeps_once_its_plans_decline_every_round_in_a_row(monkeypatch) 
     monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 1000)
     monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 4)
     monkeypatch.setattr(round_module, "HEAD_IDLE_DECLINES", 5)
-    alone = ServerArgs(speculative_algorithm="EAGLE3", speculative_hybrid_ngram=0)
-    spec_round = SpecRound(SpecSettings.from_args(alone), STEEP, None, 4096)
-    observe_chains(
-        spec_round.planner.stats_for(head_bucket(0.9)), 0.0, 6, random.Random(3), [0.9] * 6
-    )
-    req = Req("r", [3, 4, 5, 6, 8], SamplingParams())
-    req.spec.draft_top1 = 0.9
+    spec_round, req = head_alone_round(accepted=0.0)
     steps = 0
     while not spec_round.head_idle:
         assert spec_round.plan([req]) is None
         steps += 1
     assert steps == 5
+    for _ in range(4):  # asleep 4 tokens, the last waking it
+        spec_round.plan([req])
+    assert not spec_round.head_idle
     spec_round.backoff.skip = 2  # the backoff's plain steps between plans: not plans
-    for _ in range(4 + 2 + 4):  # asleep 4 (the last wakes it), 2 skipped, 4 declined
+    for _ in range(2 + 4):  # 2 skipped, 4 declined
         spec_round.plan([req])
     assert not spec_round.head_idle
     spec_round.plan([req])
     assert spec_round.head_idle
 
 
-def paying_head_round(monkeypatch) -> tuple[SpecRound, Req]:
-    """EAGLE3 alone, its head's statistics accepting nearly everything (the planner gives it a
-    tree every step), and a request it drafts for."""
-    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 1 << 20)  # never for want of trees
+def head_alone_round(accepted: float) -> tuple[SpecRound, Req]:
+    """EAGLE3 alone, its confident head's drafts accepted at `accepted` a node, and a request
+    it drafts for."""
     alone = ServerArgs(speculative_algorithm="EAGLE3", speculative_hybrid_ngram=0)
     spec_round = SpecRound(SpecSettings.from_args(alone), STEEP, None, 4096)
     observe_chains(
-        spec_round.planner.stats_for(head_bucket(0.9)), 0.95, 6, random.Random(3), [0.9] * 6
+        spec_round.planner.stats_for(head_bucket(0.9)), accepted, 6, random.Random(3), [0.9] * 6
     )
     req = Req("r", [3, 4, 5, 6, 8], SamplingParams())
     req.spec.draft_top1 = 0.9
     return spec_round, req
+
+
+def paying_head_round(monkeypatch) -> tuple[SpecRound, Req]:
+    """EAGLE3 alone, its head's statistics accepting nearly everything (the planner gives it a
+    tree every step), and a request it drafts for."""
+    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 1 << 20)  # never for want of trees
+    return head_alone_round(accepted=0.95)
 
 
 def head_rounds(spec_round: SpecRound, req: Req, count: int, ms_of, accepted: int) -> None:

@@ -28,17 +28,18 @@ def gather(tensors: Iterable[torch.Tensor]) -> int:
     a forward reads them); every tensor among `tensors` that views a moved storage views the
     slab after, with its values, shape and strides. Tensors not given that view a moved storage
     keep the old one (still valid, its memory kept). Returns the bytes moved."""
+    _slabs[:] = [slab for slab in _slabs if not slab[2].expired()]  # a freed model's go
     groups: dict[int, list[torch.Tensor]] = {}  # each storage's holders, by its address
     for tensor in tensors:
         if tensor.device.type != "cpu" or tensor.layout is not torch.strided:
             continue
-        start = tensor.untyped_storage().data_ptr()
-        if tensor.untyped_storage().nbytes() == 0 or _in_slab(start):
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0 or _in_slab(storage.data_ptr()):
             continue
-        holders = groups.setdefault(start, [])
+        holders = groups.setdefault(storage.data_ptr(), [])
         if all(held is not tensor for held in holders):  # a tied weight comes twice
             holders.append(tensor)
-    # no storage referenced here but through its holders: each is freed as soon as they are
+    # storages are reached only through their holders: each is freed as soon as they are
     # rebound, so a load's peak is the weights and one slab
     moved, batch, size = 0, [], 0
     for holders in groups.values():
@@ -73,5 +74,4 @@ def _fill(batch: list[tuple[int, list[torch.Tensor]]], size: int) -> None:
 
 
 def _in_slab(address: int) -> bool:
-    _slabs[:] = [slab for slab in _slabs if not slab[2].expired()]  # a freed model's go
-    return any(start <= address < end for start, end, _ in _slabs)
+    return any(start <= address < end and not ref.expired() for start, end, ref in _slabs)

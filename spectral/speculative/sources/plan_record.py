@@ -160,17 +160,21 @@ class PlanBackoff:
         """Whether this step is planned (else it is a plain step, counted)."""
         running = frozenset(rids)
         if not running <= self.batch:  # a request joined: its lookups may pay at once
-            self.declined = self.skip = 0
+            self.restart()
         self.batch = running
         if self.skip > 0:
             self.skip -= 1
             return False
         return True
 
+    def restart(self) -> None:
+        """Plan every step again, as if no plan had declined."""
+        self.declined = self.skip = 0
+
     def planned(self, speculate: bool) -> None:
         """The step's plan ran a round or declined one."""
         if speculate:
-            self.declined = self.skip = 0
+            self.restart()
         else:
             self.declined += 1
             self.skip = min(PLAN_BACKOFF_MOST, self.declined // PLAN_BACKOFF_AFTER)

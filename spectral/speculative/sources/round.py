@@ -57,10 +57,10 @@ HEAD_WAKE_MOST = 8192
 # HEAD_IDLE_AFTER >> HEAD_SHORTER_WAKES tokens: where it was never given one, its wakes were
 # a fifth of a short run's steps, each with its upkeep (~1.6% of a step) and its planning.
 HEAD_SHORTER_WAKES = 2
-# It also idles as soon as HEAD_IDLE_DECLINES plans in a row have run no round at all (of any
-# source): nothing pays, and until something changes (a request joins, a round runs) the
-# planner declines again, so the wait in tokens only adds its upkeep (measured at batch 1 on
-# HumanEval, the head alone: an awake step 2.4-4.1% slower than a plain engine's same step).
+# It also idles as soon as HEAD_IDLE_DECLINES plans in a row have run no round of any source
+# (the PlanBackoff's count, which a request joining restarts): nothing pays, and until
+# something changes the planner declines again, so the wait in tokens only adds its upkeep
+# (the head alone at batch 1 on HumanEval: an awake step 2.4-4.1% slower than a plain step).
 HEAD_IDLE_DECLINES = 16
 
 
@@ -112,8 +112,6 @@ class SpecRound:
         # steps and other sources' rounds ask it for no upkeep (`WorkerBatch.drafter_idle`).
         self.head_idle = False
         self._head_tokens = 0  # decoded since its last tree, or, idle, since it went idle
-        self._declines = 0  # plans in a row that ran no round, while it is awake
-        self._planned = False  # the last `_plan_step` planned (not a backoff's plain step)
         self._unpaid_sleeps = 0  # sleeps in a row it went to without having paid
         self._may_idle = spec.has_drafter and spec.entry.idles and self.planner is not None
         # plans a step apart or more after many declined in a row (a planner's only)
@@ -135,8 +133,9 @@ class SpecRound:
             self._head_tokens += len(running)
             sleep = HEAD_WAKE_AFTER << max(self._unpaid_sleeps - 1, 0)
             waking = self._head_tokens >= min(sleep, HEAD_WAKE_MOST)
-            if waking:
-                self.head_idle, self._head_tokens, self._declines = False, 0, 0
+            if waking:  # its trees planned every step again (the backoff counts anew)
+                self.head_idle, self._head_tokens = False, 0
+                self.backoff.restart()
             if waking or (self.ngram is None and self.lookahead is None):  # no tree to plan
                 return _no_round(running)
             return self._plan_step(running)
@@ -149,9 +148,8 @@ class SpecRound:
             and any(size > 1 and family(req.spec.kind) == HEAD for req, size in zip(running, sizes))
         )
         self._head_tokens = 0 if head_tree else self._head_tokens + len(running)
-        self._declines = 0 if sizes is not None else self._declines + int(self._planned)
         awake_for = HEAD_IDLE_AFTER >> min(self._unpaid_sleeps, HEAD_SHORTER_WAKES)
-        nothing_pays = self._declines >= HEAD_IDLE_DECLINES
+        nothing_pays = self.backoff.declined >= HEAD_IDLE_DECLINES
         if self._head_tokens >= awake_for or nothing_pays or ledger.losing:
             self.head_idle, self._head_tokens = True, 0
             paid = ledger.rounds >= HEAD_VALUE_ROUNDS and ledger.value > 0
@@ -164,14 +162,12 @@ class SpecRound:
         """`_plan_sizes`, on the steps the backoff plans (every step where a request is under
         a grammar: the text it forces drafts for nothing)."""
         backoff = self.backoff
-        self._planned = False
         if (
             backoff is not None
             and not any(req.grammar is not None for req in running)
             and not backoff.plans([req.rid for req in running])
         ):
             return _no_round(running)
-        self._planned = True
         sizes = self._plan_sizes(running)
         if backoff is not None:
             backoff.planned(sizes is not None)
