@@ -220,22 +220,17 @@ struct DotSum {
     return iv::madd16(v, scale);
 #endif
   }
-  // widen_minus(c) times each lane's scale (as widen_scaled).
-  IVec widen_minus_scaled(IVec c, IVec scale) const {
+  // A sum that starts at minus c's two int16 (the same pair in every lane), so that what it
+  // holds once the products are added is their sum less c's: exact in int32 with VNNI; in
+  // int16 pairs the adds wrap on the way, and the difference comes out exact wherever it fits.
+  static DotSum less(int32_t c) {
+    DotSum sum;
 #if defined(SPECTRAL_VNNI)
-    return iv::mullo32(iv::sub32(v, iv::madd16(c, iv::pairs(1))), iv::sra32(scale, 16));
+    sum.v = iv::words(-(static_cast<int16_t>(c & 0xFFFF) + (c >> 16)));
 #else
-    return iv::madd16(iv::sub16(v, c), scale);
+    sum.v = iv::sub16(iv::zero(), iv::words(c));
 #endif
-  }
-  // widen() less each lane's two int16 of c. The int16 sums may have wrapped on the way (each
-  // maddubs is exact, the adds wrap): the difference is exact wherever it fits int16.
-  IVec widen_minus(IVec c) const {
-#if defined(SPECTRAL_VNNI)
-    return iv::sub32(v, iv::madd16(c, iv::pairs(1)));
-#else
-    return iv::madd16(iv::sub16(v, c), iv::pairs(1));
-#endif
+    return sum;
   }
 };
 #endif

@@ -51,14 +51,18 @@ inline void scaled_block_sums(const uint8_t* blk, const Q8Rows& x, int64_t row0,
     }
   } else {
     // Quants u = q + 32 (0..63) rebuilt from nibbles and high bits and taken unsigned, the
-    // first 16 inputs (low nibbles) and then the last 16 (high nibbles), and 32 x taken off at
-    // the end (x.q6_bias): the sums of q itself (at most 8 * 32 * 127 a lane) fit int16, those
+    // first 16 inputs (low nibbles) and then the last 16 (high nibbles), their sums begun at
+    // minus 32 x (x.q6_bias): the sums of q itself (at most 8 * 32 * 127 a lane) fit int16, those
     // of u, a maddubs pair at most 2 * 63 * 127, wrap there on the way but come out exact.
     const IVec mask = iv::bytes(0x0F), high_bits = iv::bytes(0x30);
     // Unrolled, so that each group's shifts are constants (the compiler leaves these loops be).
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
-      DotSum acc[R][kV];
+      DotSum acc[R][kV];  // from minus 32 x (x.q6_bias), the sums of q come out of those of u
+      for (int r = 0; r < R; ++r) {
+        const DotSum start = DotSum::less(x.q6_bias[(row0 + r) * x.k / 16 + 2 * b + half]);
+        for (int v = 0; v < kV; ++v) acc[r][v] = start;
+      }
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         const int bit = (g / 2) * 4 + half * 2;  // where the group's high bits are, put at 4
@@ -83,12 +87,9 @@ inline void scaled_block_sums(const uint8_t* blk, const Q8Rows& x, int64_t row0,
       IVec scale[kV];  // the half's int8 scales, in both int16 halves of each column's lane
       for (int v = 0; v < kV; ++v)
         scale[v] = iv::both_halves(iv::i8_lanes(blk + half * kNR + kIntLanes * v));
-      for (int r = 0; r < R; ++r) {
-        const IVec bias = iv::words(x.q6_bias[(row0 + r) * x.k / 16 + 2 * b + half]);
+      for (int r = 0; r < R; ++r)
         for (int v = 0; v < kV; ++v)
-          sums[r][v] = iv::add32(
-              sums[r][v], iv::sll32(acc[r][v].widen_minus_scaled(bias, scale[v]), shift[r]));
-      }
+          sums[r][v] = iv::add32(sums[r][v], iv::sll32(acc[r][v].widen_scaled(scale[v]), shift[r]));
     }
   }
 }
