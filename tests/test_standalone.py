@@ -167,8 +167,7 @@ def test_a_draft_equal_to_the_target_is_accepted_nearly_always(
     wrong somewhere (a position not caught up, a scratch row with the wrong ancestors, a
     cached prefix's KV missing, a level's KV copied to the wrong slot); prompts share prefixes
     (radix hits) and prefill in chunks. The accepted tokens a level computed are not computed
-    again: a catch-up runs over the last accepted token and the root at most; a prompt's draft
-    KV is computed as it is prefilled, so that no catch-up runs over a prompt."""
+    again: a catch-up runs over the last accepted token and the root at most."""
     caught_up: list[int] = []  # tokens a request's catch-up forward runs over
     original = DraftModelDrafter._logprobs
 
@@ -196,7 +195,6 @@ def test_a_draft_equal_to_the_target_is_accepted_nearly_always(
     assert accepted_per_round(s) > 3.4  # of 4 drafted (a request's last round is cut short)
     # 4 accepted: levels 1-3 computed three, the fourth and the root left (5 without copies)
     assert statistics.median(caught_up) <= 2
-    assert max(caught_up) <= 5, caught_up  # a round's path and root at most, never a prompt
 
 
 def test_retraction_and_aborts_keep_output_equal_and_free_everything(

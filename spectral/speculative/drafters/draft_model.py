@@ -5,14 +5,13 @@ KV: the draft's pool is indexed by the target's slot ids, as the EAGLE head's is
 of a request keeps the draft's KV in the slot the target's req-to-token row gives p, so the
 draft never allocates or frees a slot and its KV lives and dies with the target's. A slot's
 draft KV depends only on the tokens up to its position, so a prefix the radix cache shares has
-the same draft KV for every request that matches it. A prefill's draft KV is computed in its
-step; otherwise the draft catches up lazily: every token the target commits (plain step,
-accepted path) is recorded with its slot and marked not yet computed, and when the draft next
-drafts for a request it runs one forward over the request's positions from the first
-uncomputed one to its root (the last verified token, written into the root's own slot). Plain
-steps the planner chooses over speculation thus cost the draft nothing until it drafts again,
-and a matched prefix computed by an earlier request is not computed again
-(docs/speculative.md, "Draft models").
+the same draft KV for every request that matches it. The draft catches up lazily: every token
+the target commits (prefill, plain step, accepted path) is recorded with its slot and marked
+not yet computed; when the draft next drafts for a request it runs one forward over the
+request's positions from the first uncomputed one to its root (the last verified token,
+written into the root's own slot). Plain steps the planner chooses over speculation thus cost
+the draft nothing until it drafts again, and a matched prefix computed by an earlier request
+is not computed again (docs/speculative.md, "Draft models").
 
 Tree levels: each frontier node gets a scratch row of the draft's own req-to-token table (its
 request's prefix, then its ancestors' scratch slots) and a scratch slot past the target's, so a
@@ -24,6 +23,8 @@ catch-up starts past them.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +34,6 @@ from spectral.core.transfer import on_device
 from spectral.mem.kv_pool import KVPool
 from spectral.mem.req_to_token import ReqToTokenPool
 from spectral.speculative.drafters.base import DrafterContext, file_stamp
-from spectral.speculative.drafters.draft_levels import Drafted, as_chains
 from spectral.speculative.drafters.expansion import TreeExpansion
 from spectral.speculative.drafters.token_map import load_token_map
 
@@ -108,8 +108,8 @@ class DraftModelDrafter:
         self.catch_up_width = 0
         # Request row -> the root slot this round's draft wrote (computed when committed).
         self._rooted: dict[int, int] = {}
-        # Request row -> what this round's draft computed for it (`Drafted`).
-        self._drafted: dict[int, Drafted] = {}
+        # Request row -> what this round's draft computed for it (`_Drafted`).
+        self._drafted: dict[int, _Drafted] = {}
 
     # ---- what the target commits ---------------------------------------------------------
 
@@ -119,19 +119,9 @@ class DraftModelDrafter:
         self.slot_token[slots] = tokens.to(self.slot_token.device)
         self.computed[slots] = False
 
-    @torch.inference_mode()
     def observe_step(self, batch: ForwardBatch, next_ids: list[int], features: object) -> None:
-        """A prefill or plain decode step: its input tokens are committed at their slots, and
-        a prefill's draft KV computed now, as the target computes its own (left to a request's
-        first draft, that draft caught up over the whole prompt: a round ~10 draft levels
-        long, which the planner learnt as what its drafted rounds cost, and then drafted no
-        more)."""
+        """A prefill or plain decode step: its input tokens are committed at their slots."""
         self.commit(batch.out_cache_loc, batch.input_ids)
-        if batch.mode == ForwardMode.EXTEND:
-            rows = batch.host_rows()
-            ends = [p + n for p, n in zip(batch.prefix_lens, batch.extend_lens)]
-            for i in range(0, len(rows), DRAFT_CHUNK):
-                self._compute(rows[i : i + DRAFT_CHUNK], ends[i : i + DRAFT_CHUNK])
 
     def observe_round(
         self,
@@ -265,7 +255,7 @@ class DraftModelDrafter:
                 table[group[b], n + 1 : n + step + 1] = path
         result = levels.result()
         for b, row in enumerate(rows.tolist()):
-            self._drafted[row] = Drafted(b, steps, result[1][b], result[2][b], frontiers)
+            self._drafted[row] = _Drafted(b, steps, result[1][b], result[2][b], frontiers)
         return result
 
     def _catch_up(
@@ -274,68 +264,39 @@ class DraftModelDrafter:
         """One forward over each request's positions from its first uncomputed one through
         its root (into scratch row b * k, the request's prefix copied there); the log-probs
         after each root [B, V]."""
+        k = self.topk
         table = self.scratch.table
         ids: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        starts = self._scratch_prefixes(rows.tolist(), lens)
-        for b, (n, start) in enumerate(zip(lens, starts)):
-            prefix = table[b * self.topk, :n]
-            table[b * self.topk, n] = root_slots[b]
-            slots.append(torch.cat((prefix[start:], root_slots[b : b + 1])))
-            ids.append(torch.cat((self.slot_token[prefix[start:]], roots[b : b + 1])))
-        ends = [n + 1 for n in lens]
-        logprobs = self._logprobs(self._extend(list(range(len(lens))), starts, ends, ids, slots))
-        self.slot_token[root_slots] = roots
-        self.computed[torch.cat(slots)] = True
-        self._rooted.update(zip(rows.tolist(), root_slots.tolist()))
-        return logprobs
-
-    def _compute(self, rows: list[int], lens: list[int]) -> None:
-        """The draft KV of each request's positions from its first uncomputed one to its
-        `lens[b]`th (the target's table row `rows[b]`), in one forward."""
-        table = self.scratch.table
-        starts = self._scratch_prefixes(rows, lens)
-        todo = [b for b, (n, start) in enumerate(zip(lens, starts)) if start < n]
-        if not todo:
-            return
-        slots = [table[b * self.topk, starts[b] : lens[b]] for b in todo]
-        ids = [self.slot_token[s] for s in slots]
-        self.lm.forward_hidden(
-            self._extend(todo, [starts[b] for b in todo], [lens[b] for b in todo], ids, slots)
-        )
-        self.computed[torch.cat(slots)] = True
-
-    def _scratch_prefixes(self, rows: list[int], lens: list[int]) -> list[int]:
-        """Each request's prefix (the target's slots of its first `lens[b]` positions) copied
-        into scratch row b * k; returns the first position of each whose draft KV is not
-        computed (`lens[b]` where all is)."""
-        starts = []
-        for b, (row, n) in enumerate(zip(rows, lens)):
+        starts: list[int] = []
+        for b, (row, n) in enumerate(zip(rows.tolist(), lens)):
             prefix = self.target_table.table[row, :n]
             missing = (~self.computed[prefix]).nonzero()
-            starts.append(int(missing[0]) if missing.numel() else n)
-            self.scratch.table[b * self.topk, :n] = prefix
-        return starts
-
-    def _extend(
-        self,
-        chunk_rows: list[int],
-        starts: list[int],
-        ends: list[int],
-        ids: list[torch.Tensor],
-        slots: list[torch.Tensor],
-    ) -> ForwardBatch:
-        """The draft's causal forward over positions starts[i]..ends[i] - 1 of the requests in
-        scratch rows chunk_rows[i] * k, tokens `ids[i]` into `slots[i]`."""
-        return ForwardBatch(
+            start = int(missing[0]) if missing.numel() else n
+            scratch_row = b * k
+            table[scratch_row, :n] = prefix
+            table[scratch_row, n] = root_slots[b]
+            new_slots = torch.cat((prefix[start:], root_slots[b : b + 1]))
+            ids.append(torch.cat((self.slot_token[prefix[start:]], roots[b : b + 1])))
+            positions.append(torch.arange(start, n + 1))
+            slots.append(new_slots)
+            starts.append(start)
+        out_slots = torch.cat(slots)
+        batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
             input_ids=torch.cat(ids),
-            positions=torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)]),
-            out_cache_loc=torch.cat(slots),
-            req_pool_indices=torch.tensor(chunk_rows) * self.topk,
+            positions=torch.cat(positions),
+            out_cache_loc=out_slots,
+            req_pool_indices=torch.arange(len(lens)) * k,
             prefix_lens=starts,
-            extend_lens=[e - s for s, e in zip(starts, ends)],
+            extend_lens=[n + 1 - s for n, s in zip(lens, starts)],
         )
+        logprobs = self._logprobs(batch)
+        self.slot_token[root_slots] = roots
+        self.computed[out_slots] = True
+        self._rooted.update(zip(rows.tolist(), root_slots.tolist()))
+        return logprobs
 
     def _target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """The target's ids of columns of `_logprobs`."""
@@ -354,6 +315,51 @@ class DraftModelDrafter:
             ends = on_device(batch.extend_lens, torch.int64, hidden.device).cumsum(0) - 1
             logits = self.lm.model.compute_logits(hidden[ends])
         return torch.log_softmax(logits[:, : self.vocab].float(), dim=-1)
+
+
+def as_chains(batch: ForwardBatch) -> ForwardBatch:
+    """`batch` (an extend) as the verification of one chain a request: each new token sees
+    the ones before it (a causal mask), every row's logits; a decode step where each request
+    has one new token."""
+    if max(batch.extend_lens) == 1:
+        return dataclasses.replace(batch, mode=ForwardMode.DECODE)
+    masks = [torch.ones(n, n, dtype=torch.bool).tril().reshape(-1) for n in batch.extend_lens]
+    mask = torch.cat(masks).to(batch.input_ids.device)
+    return dataclasses.replace(
+        batch, mode=ForwardMode.TARGET_VERIFY, custom_mask=mask, logits_rows="all"
+    )
+
+
+@dataclass
+class _Drafted:
+    """What one draft computed for a request: its candidates (`tokens`, `parents`, in
+    TreeExpansion.result's layout) and each level's frontier candidates [B, k], whose draft KV
+    that level wrote: frontier node j of level d (row `b` of `frontiers[d - 1]`) in scratch
+    row b * k + j, whose slot for level d is `scratch_slot0 + (b * k + j) * steps + d`."""
+
+    b: int  # the request's place in its draft chunk
+    steps: int
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    frontiers: list[torch.Tensor]
+
+    def scratch_slots(self, path: list[int], scratch_slot0: int) -> list[int]:
+        """The scratch slots holding the draft KV of the accepted `path`'s first tokens (below
+        the root), as far as a level computed them."""
+        tokens, parents = self.tokens.tolist(), self.parents.tolist()
+        found: list[int] = []
+        node = -1
+        for depth, (token, frontier) in enumerate(zip(path, self.frontiers), start=1):
+            nodes = frontier[self.b].tolist()
+            k = len(nodes)
+            j = next(
+                (j for j, c in enumerate(nodes) if tokens[c] == token and parents[c] == node), None
+            )
+            if j is None:
+                break
+            node = nodes[j]
+            found.append(scratch_slot0 + (self.b * k + j) * self.steps + depth)
+        return found
 
 
 def build(ctx: DrafterContext) -> DraftModelDrafter:
