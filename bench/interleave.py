@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 from spectral import Engine
 
-# An engine's turn: steps for this long. Long enough that the first step's reads of weights
-# the other engines pushed out of the cache are ~1% of it (these CPUs' L3 holds the default
-# model's 150 MB; engines a step of each in turn read every weight from memory, 25% slower at
-# batch 1), short enough that the machine's drift is the same for every engine.
-TURN_S = 0.5
+# An engine's turn: steps for this long. Short, so that the machine's drift between one
+# engine's turn and the next's is small: the control (two plain engines, 5 passes of 8 HumanEval
+# prompts at batch 1, 7 engines, an AMD EPYC) read 0.99-1.02x in turns of 0.5 s and 1.00-1.01x
+# in turns of 0.1 s, plain's own speed the same in both. The first step of a turn reads the
+# weights the other engines pushed out of the cache, the same cost for every engine.
+TURN_S = 0.1
 
 
 @dataclass

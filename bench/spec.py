@@ -54,7 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import DATASETS, chat, humaneval_prompts, pyplot  # noqa: E402
-from interleave import generate, interleaved_pass, sampling, spec_counts  # noqa: E402
+from interleave import TURN_S, generate, interleaved_pass, sampling, spec_counts  # noqa: E402
 
 from spectral import Engine  # noqa: E402
 
@@ -182,6 +182,12 @@ def main() -> None:
         help="at each batch size at least this many batches' worth of prompts (the dataset's "
         "first N x batch where --num-prompts gives fewer), so that a pass runs the batch full",
     )
+    ap.add_argument(
+        "--turn-s",
+        type=float,
+        default=TURN_S,
+        help="seconds of scheduler steps an engine runs in its turn (bench/interleave.py)",
+    )
     ap.add_argument("--out", default="spec.json", help="file name under bench/out")
     args = ap.parse_args()
 
@@ -304,7 +310,9 @@ def run_size(
     chunk = args.chunk or len(prompts)
     passes = []
     for p in range(args.passes):
-        timings = interleaved_pass(engines, prompts, params, chunk, reverse=p % 2 == 1)
+        timings = interleaved_pass(
+            engines, prompts, params, chunk, reverse=p % 2 == 1, turn_s=args.turn_s
+        )
         passes.append(timings)
         plain = timings["plain"]
         print(f"batch {size:3d}  plain              {plain.tok_s:7.2f} tok/s  (pass {p + 1})")

@@ -37,6 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from data import pyplot  # noqa: E402
+from interleave import TURN_S  # noqa: E402
 
 from models import KIT_DIR, MODELS  # noqa: E402
 
@@ -51,7 +52,7 @@ LARGE_ALGORITHMS = ["NGRAM", "LOOKAHEAD", "STANDALONE"]
 def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(output file name, bench/spec.py arguments) of each part of the matrix."""
     sizing = ["--max-new-tokens", str(args.max_new_tokens), "--passes", str(args.passes)]
-    sizing += ["--min-batches", str(args.min_batches)]
+    sizing += ["--min-batches", str(args.min_batches), "--turn-s", str(args.turn_s)]
     if args.num_prompts:
         sizing += ["--num-prompts", str(args.num_prompts)]
     out = []
@@ -189,6 +190,12 @@ def main() -> None:
         default=4,
         help="at each batch size at least this many batches' worth of prompts (batch 16: 64), "
         "so that a pass runs the batch full and its drain is short (bench/spec.py)",
+    )
+    ap.add_argument(
+        "--turn-s",
+        type=float,
+        default=TURN_S,
+        help="seconds of steps an engine runs in its turn (bench/interleave.py)",
     )
     ap.add_argument(
         "--quantization", default="auto", help="the default model's path (auto, gguf, gguf-int8)"

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from spectral.attention.torch_backend import TorchAttentionBackend
 from spectral.core.forward import ForwardBatch, ForwardMode
+from spectral.kernels import cpu_kernels as kernel_builds
 from spectral.kernels.cpu_kernels import BUILD_ERRORS, cpu_signature, load_cpu_kernels
 from spectral.layers.norm import RMSNorm
 from spectral.layers.rotary import apply_rotary
@@ -53,6 +54,25 @@ def test_kernels_use_the_widest_vector_unit_the_cpu_has():
         pytest.skip("no /proc/cpuinfo flags to compare with")
     want = 512 if "avx512f" in flags else 256 if {"avx2", "fma"} <= flags else 0
     assert kernels.vector_bits() == want
+
+
+@pytest.mark.parametrize(
+    "vendor, flags, locality, min_rows",
+    [
+        ("GenuineIntel", "fpu avx2 avx512f", 3, 1),
+        ("AuthenticAMD", "fpu avx2 avx512f avx512bw", 0, 2),
+        ("AuthenticAMD", "fpu avx2 fma", 0, 1),
+    ],
+)
+def test_weights_are_asked_for_ahead_as_measured_for_the_cpu(
+    monkeypatch, vendor, flags, locality, min_rows
+):
+    """Non-temporal hints on AMD, into every level on Intel; one-row integer tiles without
+    them only on an AMD with AVX-512 (vec.h's prefetch_for_rows)."""
+    lines = ("processor\t: 0", f"vendor_id\t: {vendor}", f"flags\t\t: {flags}")
+    monkeypatch.setattr(kernel_builds, "cpuinfo_lines", lambda: lines)
+    assert kernel_builds.prefetch_locality() == locality
+    assert kernel_builds.prefetch_min_rows() == min_rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

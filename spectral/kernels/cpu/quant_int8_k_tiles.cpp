@@ -132,7 +132,7 @@ void k_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
       for (int v = 0; v < kV; ++v) sums[r][v] = iv::zero();
     for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
       const uint8_t* blk = blocks + b * q8_block_bytes(Kind);
-      prefetch_ahead(blk, q8_block_bytes(Kind));
+      prefetch_for_rows<R>(blk, q8_block_bytes(Kind));
       scaled_block_sums<Kind, R>(blk, x, row0, b, sums);
     }
     if constexpr (Kind == kQ4_K) q4_k_min_sums<R>(blocks, x, row0, sb, mins);

@@ -327,7 +327,7 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
   const uint8_t* blocks = panel + q8_header_bytes(Kind, nb);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = blocks + b * q8_block_bytes(Kind);
-    prefetch_ahead(blk, q8_block_bytes(Kind));
+    prefetch_for_rows<R>(blk, q8_block_bytes(Kind));
     FVec dw[kV], mw[kV];  // the block's d and m (Q8_0h: the last 16 inputs' d) per column
     for (int v = 0; v < kV; ++v) {
       if constexpr (half_scales(Kind)) {
