@@ -132,7 +132,8 @@ def forward_work(worker: ModelWorker, shape: str, m: int, prefix: int) -> tuple[
     kv_tokens = prefix + m if shape == "verify" else (prefix + 1) * m
     packs = [m.packed for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_packed]
     if all(p is not None for p in packs):  # what the kernels stream: dense or GGUF blocks
-        weight_bytes = sum(p.nbytes for p in packs)
+        # each once: the LM head's is also a Linear's where it is one
+        weight_bytes = sum({id(p): p.nbytes for p in packs}.values())
     else:
         weight_bytes = (layer_params + head_params) * elem
     return flop, weight_bytes + kv_tokens * kv_width * elem

@@ -31,10 +31,21 @@ inline float round_to(const at::BFloat16*, float v) {
   return static_cast<float>(static_cast<at::BFloat16>(v));
 }
 
+// Elements of work a thread must have at least before a row-wise op is split over threads:
+// below it, handing rows to the other thread and waiting for it costs more than the rows (a
+// norm or rotary of a few rows runs in a microsecond or two, a fork and join of the OpenMP team
+// in a few).
+constexpr int64_t kMinSplitElements = 16384;
+
+// Rows of `width` elements a thread takes at least (at::parallel_for's grain).
+inline int64_t rows_grain(int64_t width) {
+  return std::max<int64_t>(1, kMinSplitElements / std::max<int64_t>(width, 1));
+}
+
 template <typename T>
 void add_rms_norm_impl(T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t h,
                        double eps) {
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, rows_grain(h), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       T* xr = x + r * h;
       if (residual != nullptr) {
@@ -60,7 +71,7 @@ template <typename T>
 void rotary_impl(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t row_stride,
                  const float* cos, const float* sin, const int64_t* positions) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens * heads, 16, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, tokens * heads, rows_grain(dim), [&](int64_t a, int64_t b) {
     std::vector<float> tmp(dim);
     for (int64_t th = a; th < b; ++th) {
       const int64_t t = th / heads;
@@ -356,7 +367,7 @@ void attention_rows_impl(const T* q, const T* kbuf, const T* vbuf, const std::ve
 // e^-g) in float32, rounded to T (as torch's silu gives it), then the product rounded to T.
 template <typename T>
 void silu_mul_impl(const T* gate_up, T* out, int64_t tokens, int64_t inter) {
-  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, tokens, rows_grain(2 * inter), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const T* g = gate_up + t * 2 * inter;
       const T* u = g + inter;
