@@ -31,9 +31,9 @@ def _build_test_kernels_beside() -> None:
     import subprocess
     import sys
 
-    from spectral.kernels.cpu_kernels import cpu_signature, is_built
+    from spectral.kernels.cpu_kernels import cpu_flags, is_built
 
-    for isa in ("scalar", "avx2") if "avx512f" in cpu_signature().split() else ("scalar",):
+    for isa in ("scalar", "avx2") if "avx512f" in cpu_flags() else ("scalar",):
         if not is_built(isa):
             code = f"from spectral.kernels.cpu_kernels import load_cpu_kernels as l; l({isa!r})"
             subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from spectral.attention.torch_backend import TorchAttentionBackend
 from spectral.core.forward import ForwardBatch, ForwardMode
 from spectral.kernels import cpu_kernels as kernel_builds
-from spectral.kernels.cpu_kernels import BUILD_ERRORS, cpu_signature, load_cpu_kernels
+from spectral.kernels.cpu_kernels import BUILD_ERRORS, cpu_flags, load_cpu_kernels
 from spectral.layers.norm import RMSNorm
 from spectral.layers.rotary import apply_rotary
 from spectral.mem.kv_pool import KVPool
@@ -41,11 +41,6 @@ def bf16_tolerance(reference: torch.Tensor, dtype: torch.dtype) -> float:
     """Float32 sums in another order, then one rounding to the output dtype."""
     scale = reference.abs().max().item()
     return scale * (1e-5 if dtype == torch.float32 else 2**-7)
-
-
-def cpu_flags() -> set[str]:
-    line = next((ln for ln in cpu_signature().splitlines() if ln.startswith("flags")), "")
-    return set(line.split()[1:])
 
 
 def test_kernels_use_the_widest_vector_unit_the_cpu_has():

@@ -131,9 +131,8 @@ inline void prefetch_ahead(const void* block, int64_t bytes) {
 
 // The integer tiles of fewer rows of x than this read their weights without the hint: where a
 // core's hardware prefetchers keep up with a tile of one row, the hint's loads only take their
-// place (an AMD EPYC with AVX-512: the 1.5B's decode forward 7.6% faster without it, its
-// verify forwards of 4 and 8 rows 1.4x and 1.3x slower). cpu_kernels.prefetch_min_rows()
-// chooses it for the runtime's build.
+// place. cpu_kernels.prefetch_min_rows() chooses it for the runtime's build (and says where it
+// was measured).
 #ifndef SPECTRAL_PREFETCH_MIN_ROWS
 #define SPECTRAL_PREFETCH_MIN_ROWS 1
 #endif
