@@ -326,17 +326,21 @@ def test_quants_beyond_a_layouts_int16_sums_are_refused():
 
 
 def test_a_weight_in_parts_quantizes_x_once_and_equals_its_parts_side_by_side():
-    """A Q4_K_M q|k|v: Q4_K rows over Q6_K rows (and a dense part), through linear_parts, bit
-    for bit the parts' own outputs side by side, plus the bias."""
+    """A Q4_K_M q|k|v: Q4_K rows over Q8_0 rows (x quantized per block of 32 beside per
+    superblock) over Q6_K rows (and a dense part), each part's columns written in place,
+    through linear_parts: bit for bit the parts' own outputs side by side, plus the bias."""
     x = torch.randn((5, 512), generator=torch.Generator().manual_seed(4))
-    raws = {fmt: random_blocks(fmt, rows, 2, 6) for fmt, rows in (("Q4_K", 48), ("Q6_K", 16))}
+    raws = {
+        fmt: random_blocks(fmt, rows, 512 // BLOCKS[fmt][0], 6)
+        for fmt, rows in (("Q4_K", 48), ("Q8_0", 24), ("Q6_K", 16))
+    }
     parts = [
         (*pack_int8(torch.from_numpy(raw), fmt, 512, kernels), raw.shape[0])
         for fmt, raw in raws.items()
     ]
     dense = torch.randn((8, 512), generator=torch.Generator().manual_seed(5))
     parts.append((kernels.pack_linear_weight(dense), "", 8))
-    bias = torch.randn(72)
+    bias = torch.randn(96)
     got = kernels.linear_parts(x, *map(list, zip(*parts)), bias)
     singles = [
         kernels.gguf_linear(x, d, t, n, None) if t else kernels.packed_linear(x, d, n, None)

@@ -10,6 +10,113 @@
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
+namespace {
+
+// x's rows quantized, and what the tiles read beside them, in buffers the calling thread keeps
+// from call to call: a decode step's linears would otherwise allocate six each. Two sets of
+// rows, as a weight in parts may take x quantized both per block of 32 and per superblock.
+struct Q8Buffers {
+  std::vector<int8_t> q, shift;
+  std::vector<float> d;
+  std::vector<int32_t> s;
+};
+struct TileExtras {
+  std::vector<int32_t> bias, pairs;
+};
+// Buffers grown past this many bytes (a long prefill's) are let go after the call.
+constexpr size_t kKeptBytes = size_t{1} << 20;
+
+Q8Buffers& q8_buffers(bool superblocks) {
+  thread_local Q8Buffers kept[2];
+  return kept[superblocks];
+}
+
+TileExtras& tile_extras() {
+  thread_local TileExtras kept;
+  return kept;
+}
+
+void release_large_buffers() {
+  for (bool superblocks : {false, true}) {
+    Q8Buffers& b = q8_buffers(superblocks);
+    if (b.q.capacity() > kKeptBytes) b = Q8Buffers{};
+  }
+  if (tile_extras().bias.capacity() * sizeof(int32_t) > kKeptBytes) tile_extras() = TileExtras{};
+}
+
+// The Q8Rows of x quantized (q, d, s, shift) for the tile of `kind`: Q6_K's vector tiles take
+// its quants unsigned and 32 x off after (q6_biases; the scalar loops need none of it: they
+// subtract 32 from each quant), Q4_K's take the minimums' sums two blocks at a time (s_pairs),
+// both made into `extra`'s buffers.
+Q8Rows q8_rows(int kind, const int8_t* q, const float* d, const int32_t* s, const int8_t* shift,
+               int64_t m, int64_t k, TileExtras& extra) {
+  const int64_t nb = k / kBlock;
+  extra.bias.resize(kind == kQ6_K ? m * k / 16 : 0);
+  if (kind == kQ6_K) q6_biases(q, m, k, extra.bias.data());
+  extra.pairs.resize(kind == kQ4_K ? m * nb / 2 : 0);
+  if (kind == kQ4_K) s_pairs(s, shift, m * nb, extra.pairs.data());
+  return Q8Rows{q, d, s, k, shift, extra.bias.data(), extra.pairs.data()};
+}
+
+// x quantized into `b` (per superblock of 256 with each block's shift, or per block of 32).
+Q8Rows quantize_into(const torch::Tensor& x, bool superblocks, Q8Buffers& b) {
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % (superblocks ? 256 : kBlock) == 0, "x has ", k, " columns, not a multiple of ",
+              superblocks ? 256 : kBlock);
+  const torch::Tensor xf = x.scalar_type() == torch::kFloat32 && x.is_contiguous()
+                               ? x
+                               : x.to(torch::kFloat32).contiguous();
+  b.q.resize(m * k);
+  b.d.resize(m * k / kBlock);
+  b.s.resize(m * k / kBlock);
+  b.shift.resize(superblocks ? m * k / kBlock : 0);
+  quantize_rows(xf.data_ptr<float>(), m, k, b.q.data(), b.d.data(), b.s.data(),
+                superblocks ? b.shift.data() : nullptr);
+  return Q8Rows{b.q.data(), b.d.data(), b.s.data(), k, superblocks ? b.shift.data() : nullptr};
+}
+
+// out[r * ld + c] (r < m, c < n) = row r of x @ w.T through the tile of `kind`.
+template <typename O>
+void run_kind(int kind, const Q8Rows& x, int64_t m, const uint8_t* w, int64_t n, O* out,
+              int64_t ld) {
+  if (m == 0) return;
+  auto go = [&](auto kind_tag) {
+    constexpr int K = decltype(kind_tag)::value;
+    run_q8<K>(x, m, w, n, out, ld);
+  };
+  if (kind == kQ4_1) go(std::integral_constant<int, kQ4_1>{});
+  else if (kind == kQ4_K) go(std::integral_constant<int, kQ4_K>{});
+  else if (kind == kQ6_K) go(std::integral_constant<int, kQ6_K>{});
+  else if (kind == kQ8_0) go(std::integral_constant<int, kQ8_0>{});
+  else if (kind == kQ8_0m) go(std::integral_constant<int, kQ8_0m>{});
+  else if (kind == kQ8_0h) go(std::integral_constant<int, kQ8_0h>{});
+  else if (kind == kQ4_1 + kHalf) go(std::integral_constant<int, kQ4_1 + kHalf>{});
+  else if (kind == kQ8_0 + kHalf) go(std::integral_constant<int, kQ8_0 + kHalf>{});
+  else if (kind == kQ5_0) go(std::integral_constant<int, kQ5_0>{});
+  else if (kind == kQ5_1) go(std::integral_constant<int, kQ5_1>{});
+  else go(std::integral_constant<int, kQ8_0m + kHalf>{});
+}
+
+// Columns [col, col + n) of out [m, N] (float32 or bfloat16): x @ w.T for a weight of `layout`
+// packed for the integer tiles, x as `rows` holds it quantized.
+void q8_linear_into(const Q8Rows& rows, int64_t m, const torch::Tensor& packed,
+                    const std::string& layout, int64_t n, torch::Tensor& out, int64_t col) {
+  const int kind = q8_kind_of(layout);
+  const int64_t panels = (n + kNR - 1) / kNR, nb = rows.k / kBlock;
+  TORCH_CHECK(packed.numel() == panels * q8_panel_bytes(kind, nb), "packed weights are not ", n,
+              " x ", rows.k, " of ", layout, " from pack_q8_layout or pack_q4_k_q8");
+  TORCH_CHECK(!per_superblock(kind) || rows.shift != nullptr, layout,
+              " takes x quantized per superblock of 256 (quantize_q8(x, true))");
+  const Q8Rows x = q8_rows(kind, rows.q, rows.d, rows.s, rows.shift, m, rows.k, tile_extras());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int64_t ld = out.size(1);
+  if (out.scalar_type() == torch::kBFloat16)
+    run_kind(kind, x, m, w, n, out.data_ptr<at::BFloat16>() + col, ld);
+  else run_kind(kind, x, m, w, n, out.data_ptr<float>() + col, ld);
+}
+
+}  // namespace
+
 // x @ w.T (+ bias) with x quantized to 8 bits per block of 32 (quantize_q8's q, d, s) over
 // weights regrouped by pack_q8_layout; float32 out, or bfloat16.
 torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& s,
@@ -24,7 +131,6 @@ torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, con
                   d.numel() == m * nb && s.scalar_type() == torch::kInt32 &&
                   s.is_contiguous() && s.numel() == m * nb,
               "d and s must be contiguous float32 and int32 [m, k / 32] (quantize_q8)");
-  const int64_t panels = (n + kNR - 1) / kNR;
   const bool k_quant = per_superblock(kind);
   TORCH_CHECK(!k_quant || nb % 8 == 0, layout, " rows are whole superblocks of 256");
   if (k_quant) {
@@ -39,92 +145,71 @@ torch::Tensor gguf_linear_q8(const torch::Tensor& q, const torch::Tensor& d, con
                       sp[i] <= kMaxFiner,
                   layout, " takes x quantized per superblock of 256 (quantize_q8(x, true))");
   }
-  TORCH_CHECK(packed.numel() == panels * q8_panel_bytes(kind, nb), "packed weights are not ", n,
-              " x ", k, " of ", layout, " from pack_q8_layout or pack_q4_k_q8");
-  // Q6_K's vector tiles take its quants unsigned and 32 x off after (the scalar loops need
-  // none of it: they subtract 32 from each quant).
-  std::vector<int32_t> q6_bias(kind == kQ6_K ? m * k / 16 : 0);
-  if (kind == kQ6_K) q6_biases(q.data_ptr<int8_t>(), m, k, q6_bias.data());
-  const int8_t* shifts = k_quant ? shift->data_ptr<int8_t>() : nullptr;
-  std::vector<int32_t> pairs(kind == kQ4_K ? m * nb / 2 : 0);  // Q4_K's minimums, two a time
-  if (kind == kQ4_K) s_pairs(s.data_ptr<int32_t>(), shifts, m * nb, pairs.data());
-  const Q8Rows x{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), k,
-                 shifts, q6_bias.data(), pairs.data()};
+  const Q8Rows rows{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>(), k,
+                    k_quant ? shift->data_ptr<int8_t>() : nullptr};
   torch::Tensor out =
       torch::empty({m, n}, q.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  if (m > 0) {
-    auto go = [&](auto kind_tag) {
-      constexpr int K = decltype(kind_tag)::value;
-      if (bf16_out) run_q8<K>(x, m, w, n, out.data_ptr<at::BFloat16>());
-      else run_q8<K>(x, m, w, n, out.data_ptr<float>());
-    };
-    if (kind == kQ4_1) go(std::integral_constant<int, kQ4_1>{});
-    else if (kind == kQ4_K) go(std::integral_constant<int, kQ4_K>{});
-    else if (kind == kQ6_K) go(std::integral_constant<int, kQ6_K>{});
-    else if (kind == kQ8_0) go(std::integral_constant<int, kQ8_0>{});
-    else if (kind == kQ8_0m) go(std::integral_constant<int, kQ8_0m>{});
-    else if (kind == kQ8_0h) go(std::integral_constant<int, kQ8_0h>{});
-    else if (kind == kQ4_1 + kHalf) go(std::integral_constant<int, kQ4_1 + kHalf>{});
-    else if (kind == kQ8_0 + kHalf) go(std::integral_constant<int, kQ8_0 + kHalf>{});
-    else if (kind == kQ5_0) go(std::integral_constant<int, kQ5_0>{});
-    else if (kind == kQ5_1) go(std::integral_constant<int, kQ5_1>{});
-    else go(std::integral_constant<int, kQ8_0m + kHalf>{});
-  }
+  q8_linear_into(rows, m, packed, layout, n, out, 0);
+  release_large_buffers();
   if (bias.has_value()) out.add_(*bias);
   return out;
-}
-
-// The blocks' shifts among quantize_q8's outputs, where it quantized per superblock.
-c10::optional<torch::Tensor> shift_of(const std::vector<torch::Tensor>& quantized) {
-  if (quantized.size() < 4) return c10::nullopt;
-  return quantized[3];
 }
 
 // Whether the integer-path layout's tile takes x quantized per superblock of 256.
 bool takes_superblocks(const std::string& layout) { return per_superblock(q8_kind_of(layout)); }
 
-// gguf_linear for a layout named "<layout>+q8": x quantized here, then gguf_linear_q8.
+// gguf_linear for a layout named "<layout>+q8": x quantized here (into the thread's kept
+// buffers), then the tiles.
 torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& packed,
                                const std::string& layout, int64_t n,
                                const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "float32 or bfloat16 x");
-  const std::vector<torch::Tensor> q = quantize_q8(x, takes_superblocks(layout));
-  return gguf_linear_q8(q[0], q[1], q[2], packed, layout, n, bias,
-                        x.scalar_type() == torch::kBFloat16, shift_of(q));
+  const bool superblocks = takes_superblocks(layout);
+  const Q8Rows rows = quantize_into(x, superblocks, q8_buffers(superblocks));
+  torch::Tensor out = torch::empty({x.size(0), n}, x.options());
+  q8_linear_into(rows, x.size(0), packed, layout, n, out, 0);
+  release_large_buffers();
+  if (bias.has_value()) out.add_(*bias);
+  return out;
 }
 
 // x @ w.T (+ bias) for a weight in parts stacked by rows (packed for gguf_linear, or dense with
 // kind ""), their outputs side by side; x is quantized once for all the integer-path parts
-// (once per block of 32 and once per superblock where both kinds of tile are among them).
+// (once per block of 32 and once per superblock where both kinds of tile are among them), and
+// each of them writes its columns of the output in place.
 torch::Tensor linear_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& data,
                            const std::vector<std::string>& kinds, const std::vector<int64_t>& ns,
                            const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(!data.empty() && data.size() == kinds.size() && data.size() == ns.size(),
               "one kind and one row count per part");
-  auto is_q8 = [](const std::string& kind) { return !q8_layout(kind).empty(); };
-  // x quantized once for the parts whose tiles take it per block of 32, once for those taking
-  // it per superblock of 256 (the K-quant tiles)
-  std::vector<torch::Tensor> quantized[2];
-  for (const std::string& kind : kinds) {
-    if (!is_q8(kind)) continue;
-    const bool superblocks = takes_superblocks(q8_layout(kind));
-    if (quantized[superblocks].empty()) quantized[superblocks] = quantize_q8(x, superblocks);
-  }
-  const c10::optional<torch::Tensor> none;
-  std::vector<torch::Tensor> outs;
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "float32 or bfloat16 x");
+  int64_t total = 0;
+  for (int64_t n : ns) total += n;
+  torch::Tensor out = torch::empty({x.size(0), total}, x.options());
+  Q8Rows quantized[2];
+  bool done[2] = {false, false};
+  int64_t col = 0;
   for (size_t i = 0; i < data.size(); ++i) {
-    const std::string& kind = kinds[i];
-    if (is_q8(kind)) {
-      const std::vector<torch::Tensor>& xq = quantized[takes_superblocks(q8_layout(kind))];
-      outs.push_back(gguf_linear_q8(xq[0], xq[1], xq[2], data[i], q8_layout(kind), ns[i], none,
-                                    x.scalar_type() == torch::kBFloat16, shift_of(xq)));
+    const std::string layout = q8_layout(kinds[i]);
+    if (!layout.empty()) {
+      const bool superblocks = takes_superblocks(layout);
+      if (!done[superblocks]) {
+        quantized[superblocks] = quantize_into(x, superblocks, q8_buffers(superblocks));
+        done[superblocks] = true;
+      }
+      q8_linear_into(quantized[superblocks], x.size(0), data[i], layout, ns[i], out, col);
+    } else {
+      const c10::optional<torch::Tensor> none;
+      out.narrow(1, col, ns[i]).copy_(kinds[i].empty() ? packed_linear(x, data[i], ns[i], none)
+                                                        : gguf_linear(x, data[i], kinds[i], ns[i], none));
     }
-    else if (kind.empty()) outs.push_back(packed_linear(x, data[i], ns[i], none));
-    else outs.push_back(gguf_linear(x, data[i], kind, ns[i], none));
+    col += ns[i];
   }
-  torch::Tensor out = torch::cat(outs, 1);
+  release_large_buffers();
   if (bias.has_value()) out.add_(*bias);
   return out;
 }

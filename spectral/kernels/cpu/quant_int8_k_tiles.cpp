@@ -200,8 +200,9 @@ void q8_tile_rows(int rows, const Q8Rows& x, int64_t row0, const uint8_t* panel,
   else q8_tile<Kind, R>(x, row0, panel, out);
 }
 
+// out[r * ld + c] for rows r < m and columns c < n of x @ w.T.
 template <int Kind, typename O>
-void run_q8(const Q8Rows& x, int64_t m, const uint8_t* packed, int64_t n, O* out) {
+void run_q8(const Q8Rows& x, int64_t m, const uint8_t* packed, int64_t n, O* out, int64_t ld) {
   const int64_t panels = (n + kNR - 1) / kNR;
   const int64_t panel_bytes = q8_panel_bytes(Kind, x.k / kBlock);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -210,7 +211,7 @@ void run_q8(const Q8Rows& x, int64_t m, const uint8_t* packed, int64_t n, O* out
       for (int64_t r0 = 0; r0 < m; r0 += kQ8Rows) {
         const int rows = static_cast<int>(std::min<int64_t>(kQ8Rows, m - r0));
         q8_tile_rows<Kind>(rows, x, r0, packed + p * panel_bytes, buf);
-        store_tile(buf, rows, r0, n, p * kNR, out);
+        store_tile(buf, rows, r0, n, p * kNR, out, ld);
       }
     }
   });
