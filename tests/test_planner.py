@@ -45,10 +45,10 @@ from spectral.speculative.sources.plan_record import (
 )
 from spectral.speculative.sources.planner import (
     EXHAUSTIVE_CHOICES,
+    MIN_GAIN,
     PROBE_EVERY,
     PlanInput,
     TreePlanner,
-    min_gain,
 )
 from spectral.speculative.sources.round import SpecRound
 from spectral.speculative.tree import select_eagle_trees
@@ -184,7 +184,7 @@ def brute_force(planner: TreePlanner, reqs: list[PlanInput]) -> float:
         for sizes in itertools.product(*(range(n) for _, n in sources)):
             if any(sizes):
                 best = max(best, rate_of(planner, reqs, sources, sizes))
-    return best if best > min_gain(B) * plain else plain
+    return best if best > MIN_GAIN * plain else plain
 
 
 def plan_rate(planner: TreePlanner, reqs: list[PlanInput], plan) -> float:
@@ -309,7 +309,7 @@ def test_plans_with_the_drafters_idle_cost_are_the_best_of_every_choice(batch: i
     assert not weak.plan(reqs).speculate
     weak = trained_planner(0.3, 0.5, dataclasses.replace(STEEP, idle=[(1, 3.0)]))
     plan = weak.plan(reqs)
-    assert plan.speculate and plan.predicted_gain > min_gain(batch)
+    assert plan.speculate and plan.predicted_gain > MIN_GAIN
     assert plan_rate(weak, reqs, plan) == pytest.approx(brute_force(weak, reqs))
 
 
@@ -332,7 +332,7 @@ def test_trees_shrink_as_the_batch_grows_and_vanish_when_busy() -> None:
     for batch in (1, 2, 4, 8, 16, 32, 64):
         plan = planner.plan([PlanInput(HEAD, 16) for _ in range(batch)])
         per_request.append(sum(plan.nodes) / batch)
-        assert plan.speculate == (plan.predicted_gain > min_gain(batch))
+        assert plan.speculate == (plan.predicted_gain > MIN_GAIN)
     assert per_request[0] > 2
     assert all(a >= b for a, b in zip(per_request, per_request[1:])), per_request
     assert per_request[-1] == 1  # a busy server decodes plainly
@@ -494,10 +494,10 @@ def test_select_keeps_each_requests_own_number_of_best_candidates() -> None:
 
 
 def test_a_draft_model_is_tried_where_a_heads_prior_would_not_be() -> None:
-    """A draft LM whose levels cost 0.4 of a target step: with a head's prior (0.6 for the
+    """A draft LM whose levels cost a third of a target step: with a head's prior (0.6 for the
     first draft, 0.85 decay) no tree pays; a draft model's prior (0.8, 0.9) tries one, and its
     record then takes over (never accepted: it stops)."""
-    costly = CostModel(verify=STEEP.verify, decode_one=11.0, draft=[(1, 4.5, 4.5)])
+    costly = CostModel(verify=STEEP.verify, decode_one=11.0, draft=[(1, 4.0, 4.0)])
     assert not TreePlanner(costly, 4).plan([PlanInput(HEAD, 5)]).speculate
     planner = TreePlanner(costly, 4, get_algorithm("STANDALONE").acceptance_prior)
     assert planner.plan([PlanInput(HEAD, 5)]).speculate

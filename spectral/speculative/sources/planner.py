@@ -35,13 +35,8 @@ FRESH, STALE = 1, 2
 FAMILY_DECAY = 0.98
 FAMILY_PRIOR = 10.0
 # A round must be expected to beat a plain step by this factor: a margin for the model's error,
-# so that a busy server does not speculate for a gain it may not get. A batch of one keeps
-# ONE_REQUEST_MARGIN of it (1.02): its rounds' gains are predicted within 2-3% (HumanEval: 1.73
-# predicted, 1.70 measured), and at 1.05 the rounds it declined would have paid (the default
-# model's HumanEval at batch 1, one sitting: NGRAM 1.14x at 1.05, 1.30x at 1.02; code edits
-# 1.51x and 1.57x; docs/benchmarks.md); at batch 16 the model overpredicts by up to 10%.
+# so that a busy server does not speculate for a gain it may not get.
 MIN_GAIN = 1.05
-ONE_REQUEST_MARGIN = 0.4
 # After this many plain steps in a row, a round the model expects to break even without the
 # margin is run (a probe): calibrations that a few slow rounds spoilt are measured again rather
 # than declining every round for good. Never where the model expects a round to lose.
@@ -55,11 +50,6 @@ DECLINED_KEPT = 64
 # A batch whose requests have at most this many combinations of sources has every combination
 # planned (a few requests with two sources each); a larger one the best few.
 EXHAUSTIVE_CHOICES = 8
-
-
-def min_gain(batch: int) -> float:
-    """The gain over a plain step a round for `batch` requests must be expected to beat."""
-    return MIN_GAIN if batch > 1 else 1.0 + (MIN_GAIN - 1.0) * ONE_REQUEST_MARGIN
 
 
 class TreePlanner:
@@ -91,7 +81,7 @@ class TreePlanner:
         self._pending: Plan | None = None
         # per family: (accepted, expected) drafts over every request's rounds, decayed
         self._family: dict[str, tuple[float, float]] = {}
-        self._margin: float | None = None  # in place of min_gain (`_best_plan_at`)
+        self._margin = MIN_GAIN
         self._declined = 0  # plans in a row without a round
         self._probing = False  # the last plan is a probe
         self._version = 0  # of the statistics: observe() moves it
@@ -167,12 +157,7 @@ class TreePlanner:
         self.record.replans += 1
         return self._best_plan_at(reqs, 1.0 if self._probing else self._margin)
 
-    def margin(self, batch: int) -> float:
-        """The gain a round for `batch` requests must be expected to beat (`min_gain`, or a
-        probe's 1.0)."""
-        return min_gain(batch) if self._margin is None else self._margin
-
-    def _best_plan_at(self, reqs: list[PlanInput], margin: float | None) -> Plan:
+    def _best_plan_at(self, reqs: list[PlanInput], margin: float) -> Plan:
         """`best_plan` with `margin` in place of the usual one."""
         usual, self._margin = self._margin, margin
         try:
@@ -248,7 +233,7 @@ class TreePlanner:
         plain = Plan([1] * B, False, float(B), plain_ms, plain_ms, choice)
         _, rounds, drafted = self._scale
         # a node gaining no more than this never pays for what it adds to a verify (`_greedy`)
-        cutoff = self.margin(B) * plain.rate * min(rounds, drafted) * self.curves.least_slope(B)
+        cutoff = self._margin * plain.rate * min(rounds, drafted) * self.curves.least_slope(B)
         gains = []  # (-gain, rank, request, drafted by the head: FRESH or STALE, else 0)
         for b, (req, c) in enumerate(zip(reqs, choice)):
             kind, max_nodes = req.options[c]
@@ -286,7 +271,7 @@ class TreePlanner:
         nodes = [1] * B
         expected = float(B)
         found = None  # (expected, ms, length) of the best prefix
-        threshold = (1.0 if best.speculate else self.margin(B)) * best.rate
+        threshold = (1.0 if best.speculate else self._margin) * best.rate
         _, rounds, drafted_rounds = self._scale
         least = min(rounds, drafted_rounds) * self.curves.least_slope(B)
         for length, (neg_gain, _, b, head) in enumerate(entries, start=1):
