@@ -26,6 +26,7 @@ from spectral.speculative.cost_model import (
 )
 from spectral.speculative.registry import get as get_algorithm
 from spectral.speculative.settings import SpecSettings
+from spectral.speculative.sources import plan_record
 from spectral.speculative.sources import planner as planner_module
 from spectral.speculative.sources import round as round_module
 from spectral.speculative.sources.acceptance import (
@@ -42,10 +43,10 @@ from spectral.speculative.sources.plan_record import (
     PLAN_BACKOFF_AFTER,
     PLAN_BACKOFF_MOST,
     HeadLedger,
+    min_gain,
 )
 from spectral.speculative.sources.planner import (
     EXHAUSTIVE_CHOICES,
-    MIN_GAIN,
     PROBE_EVERY,
     PlanInput,
     TreePlanner,
@@ -184,7 +185,7 @@ def brute_force(planner: TreePlanner, reqs: list[PlanInput]) -> float:
         for sizes in itertools.product(*(range(n) for _, n in sources)):
             if any(sizes):
                 best = max(best, rate_of(planner, reqs, sources, sizes))
-    return best if best > MIN_GAIN * plain else plain
+    return best if best > min_gain(B) * plain else plain
 
 
 def plan_rate(planner: TreePlanner, reqs: list[PlanInput], plan) -> float:
@@ -309,7 +310,7 @@ def test_plans_with_the_drafters_idle_cost_are_the_best_of_every_choice(batch: i
     assert not weak.plan(reqs).speculate
     weak = trained_planner(0.3, 0.5, dataclasses.replace(STEEP, idle=[(1, 3.0)]))
     plan = weak.plan(reqs)
-    assert plan.speculate and plan.predicted_gain > MIN_GAIN
+    assert plan.speculate and plan.predicted_gain > min_gain(batch)
     assert plan_rate(weak, reqs, plan) == pytest.approx(brute_force(weak, reqs))
 
 
@@ -332,7 +333,7 @@ def test_trees_shrink_as_the_batch_grows_and_vanish_when_busy() -> None:
     for batch in (1, 2, 4, 8, 16, 32, 64):
         plan = planner.plan([PlanInput(HEAD, 16) for _ in range(batch)])
         per_request.append(sum(plan.nodes) / batch)
-        assert plan.speculate == (plan.predicted_gain > MIN_GAIN)
+        assert plan.speculate == (plan.predicted_gain > min_gain(batch))
     assert per_request[0] > 2
     assert all(a >= b for a, b in zip(per_request, per_request[1:])), per_request
     assert per_request[-1] == 1  # a busy server decodes plainly
@@ -371,7 +372,7 @@ def test_declined_rounds_are_probed_where_they_break_even_never_where_they_lose(
     """With a margin no plan meets, every PROBE_EVERY-th plan is a round the model expects to
     beat a plain step (at no margin); under a cost model where every node doubles a step, no
     round ever runs."""
-    monkeypatch.setattr(planner_module, "MIN_GAIN", 100.0)
+    monkeypatch.setattr(plan_record, "MIN_GAIN", 100.0)
     planner = trained_planner()
     reqs = [PlanInput(HEAD, 8)]
     runs = [planner.plan(reqs) for _ in range(3 * PROBE_EVERY)]
@@ -382,7 +383,7 @@ def test_declined_rounds_are_probed_where_they_break_even_never_where_they_lose(
     losing = CostModel(
         verify=[(1, 10.0), (2, 20.0), (64, 640.0)], decode_one=10.0, draft=[(1, 0.5, 1.5)]
     )
-    monkeypatch.setattr(planner_module, "MIN_GAIN", 1.05)
+    monkeypatch.setattr(plan_record, "MIN_GAIN", 1.05)
     planner = TreePlanner(losing)
     planner.stats = trained_planner().stats
     assert not any(planner.plan(reqs).speculate for _ in range(3 * PROBE_EVERY))
@@ -392,7 +393,7 @@ def test_declined_rounds_are_probed_where_they_break_even_never_where_they_lose(
 def test_a_declined_plan_is_declined_again_without_planning_until_its_inputs_move(
     monkeypatch,
 ) -> None:
-    monkeypatch.setattr(planner_module, "MIN_GAIN", 100.0)  # every plan declined
+    monkeypatch.setattr(plan_record, "MIN_GAIN", 100.0)  # every plan declined
     planner = trained_planner()
     planned = []
     best_plan = planner.best_plan
@@ -415,7 +416,7 @@ def test_a_declined_plan_is_declined_again_without_planning_until_its_inputs_mov
 
 def test_the_declined_plans_of_inputs_a_batch_moves_between_are_kept(monkeypatch) -> None:
     """A request moving between n-gram buckets (and tree sizes) is planned once per input."""
-    monkeypatch.setattr(planner_module, "MIN_GAIN", 100.0)  # every plan declined
+    monkeypatch.setattr(plan_record, "MIN_GAIN", 100.0)  # every plan declined
     planner = trained_planner()
     planned = []
     best_plan = planner.best_plan
@@ -494,16 +495,27 @@ def test_select_keeps_each_requests_own_number_of_best_candidates() -> None:
 
 
 def test_a_draft_model_is_tried_where_a_heads_prior_would_not_be() -> None:
-    """A draft LM whose levels cost a third of a target step: with a head's prior (0.6 for the
+    """A draft LM whose levels cost 0.4 of a target step: with a head's prior (0.6 for the
     first draft, 0.85 decay) no tree pays; a draft model's prior (0.8, 0.9) tries one, and its
     record then takes over (never accepted: it stops)."""
-    costly = CostModel(verify=STEEP.verify, decode_one=11.0, draft=[(1, 4.0, 4.0)])
+    costly = CostModel(verify=STEEP.verify, decode_one=11.0, draft=[(1, 4.5, 4.5)])
     assert not TreePlanner(costly, 4).plan([PlanInput(HEAD, 5)]).speculate
     planner = TreePlanner(costly, 4, get_algorithm("STANDALONE").acceptance_prior)
     assert planner.plan([PlanInput(HEAD, 5)]).speculate
     for _ in range(40):
         planner.observe(HEAD, 4, [], [0.9, 0.8, 0.7, 0.6])
     assert not planner.plan([PlanInput(HEAD, 5)]).speculate
+
+
+def test_one_request_needs_a_smaller_margin_unless_a_drafter_is_kept_in_the_worker() -> None:
+    """A tree for one request expected to beat a plain step by 1.038: run at batch 1 (margin
+    1.02) by a planner of scheduler drafts alone, declined where a drafter is kept in the worker
+    (margin 1.05, as at every larger batch)."""
+    costly = CostModel(verify=STEEP.verify, decode_one=11.0, draft=[(1, 3.8, 3.8)])
+    assert min_gain(1) < 1.038 < min_gain(1, worker_drafter=True) == min_gain(2)
+    plan = TreePlanner(costly, 4).plan([PlanInput(HEAD, 5)])
+    assert plan.speculate and plan.predicted_gain == pytest.approx(1.038, abs=1e-3)
+    assert not TreePlanner(costly, 4, worker_drafter=True).plan([PlanInput(HEAD, 5)]).speculate
 
 
 def test_a_rank_drafted_once_does_not_set_its_gain_alone() -> None:

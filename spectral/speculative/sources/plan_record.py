@@ -6,6 +6,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A round must be expected to beat a plain step by this factor: a margin for the model's error,
+# so that a busy server does not speculate for a gain it may not get. A batch of one without a
+# drafter in the worker keeps ONE_REQUEST_MARGIN of it (1.02): its rounds' gains are predicted
+# within 2-3% (HumanEval: 1.73 predicted, 1.70 measured), and at 1.05 the rounds it declined
+# would have paid (the default model's HumanEval at batch 1, one sitting: NGRAM 1.14x at 1.05,
+# 1.30x at 1.02; code edits 1.51x and 1.57x). With a head beside, more rounds kept it from what
+# pays (every source on MT-Bench 0.94x at 1.02; docs/benchmarks.md); at batch 16 the model
+# overpredicts by up to 10%.
+MIN_GAIN = 1.05
+ONE_REQUEST_MARGIN = 0.4
+
+
+def min_gain(batch: int, worker_drafter: bool = False) -> float:
+    """The gain over a plain step a round for `batch` requests must be expected to beat
+    (`worker_drafter`: a drafter in the worker, an EAGLE head or a draft model, is kept)."""
+    if batch > 1 or worker_drafter:
+        return MIN_GAIN
+    return 1.0 + (MIN_GAIN - 1.0) * ONE_REQUEST_MARGIN
+
+
 # A request's own record: pseudo-tokens behind its scale factor, and the factor's bounds (a
 # strong prior: a few lucky rounds must not buy a request large trees).
 REQUEST_PRIOR = 10.0

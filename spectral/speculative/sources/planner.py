@@ -20,7 +20,7 @@ from spectral.speculative.sources.acceptance import (
     ngram_bucket,
     reach_range,
 )
-from spectral.speculative.sources.plan_record import HeadLedger, Plan, PlanInput, Record
+from spectral.speculative.sources.plan_record import HeadLedger, Plan, PlanInput, Record, min_gain
 
 __all__ = ["Plan", "PlanInput", "TreePlanner"]
 
@@ -34,16 +34,13 @@ FRESH, STALE = 1, 2
 # say by how much, so that a new request is not planned on it.
 FAMILY_DECAY = 0.98
 FAMILY_PRIOR = 10.0
-# A round must be expected to beat a plain step by this factor: a margin for the model's error,
-# so that a busy server does not speculate for a gain it may not get.
-MIN_GAIN = 1.05
 # After this many plain steps in a row, a round the model expects to break even without the
 # margin is run (a probe): calibrations that a few slow rounds spoilt are measured again rather
 # than declining every round for good. Never where the model expects a round to lose.
 PROBE_EVERY = 64
 # A declined plan is declined again without planning while the batch's inputs and the
 # statistics are unchanged and no calibration factor has moved by more than this (in log, about
-# MIN_GAIN's margin): planning a batch of one costs ~1% of a plain step on the default model.
+# min_gain's margin): planning a batch of one costs ~1% of a plain step on the default model.
 # The last DECLINED_KEPT declined plans are kept (the n-gram buckets a request moves between).
 DECLINED_TOLERANCE = 0.05
 DECLINED_KEPT = 64
@@ -58,21 +55,18 @@ class TreePlanner:
         cost: CostModel,
         max_levels: int = 1 << 30,
         head_prior: tuple[float, float] | None = None,
+        worker_drafter: bool = False,
     ) -> None:
         """`max_levels`: the deepest draft the head makes (its steps per round); `head_prior`:
         (first-rank acceptance, decay by rank) of the worker drafter's trees before any is
-        verified (its registry entry's; None: the n-gram prior)."""
-        self.cost = cost
-        self.max_levels = max_levels
+        verified (its registry entry's; None: the n-gram prior); `worker_drafter`: `min_gain`'s."""
+        self.cost, self.max_levels, self.worker_drafter = cost, max_levels, worker_drafter
         self.head_prior = head_prior or (NGRAM_FIRST, NGRAM_DECAY)
         self.stats: dict[str, RankStats] = {}
         self.curves = CostCurves(cost)
         # measured against predicted: plain steps, rounds without drafting, rounds with it
-        self.calibration = {
-            "plain": BatchCalibration(),
-            "rounds": BatchCalibration(),
-            "drafted_rounds": BatchCalibration(),
-        }
+        kinds = ("plain", "rounds", "drafted_rounds")
+        self.calibration = {kind: BatchCalibration() for kind in kinds}
         self._scale = (1.0, 1.0, 1.0)  # this plan's factors, in that order
         self.record = Record()
         self.head_ledger = HeadLedger()
@@ -81,7 +75,7 @@ class TreePlanner:
         self._pending: Plan | None = None
         # per family: (accepted, expected) drafts over every request's rounds, decayed
         self._family: dict[str, tuple[float, float]] = {}
-        self._margin = MIN_GAIN
+        self._margin: float | None = None  # in place of min_gain (`_best_plan_at`)
         self._declined = 0  # plans in a row without a round
         self._probing = False  # the last plan is a probe
         self._version = 0  # of the statistics: observe() moves it
@@ -157,7 +151,11 @@ class TreePlanner:
         self.record.replans += 1
         return self._best_plan_at(reqs, 1.0 if self._probing else self._margin)
 
-    def _best_plan_at(self, reqs: list[PlanInput], margin: float) -> Plan:
+    def margin(self, batch: int) -> float:
+        """`min_gain` for `batch` requests, or a probe's 1.0."""
+        return min_gain(batch, self.worker_drafter) if self._margin is None else self._margin
+
+    def _best_plan_at(self, reqs: list[PlanInput], margin: float | None) -> Plan:
         """`best_plan` with `margin` in place of the usual one."""
         usual, self._margin = self._margin, margin
         try:
@@ -233,7 +231,7 @@ class TreePlanner:
         plain = Plan([1] * B, False, float(B), plain_ms, plain_ms, choice)
         _, rounds, drafted = self._scale
         # a node gaining no more than this never pays for what it adds to a verify (`_greedy`)
-        cutoff = self._margin * plain.rate * min(rounds, drafted) * self.curves.least_slope(B)
+        cutoff = self.margin(B) * plain.rate * min(rounds, drafted) * self.curves.least_slope(B)
         gains = []  # (-gain, rank, request, drafted by the head: FRESH or STALE, else 0)
         for b, (req, c) in enumerate(zip(reqs, choice)):
             kind, max_nodes = req.options[c]
@@ -271,7 +269,7 @@ class TreePlanner:
         nodes = [1] * B
         expected = float(B)
         found = None  # (expected, ms, length) of the best prefix
-        threshold = (1.0 if best.speculate else self._margin) * best.rate
+        threshold = (1.0 if best.speculate else self.margin(B)) * best.rate
         _, rounds, drafted_rounds = self._scale
         least = min(rounds, drafted_rounds) * self.curves.least_slope(B)
         for length, (neg_gain, _, b, head) in enumerate(entries, start=1):

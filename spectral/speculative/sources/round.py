@@ -103,7 +103,9 @@ class SpecRound:
             self.lookahead = LookaheadDrafter(*spec.lookahead)
         self.planner: TreePlanner | None = None
         if cost_model is not None and not spec.fixed_tree:
-            self.planner = TreePlanner(cost_model, spec.num_steps, spec.entry.acceptance_prior)
+            self.planner = TreePlanner(
+                cost_model, spec.num_steps, spec.entry.acceptance_prior, spec.has_drafter
+            )
         self._plan: Plan | None = None
         # The last plan was no round: only then is a plan without lookups tried first (after a
         # round the next is likely a round too, and the bound would not decline).
