@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import itertools
 import json
+import math
 import random
 
 import pytest
@@ -412,6 +413,30 @@ def test_a_declined_plan_is_declined_again_without_planning_until_its_inputs_mov
     plain.observe(2.0 * STEEP.decode_ms(1), STEEP.decode_ms(1))  # plain steps slower
     planner.plan([PlanInput(HEAD, 8, accepted=1, expected=1)])
     assert len(planned) == 4
+
+
+def test_a_declined_plan_is_kept_only_while_the_factors_move_less_than_the_margin() -> None:
+    """The calibration's move a kept decline tolerates is no wider than the plan's margin: a
+    move of ~3% plans again for one request of n-gram trees alone (margin 1.02), not where a
+    drafter is kept in the worker (1.05)."""
+    planned = {}
+    for worker_drafter in (False, True):
+        planner = TreePlanner(STEEP, worker_drafter=worker_drafter)
+        for _ in range(200):  # nothing is ever accepted: every plan declines
+            planner.observe(HEAD, 4, [], [0.01] * 4)
+        count = []
+        best_plan = planner.best_plan
+        planner.best_plan = lambda reqs, best_plan=best_plan, count=count: (
+            count.append(1) or best_plan(reqs)
+        )
+        reqs = [PlanInput(HEAD, 8)]
+        assert not planner.plan(reqs).speculate
+        plain = planner.calibration["plain"]
+        plain.observe(1.2 * STEEP.decode_ms(1), STEEP.decode_ms(1))
+        assert math.log(min_gain(1)) < math.log(plain.factor) < math.log(min_gain(1, True))
+        assert not planner.plan(reqs).speculate
+        planned[worker_drafter] = len(count)
+    assert planned == {False: 2, True: 1}
 
 
 def test_the_declined_plans_of_inputs_a_batch_moves_between_are_kept(monkeypatch) -> None:

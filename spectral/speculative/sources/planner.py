@@ -39,9 +39,10 @@ FAMILY_PRIOR = 10.0
 # than declining every round for good. Never where the model expects a round to lose.
 PROBE_EVERY = 64
 # A declined plan is declined again without planning while the batch's inputs and the
-# statistics are unchanged and no calibration factor has moved by more than this (in log, about
-# min_gain's margin): planning a batch of one costs ~1% of a plain step on the default model.
-# The last DECLINED_KEPT declined plans are kept (the n-gram buckets a request moves between).
+# statistics are unchanged and no calibration factor has moved by more than this (in log), or
+# than the margin where it is smaller: planning a batch of one costs ~1% of a plain step on the
+# default model. The last DECLINED_KEPT declined plans are kept (the n-gram buckets a request
+# moves between).
 DECLINED_TOLERANCE = 0.05
 DECLINED_KEPT = 64
 # A batch whose requests have at most this many combinations of sources has every combination
@@ -125,16 +126,15 @@ class TreePlanner:
 
     def _best_or_declined(self, reqs: list[PlanInput]) -> Plan:
         """`best_plan`, or a declined plan kept for the same inputs (at calibration factors
-        within DECLINED_TOLERANCE of today's, the statistics unchanged since)."""
+        within DECLINED_TOLERANCE or the margin of today's, the statistics unchanged since)."""
         if self._declined_version != self._version:
             self._declined_plans.clear()
             self._declined_version = self._version
         key = tuple((r.kind, r.max_nodes, r.accepted, r.expected, r.others) for r in reqs)
         factors = [math.log(f) for f in self.factors(len(reqs))]
         last = self._declined_plans.get(key)
-        if last is not None and all(
-            abs(a - b) <= DECLINED_TOLERANCE for a, b in zip(factors, last[0])
-        ):
+        tolerance = min(DECLINED_TOLERANCE, math.log(self.margin(len(reqs))))
+        if last is not None and all(abs(a - b) <= tolerance for a, b in zip(factors, last[0])):
             return last[1]  # a declined plan: no one reads or changes its nodes
         best = self.best_plan(reqs)
         if best.speculate:
