@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import spectral.worker.model_worker as model_worker  # noqa: E402
 from bench.cost_curve import Shapes  # noqa: E402
 from bench.models import model_file  # noqa: E402
-from spectral.kernels.cpu_kernels import ISA_FLAGS, load_cpu_kernels  # noqa: E402
+from spectral.kernels.cpu_kernels import compile_kernels, load_cpu_kernels  # noqa: E402
 from spectral.models.resolve import gguf_source, model_files_dir  # noqa: E402
 
 BUILD_DIR = ROOT / "bench" / "out" / "kernel_ab"
@@ -40,19 +40,11 @@ CALLS_A_TURN = 5
 def build(name: str, source: Path, defines: list[str]):
     """The kernels of `source`'s checkout compiled as the runtime's native build, plus -D
     `defines`, under a module name of their own."""
-    from torch.utils.cpp_extension import load
-
     directory = BUILD_DIR / name
     directory.mkdir(parents=True, exist_ok=True)
-    return load(
-        name=f"spectral_cpu_kernels_ab_{name}",
-        sources=[str(source / "spectral" / "kernels" / "cpu" / "module.cpp")],
-        extra_cflags=["-march=native", "-fopenmp", *ISA_FLAGS["native"]]
-        + [f"-D{d}" for d in defines],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        verbose=False,
-    )
+    module = source / "spectral" / "kernels" / "cpu" / "module.cpp"
+    name = f"spectral_cpu_kernels_ab_{name}"
+    return compile_kernels(name, "native", directory, module, tuple(defines))
 
 
 def parse_builds(spec: str) -> list[tuple[str, Path, list[str]]]:

@@ -110,7 +110,7 @@ def load_cpu_kernels(isa: str = "native") -> ModuleType | None:
             module = _import_extension(name, built)
         else:
             logger.info("compiling spectral's CPU kernels (once per machine, ~40 s)")
-            module = _build(name, isa, build_dir)
+            module = compile_kernels(name, isa, build_dir)
     except Exception as err:  # a missing compiler or ninja must not stop the runtime
         logger.warning("CPU kernels unavailable, using PyTorch matmuls (%s)", err)
         BUILD_ERRORS[isa] = f"{type(err).__name__}: {err}"
@@ -141,13 +141,17 @@ def is_built(isa: str) -> bool:
     return (build_dir_of(isa) / f"{module_name(isa)}.so").exists()
 
 
-def _build(name: str, isa: str, build_dir: Path) -> ModuleType:
+def compile_kernels(
+    name: str, isa: str, build_dir: Path, source: Path = SOURCE, defines: tuple[str, ...] = ()
+) -> ModuleType:
+    """The kernels of `source` (another checkout's, for bench/kernel_ab.py) built for `isa`,
+    with -D `defines`, as module `name` in `build_dir`."""
     from torch.utils.cpp_extension import load
 
     return load(
         name=name,
-        sources=[str(SOURCE)],
-        extra_cflags=["-march=native", "-fopenmp", *ISA_FLAGS[isa]],
+        sources=[str(source)],
+        extra_cflags=["-march=native", "-fopenmp", *ISA_FLAGS[isa], *(f"-D{d}" for d in defines)],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         verbose=False,

@@ -99,13 +99,13 @@ void tile_rows(int rows, const float* x, int64_t k, const W* panel, float* out) 
 }
 
 // Rows [q0, q0 + rows) of a tile buffer (row stride kNR) into columns [j0, j0 + kNR) of out
-// (row stride ld, n by default), the ones of the n that exist.
+// (row stride ld), the ones of the n that exist.
 template <typename O>
 inline void store_tile(const float* buf, int rows, int64_t q0, int64_t n, int64_t j0, O* out,
-                       int64_t ld = -1) {
-  const int64_t cols = std::min(kNR, n - j0), stride = ld < 0 ? n : ld;
+                       int64_t ld) {
+  const int64_t cols = std::min(kNR, n - j0);
   for (int r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) put(out, (q0 + r) * stride + j0 + c, buf[r * kNR + c]);
+    for (int64_t c = 0; c < cols; ++c) put(out, (q0 + r) * ld + j0 + c, buf[r * kNR + c]);
 }
 
 // Every block of rows of x over one panel; columns [j0, j0 + kNR) of out (row stride n).
@@ -116,7 +116,7 @@ void panel_rows(const float* x, int64_t m, int64_t k, const W* panel, int64_t n,
   for (int64_t q0 = 0; q0 < m; q0 += kMR) {
     const int rows = static_cast<int>(std::min<int64_t>(kMR, m - q0));
     tile_rows<W>(rows, x + q0 * k, k, panel, buf);
-    store_tile(buf, rows, q0, n, j0, out);
+    store_tile(buf, rows, q0, n, j0, out, n);
   }
 }
 

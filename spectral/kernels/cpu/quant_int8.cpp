@@ -60,6 +60,9 @@ Q8Rows q8_rows(int kind, const int8_t* q, const float* d, const int32_t* s, cons
 
 // x quantized into `b` (per superblock of 256 with each block's shift, or per block of 32).
 Q8Rows quantize_into(const torch::Tensor& x, bool superblocks, Q8Buffers& b) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "float32 or bfloat16 x");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % (superblocks ? 256 : kBlock) == 0, "x has ", k, " columns, not a multiple of ",
               superblocks ? 256 : kBlock);
@@ -163,9 +166,6 @@ bool takes_superblocks(const std::string& layout) { return per_superblock(q8_kin
 torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& packed,
                                const std::string& layout, int64_t n,
                                const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2, "x must be 2-D");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
-              "float32 or bfloat16 x");
   const bool superblocks = takes_superblocks(layout);
   const Q8Rows rows = quantize_into(x, superblocks, q8_buffers(superblocks));
   torch::Tensor out = torch::empty({x.size(0), n}, x.options());
@@ -185,8 +185,6 @@ torch::Tensor linear_parts(const torch::Tensor& x, const std::vector<torch::Tens
   TORCH_CHECK(!data.empty() && data.size() == kinds.size() && data.size() == ns.size(),
               "one kind and one row count per part");
   TORCH_CHECK(x.dim() == 2, "x must be 2-D");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
-              "float32 or bfloat16 x");
   int64_t total = 0;
   for (int64_t n : ns) total += n;
   torch::Tensor out = torch::empty({x.size(0), total}, x.options());

@@ -290,7 +290,7 @@ void run(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
       alignas(64) float buf[kNR];
       for (int64_t p = p0; p < p1; ++p) {
         row_tile<Kind>(x, k, packed + p * panel_bytes, xsum.data(), buf);
-        store_tile(buf, 1, 0, n, p * kNR, out);
+        store_tile(buf, 1, 0, n, p * kNR, out, n);
       }
     });
     return;
@@ -306,7 +306,7 @@ void run(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n,
         panel_rows(x, m, k, dense.data(), n, p * kNR, out);
       } else {
         tile_rows<Kind>(static_cast<int>(m), x, k, panel, bf16, buf);
-        store_tile(buf, static_cast<int>(m), 0, n, p * kNR, out);
+        store_tile(buf, static_cast<int>(m), 0, n, p * kNR, out, n);
       }
     }
   });
