@@ -43,6 +43,7 @@ from spectral.speculative.sources.plan_record import (
     HEAD_VALUE_ROUNDS,
     PLAN_BACKOFF_AFTER,
     PLAN_BACKOFF_MOST,
+    UNPLANNED_TIMED,
     HeadLedger,
     min_gain,
 )
@@ -879,6 +880,41 @@ def test_a_head_alone_idling_plans_nothing(monkeypatch) -> None:
     assert not spec_round.head_idle  # the fourth woke it
     spec_round.plan([req])
     assert asked  # awake: planned again
+
+
+def test_plain_steps_without_a_plan_are_timed_one_in_a_few(monkeypatch) -> None:
+    """EAGLE3 alone: while its head is awake every plain step is timed (its upkeep is charged
+    to the head's ledger); asleep, with nothing to plan, one plain step in UNPLANNED_TIMED is
+    timed for the planner's calibration, and every step that a plan came before, or round."""
+    monkeypatch.setattr(round_module, "HEAD_IDLE_AFTER", 3)
+    monkeypatch.setattr(round_module, "HEAD_WAKE_AFTER", 1000)
+    spec_round, req = head_alone_round(accepted=0.0)
+    planner = spec_round.planner
+    timed: list[tuple[ForwardMode, bool]] = []
+    record = planner.record_step
+    monkeypatch.setattr(
+        planner, "record_step", lambda m, b, s, awake: timed.append((m, awake)) or record(m, b, s)
+    )
+
+    def steps(n: int) -> list[tuple[ForwardMode, bool]]:
+        """n plain steps, each planned first; those timed, and whether with the head awake."""
+        timed.clear()
+        for _ in range(n):
+            assert spec_round.plan([req]) is None
+            spec_round.record_step(ForwardMode.DECODE, 1, 0.005)
+        return list(timed)
+
+    assert steps(2) == [(ForwardMode.DECODE, True)] * 2 and not spec_round.head_idle
+    steps(1)
+    assert spec_round.head_idle
+    assert steps(4 * UNPLANNED_TIMED) == [(ForwardMode.DECODE, False)] * 4
+    assert planner.calibration["plain"].count == 3 + 4
+    timed.clear()
+    spec_round.record_step(ForwardMode.TARGET_VERIFY, 1, 0.005)  # a round: always timed
+    spec_round.backoff.planned(False)  # a plan (declined) came before this step: timed
+    spec_round.record_step(ForwardMode.DECODE, 1, 0.005)
+    assert timed == [(ForwardMode.TARGET_VERIFY, False), (ForwardMode.DECODE, False)]
+    assert spec_round.backoff.unplanned == 4 * UNPLANNED_TIMED
 
 
 def test_a_head_sleeps_once_its_plans_decline_every_round_in_a_row(monkeypatch) -> None:

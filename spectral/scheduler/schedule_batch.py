@@ -117,7 +117,8 @@ class ScheduleBatch:
         out = []
         for req in self.reqs:
             end = self.new_token_range(req)[1]
-            out.append(req.token_slice(end, end + 1)[0] if end < len(req.all_ids) else -1)
+            known = len(req.input_ids) + len(req.output_ids)  # all_ids, not built
+            out.append(req.token_slice(end, end + 1)[0] if end < known else -1)
         return out
 
     def _verify_batch(self, banned_for: dict[str, list[int]]) -> WorkerBatch:

@@ -201,9 +201,9 @@ class Scheduler:
         go on. A speculative round is not rerun (the worker's draft state has moved), so
         all of its requests fail."""
         banned = self.finish.banned(batch.reqs)
-        draft_next = self.spec is not None and self.spec.kv_pairs_next_token
-        stale = [req.table_stale_from for req in batch.reqs]
         idle = self.spec_round is not None and self.spec_round.head_idle
+        draft_next = self.spec is not None and self.spec.kv_pairs_next_token and not idle
+        stale = [req.table_stale_from for req in batch.reqs]
         try:
             wb = batch.to_worker_batch(banned, draft_next)
             wb.drafter_idle = idle

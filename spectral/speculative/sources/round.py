@@ -361,7 +361,9 @@ class SpecRound:
     def record_step(self, mode: ForwardMode, batch: int, seconds: float) -> None:
         """A decode or verify step's measured time (the planner compares it to its model)."""
         if self.planner is not None and mode != ForwardMode.EXTEND:
-            self.planner.record_step(mode, batch, seconds, self._may_idle and not self.head_idle)
+            awake = self._may_idle and not self.head_idle  # its upkeep charged every step
+            if self.backoff.timed(mode == ForwardMode.DECODE) or awake:
+                self.planner.record_step(mode, batch, seconds, awake)
 
     def observe(self, req: Req, result: WorkerResult, i: int, verified: int) -> None:
         """Learn acceptance by rank from request `req`'s (row `i`) verified round of
