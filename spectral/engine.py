@@ -20,6 +20,7 @@ from spectral import faults
 from spectral.args import ServerArgs
 from spectral.core.req import Req
 from spectral.logprobs import logprob_meta
+from spectral.mem.process import freeze_heap, thaw_heap
 from spectral.models.resolved import resolve_model
 from spectral.sampling_params import InvalidRequestError, SamplingParams
 from spectral.scheduler.scheduler import build_scheduler
@@ -64,6 +65,7 @@ class Engine:
             self.worker.grammars = GrammarFollower(self.scheduler.grammars.backend)
         self._rid_counter = itertools.count()
         self._start_loop()
+        freeze_heap()  # thawed at shutdown
 
     # ---- driving the scheduler -----------------------------------------------------------------
     # Whoever waits for results drives: a caller of generate() runs scheduler steps itself while
@@ -382,14 +384,14 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._close_worker()
+        thaw_heap()  # this engine's cycles collectable again (other engines' too, until frozen)
 
     def _close_worker(self) -> None:
         """Stop the tensor-parallel ranks' processes, if any, and remove their sockets' dir."""
-        if self._ipc_dir is None:
-            return
-        self.worker.close()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
-        self._ipc_dir = None
+        if self._ipc_dir is not None:
+            self.worker.close()
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
 
     def __enter__(self) -> Engine:
         return self

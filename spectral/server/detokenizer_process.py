@@ -11,6 +11,7 @@ import zmq
 
 from spectral import faults
 from spectral.faults import failure
+from spectral.mem.process import freeze_heap
 from spectral.server.child import parse_child_args, receive_model, wait_for_work
 from spectral.server.detokenizer import IncrementalDetokenizer, load_decoder
 from spectral.server.ipc import recv_message, send_message
@@ -31,6 +32,7 @@ def detokenizer_main(ipc_dir: str) -> None:
     inbox.bind(f"ipc://{ipc_dir}/detokenizer_in")
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(f"ipc://{ipc_dir}/tokenizer_in")
+    freeze_heap()
     ready = ctx.socket(zmq.PUSH)
     ready.connect(f"ipc://{ipc_dir}/ready")
     send_message(ready, ProcessReady("detokenizer", {}))

@@ -12,7 +12,7 @@ import zmq
 from spectral.args import ServerArgs
 from spectral.core.req import Req, TokenizedRequest
 from spectral.faults import failure
-from spectral.mem.process import share_thread_arenas
+from spectral.mem.process import freeze_heap, share_thread_arenas
 from spectral.sampling_params import InvalidRequestError
 from spectral.server.child import exit_on_sigterm, parse_child_args, receive_model
 from spectral.server.ipc import recv_message, send_message
@@ -147,6 +147,7 @@ def main() -> None:
     args, ns = parse_child_args("scheduler")
     exit_on_sigterm()  # through `finally`, so that the worker process is stopped with us
     process = SchedulerProcess(args, ns.ipc_dir)
+    freeze_heap()
     try:
         process.run()
     except WorkerDiedError as err:

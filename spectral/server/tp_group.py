@@ -25,6 +25,7 @@ import time
 import zmq
 
 from spectral.args import ServerArgs
+from spectral.mem.process import freeze_heap
 from spectral.server.child import hand_model, spawn_child, stop_children, wait_for_work
 from spectral.server.ipc import recv_message, send_message
 from spectral.server.messages import GrammarQuery, Heartbeat
@@ -163,6 +164,7 @@ def rank_main(args: ServerArgs, ipc_dir: str, rank: int, model, ctx: zmq.Context
     worker = create_worker(args, model, join_group(args, ipc_dir, rank))
     if worker.grammars is not None:  # speculative: each rank masks its trees itself
         worker.grammars.backend.start()
+    freeze_heap()
     parent = os.getppid()
     seen = [time.monotonic()]
 

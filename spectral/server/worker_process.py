@@ -18,6 +18,7 @@ from spectral.args import ServerArgs
 from spectral.core.model import ResolvedModel
 from spectral.core.worker_io import MAX_LAUNCHED, WorkerBatch, WorkerResult
 from spectral.faults import RemoteError, WorkerLostError
+from spectral.mem.process import freeze_heap
 from spectral.server.child import (
     hand_model,
     parse_child_args,
@@ -85,6 +86,7 @@ def worker_main(args: ServerArgs, ipc_dir: str) -> None:
         worker.kv_pool_info(),
         launches=pipeline is not None,
     )
+    freeze_heap()
     send_message(outbox, ready)
     if worker.grammars is not None:  # speculative: the worker follows grammar requests itself
         worker.grammars.backend.start()
