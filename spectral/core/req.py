@@ -126,6 +126,11 @@ class Req(TokenizedRequest):
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
 
+    @property
+    def num_ids(self) -> int:
+        """len(all_ids), without building all_ids."""
+        return len(self.input_ids) + len(self.output_ids)
+
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_ids[start:end] without building all_ids (the decode step asks for one token)."""
         n = len(self.input_ids)

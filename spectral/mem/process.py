@@ -127,12 +127,9 @@ def freeze_heap() -> None:
     report objects still alive then as leaks)."""
     gc.collect()
     gc.freeze()
-    _thaw_at_exit()
 
 
-@functools.cache
-def _thaw_at_exit() -> None:
-    atexit.register(gc.unfreeze)
+atexit.register(gc.unfreeze)  # `freeze_heap`'s: nothing frozen, nothing to do
 
 
 def thaw_heap() -> None:

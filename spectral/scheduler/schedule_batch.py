@@ -26,7 +26,7 @@ class ScheduleBatch:
 
     def completes_prefill(self, req: Req) -> bool:
         """Whether this forward reaches the request's last token (its logits are wanted)."""
-        return self.new_token_range(req)[1] == len(req.input_ids) + len(req.output_ids)
+        return self.new_token_range(req)[1] == req.num_ids
 
     def to_worker_batch(
         self, banned_for: dict[str, list[int]], draft_next: bool = False
@@ -117,8 +117,7 @@ class ScheduleBatch:
         out = []
         for req in self.reqs:
             end = self.new_token_range(req)[1]
-            known = len(req.input_ids) + len(req.output_ids)  # all_ids, not built
-            out.append(req.token_slice(end, end + 1)[0] if end < known else -1)
+            out.append(req.token_slice(end, end + 1)[0] if end < req.num_ids else -1)
         return out
 
     def _verify_batch(self, banned_for: dict[str, list[int]]) -> WorkerBatch:

@@ -241,8 +241,7 @@ class SpecRound:
         inputs = []
         for req in running:
             state = req.spec.ngram
-            length = len(req.input_ids) + len(req.output_ids)  # all_ids, not built
-            reach = None if state is None else self.ngram.reach(length, state)
+            reach = None if state is None else self.ngram.reach(req.num_ids, state)
             if reach is None:
                 return False
             if self.lookahead is not None:  # its pool drafts without a match too (bucket 1)
