@@ -1,8 +1,8 @@
 """Serving benchmark: MT-Bench prompts over HTTP against a spectral server, beside the offline
 Engine on the same prompts in the same run.
 
-1. batch 1: requests one after another through the server and through the Engine; the server's
-   overhead is 1 - server tok/s / engine tok/s.
+1. batch 1: requests one after another through the server (streamed, then not) and through
+   the Engine; the server's overhead is 1 - server tok/s / engine tok/s.
 2. a Poisson stream at --rate requests/s: throughput, time to first token and inter-token
    latency (p50, p99), streaming through /generate.
 
@@ -57,12 +57,20 @@ async def stream_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: i
     return {"start": start, "stamps": stamps, "tokens": tokens}
 
 
-async def sequential(url: str, prompts: list[str], new_tokens: int) -> float:
+async def whole_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: int) -> dict:
+    """One request answered when it finishes (not streamed)."""
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    reply = await http.post(url + "/generate", json={"text": text, "sampling_params": params})
+    return {"tokens": reply.json()["meta_info"]["completion_tokens"]}
+
+
+async def sequential(url: str, prompts: list[str], new_tokens: int, stream: bool = True) -> float:
+    one = stream_one if stream else whole_one
     async with httpx.AsyncClient(timeout=600) as http:
-        await stream_one(http, url, prompts[0], 4)
+        await one(http, url, prompts[0], 4)
         start, tokens = time.perf_counter(), 0
         for p in prompts:
-            tokens += (await stream_one(http, url, p, new_tokens))["tokens"]
+            tokens += (await one(http, url, p, new_tokens))["tokens"]
     return tokens / (time.perf_counter() - start)
 
 
@@ -96,10 +104,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rate", type=float, default=1.0, help="requests per second")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server-args", default="", help="more server flags, e.g. '--worker-process'")
     args = ap.parse_args()
 
     common = ["--model-path", args.model_path, "--dtype", args.dtype, "--max-total-tokens", "32768"]
-    proc, url = start_server(*common)
+    proc, url = start_server(*common, *args.server_args.split())
     try:
         from transformers import AutoTokenizer
 
@@ -108,6 +117,7 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_path))
         prompts = [chat(tokenizer, q) for q in mtbench_first_turns(args.num_prompts)]
         server_seq = asyncio.run(sequential(url, prompts, args.max_new_tokens))
+        server_whole = asyncio.run(sequential(url, prompts, args.max_new_tokens, stream=False))
         stream = asyncio.run(poisson(url, prompts, args.max_new_tokens, args.rate, args.seed))
     finally:
         stop_server(proc)
@@ -133,6 +143,10 @@ def main() -> None:
         f"batch 1   : server {server_seq:.2f} tok/s, engine {engine_seq:.2f} tok/s, "
         f"server overhead {100 * overhead:.1f}%"
     )
+    print(
+        f"batch 1, not streamed: server {server_whole:.2f} tok/s, "
+        f"overhead {100 * (1 - server_whole / engine_seq):.1f}%"
+    )
     st = stream
     print(
         f"poisson {args.rate}/s: {st['throughput_tok_s']} tok/s, "
@@ -148,6 +162,7 @@ def main() -> None:
                 "server_batch1_tok_s": round(server_seq, 2),
                 "engine_batch1_tok_s": round(engine_seq, 2),
                 "server_overhead": round(overhead, 4),
+                "server_batch1_not_streamed_tok_s": round(server_whole, 2),
                 "poisson": {"rate": args.rate, **stream},
                 "engine_all_at_once_tok_s": round(engine_all, 2),
             },

@@ -26,7 +26,6 @@ from spectral.sampling_params import InvalidRequestError, SamplingParams
 from spectral.scheduler.scheduler import build_scheduler
 from spectral.server.worker_process import RemoteWorker
 from spectral.worker.factory import create_worker
-from spectral.worker.grammar_follower import GrammarFollower
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +58,6 @@ class Engine:
         else:
             self.worker = create_worker(args, self.model)
         self.scheduler = build_scheduler(args, self.model, self.worker, self.tokenizer)
-        if self.worker.grammars is not None:
-            # In one process the worker follows grammars with the scheduler's compiler (one
-            # vocabulary table, each grammar compiled once).
-            self.worker.grammars = GrammarFollower(self.scheduler.grammars.backend)
         self._rid_counter = itertools.count()
         self._start_loop()
         freeze_heap()  # thawed at shutdown

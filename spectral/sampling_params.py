@@ -73,6 +73,9 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    # A streamed request's new tokens go out every this many (None: the server's
+    # --stream-interval).
+    stream_interval: int | None = None
 
     @property
     def grammar(self) -> tuple[str, str] | None:
@@ -209,7 +212,6 @@ UNSUPPORTED_SAMPLING = {
     "structural_tag": "structural tags are not supported",
     "custom_params": "custom logit processors are not supported",
     "logit_bias": "logit_bias is not supported",
-    "stream_interval": "stream_interval is not supported (every step streams)",
 }
 
 _D = SamplingParams  # the defaults
@@ -246,7 +248,9 @@ class SamplingParamsModel(BaseModel):
     structural_tag: Any = Field(None, description=UNSUPPORTED_SAMPLING["structural_tag"])
     custom_params: Any = Field(None, description=UNSUPPORTED_SAMPLING["custom_params"])
     logit_bias: Any = Field(None, description=UNSUPPORTED_SAMPLING["logit_bias"])
-    stream_interval: Any = Field(None, description=UNSUPPORTED_SAMPLING["stream_interval"])
+    stream_interval: Annotated[int, Field(strict=True, ge=1, le=INT32_MAX)] | None = Field(
+        None, description="a stream's new tokens go out every this many (default: the server's)"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -62,9 +62,9 @@ def hostile(peaky_model_dir):
         str(GRAMMAR_CACHE_MIB),
     )
     before = server_processes(proc)
-    assert len(before) >= 4  # the server, its detokenizer, scheduler and worker
+    assert len(before) >= 3  # the server, its detokenizer and scheduler (holding the worker)
     yield proc, url
-    if proc.poll() is not None:  # ended by the module's last test, which kills its worker
+    if proc.poll() is not None:  # ended by the module's last test, which kills its scheduler
         return
     after = server_processes(proc)
     stop_server(proc)  # SIGTERM: every one of them must be gone
@@ -374,12 +374,14 @@ def test_schemathesis_finds_no_5xx_and_no_schema_mismatch(server):
     assert counts.get("generated", 0) >= FUZZ_EXAMPLES * 4
 
 
-def test_last_a_killed_worker_stops_the_server_with_an_error(hostile):
-    """The module's last test (it ends the module's server): the worker SIGKILLed, the server
-    exits with an error within seconds and every process of it is gone."""
+def test_last_a_killed_scheduler_stops_the_server_with_an_error(hostile):
+    """The module's last test (it ends the module's server): the scheduler process, which
+    holds the model worker (no process of the worker's own without --worker-process), SIGKILLed;
+    the server exits with an error within seconds and every process of it is gone."""
     proc, _ = hostile
     family = server_processes(proc)
-    workers = [pid for pid, cmd in family.items() if "spectral.server.worker_process" in cmd]
+    assert not [cmd for cmd in family.values() if "spectral.server.worker_process" in cmd]
+    workers = [pid for pid, cmd in family.items() if "spectral.server.scheduler_process" in cmd]
     assert len(workers) == 1
     os.kill(workers[0], signal.SIGKILL)
     try:

@@ -121,9 +121,10 @@ def test_the_engine_launches_ahead_through_the_graph_runners_buckets(peaky_model
 
 
 def test_a_server_launches_ahead_through_its_worker_process(peaky_model_dir):  # noqa: F811
-    """The worker in its own process: steps launched ahead travel as LaunchStep and come back
-    one late; concurrent requests get the in-process scheduler's tokens, and a request that
-    needs the host (a repetition penalty) joins and leaves in the middle."""
+    """The worker in its own process (--worker-process): steps launched ahead travel as
+    LaunchStep and come back one late; concurrent requests get the in-process scheduler's
+    tokens, and a request that needs the host (a repetition penalty) joins and leaves in the
+    middle."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -135,7 +136,12 @@ def test_a_server_launches_ahead_through_its_worker_process(peaky_model_dir):  #
     params[0] |= {"repetition_penalty": 1.2}  # the shortest: the rest run ahead after it
     expected = _run(make_scheduler(peaky_model_dir), _requests(params, prompts))
     proc, url = start_server(
-        "--model-path", peaky_model_dir, "--dtype", "float32", "--enable-overlap-schedule"
+        "--model-path",
+        peaky_model_dir,
+        "--dtype",
+        "float32",
+        "--enable-overlap-schedule",
+        "--worker-process",
     )
     try:
 

@@ -4,6 +4,7 @@ disconnects, bad input, and process lifecycle."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -125,6 +126,36 @@ def test_native_generate_matches_and_streams(server, engine_fp32, tokenizer):
     assert len(lines) == 11
 
 
+def test_a_stream_sends_its_first_token_at_once_then_every_stream_interval(server, tokenizer):
+    """A request's stream_interval: its first token at once, then every 4, then the rest when
+    it finishes (the server's default, 1, streams every token: the test above)."""
+    ids = tokenizer("Once upon a time")["input_ids"]
+    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "stream_interval": 4}
+    body = {"input_ids": ids, "sampling_params": params, "stream": True}
+    with httpx.stream("POST", server + "/generate", json=body, headers=HEADERS, timeout=60) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert [len(e["output_ids"]) for e in events] == [1, 5, 9, 10]
+
+
+def test_news_goes_out_per_stream_interval_and_at_the_end_without_a_stream():
+    """The scheduler process's rule: a stream's first token, then every interval (the
+    request's own over the server's); a request that does not stream, only when finished."""
+    from spectral.core.req import FinishReason, Req
+    from spectral.sampling_params import SamplingParams
+    from spectral.server.scheduler_process import news_due
+
+    def due(stream: bool, own: int | None, sent: int, out: int, done: bool = False) -> bool:
+        req = Req("r", [1], SamplingParams(stream_interval=own), stream=stream)
+        req.output_ids = list(range(out))
+        req.finished_reason = FinishReason("length") if done else None
+        return news_due(req, sent, 3)
+
+    assert [due(True, None, 0, 1), due(True, None, 1, 3), due(True, None, 1, 4)] == [1, 0, 1]
+    assert [due(True, 5, 1, 4), due(True, 5, 1, 6), due(True, 1, 6, 7)] == [0, 1, 1]
+    assert [due(False, None, 0, 1), due(False, 1, 0, 9), due(False, None, 0, 9, True)] == [0, 0, 1]
+    assert due(True, 5, 1, 2, done=True)
+
+
 def wait_for_no_leaks(server: str, timeout: float = 20.0) -> dict:
     return wait_idle_and_accounted(server, HEADERS, timeout)
 
@@ -180,6 +211,7 @@ def test_32_streaming_clients_with_a_quarter_disconnecting(server):
         ("/v1/completions", {"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
         ("/v1/completions", {"model": "m", "prompt": "x " * 9000}, "context length is 8192"),
         ("/generate", {"text": "x", "sampling_params": {"top_p": 0}}, "top_p: Input should be"),
+        ("/generate", {"text": "x", "sampling_params": {"stream_interval": 0}}, "stream_interval"),
     ],
 )
 def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server, path, body, message):

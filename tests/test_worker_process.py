@@ -189,3 +189,38 @@ def test_a_second_sigterm_does_not_break_off_the_shutdown_the_first_began():
         )
         assert done.returncode == 0, done.stderr
         assert ("worker stopped" in done.stdout) == finishes, (mode, done.stdout, done.stderr)
+
+
+def test_a_server_with_a_worker_process_answers_and_stops_with_an_error_when_it_dies(
+    peaky_model_dir,
+):
+    """--worker-process: the model worker in a process of its own answers as the in-process
+    scheduler does; SIGKILLed, it takes the server down with an error within seconds, and no
+    process of the server is left."""
+    import httpx
+
+    from tests.server_utils import alive, server_processes, start_server, stop_server
+
+    ids = mixed_prompts(1, seed=7)[0]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    req = Req("r0", ids, SamplingParams(**params))
+    expected = run_all(make_scheduler(peaky_model_dir), [req])["r0"]
+    proc, url = start_server(
+        "--model-path", peaky_model_dir, "--dtype", "float32", "--worker-process"
+    )
+    try:
+        body = {"input_ids": ids, "sampling_params": params}
+        got = httpx.post(url + "/generate", json=body, timeout=60).json()["output_ids"]
+        family = server_processes(proc)
+        workers = [pid for pid, cmd in family.items() if "spectral.server.worker_process" in cmd]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        assert proc.wait(timeout=10) != 0
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
+    assert got == expected
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [family[pid] for pid in family if alive(pid)]

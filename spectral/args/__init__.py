@@ -80,8 +80,10 @@ class ServerArgs:
     log_level: str = "info"
     api_key: str | None = None
     served_model_name: str | None = None
+    stream_interval: int = 1
     # Tensor parallelism: worker ranks in one torch.distributed group
     tp_size: int = 1
+    worker_process: bool = False
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -152,6 +154,7 @@ class ServerArgs:
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {self.max_prefill_tokens})")
         for name in (
+            "stream_interval",
             "max_request_bytes",
             "max_request_sequences",
             "max_stop_strings",
@@ -221,6 +224,11 @@ class ServerArgs:
     @property
     def ranks_per_node(self) -> int:
         return self.tp_size // self.nnodes
+
+    def worker_in_own_process(self) -> bool:
+        """Whether a server's model worker runs in a process of its own (with --tp-size > 1,
+        rank 0 of the group; else only with --worker-process) instead of in the scheduler's."""
+        return self.worker_process or self.tp_size > 1
 
     def resolved_device(self) -> str:
         import torch

@@ -144,11 +144,21 @@ HELP: dict[str, dict[str, str]] = {
         "log_level": "debug, info, warning, error",
         "api_key": "require 'Authorization: Bearer <key>' on every endpoint but /health",
         "served_model_name": "the model name the OpenAI API reports (default: model path)",
+        "stream_interval": (
+            "a streamed request's new tokens go out every N tokens (its first at once; a "
+            "request's own sampling param stream_interval overrides it); a request that does "
+            "not stream gets its answer when it finishes"
+        ),
     },
     "scale-out": {
         "tp_size": (
             "split the model over N worker processes (tensor parallelism over torch.distributed: "
             "gloo on CPUs, NCCL on GPUs; a GGUF's blocks cut as they load)"
+        ),
+        "worker_process": (
+            "run the model worker in a process of its own beside the scheduler's (always with "
+            "--tp-size > 1); by default the scheduler process holds it, as SGLang's does, which "
+            "saves a hand-over between processes every step"
         ),
         "nnodes": (
             "machines the --tp-size ranks are spread over (each runs tp_size / nnodes of them; "

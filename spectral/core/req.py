@@ -75,6 +75,8 @@ class TokenizedRequest:
     # Requests of one client call (a batch, n choices) share a group; the scheduler shares
     # its rows fairly between groups. None: a group of its own.
     group: str | None = None
+    # Whether the client takes the output as it comes (else it gets it all when finished).
+    stream: bool = True
 
 
 @dataclass

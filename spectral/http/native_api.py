@@ -151,6 +151,7 @@ async def generate(body: GenerateRequest, request: Request, serving: ServingDep)
             job.top_logprobs_num,
             job.logprob_start_len,
             group,
+            body.stream,
         )
         for job in jobs
     ]

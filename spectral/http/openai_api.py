@@ -72,7 +72,7 @@ async def completions(body: CompletionRequest, request: Request, serving: Servin
     # echo with logprobs scores the prompt too (its first token has none), as OpenAI does.
     prompt_start = 0 if body.echo and want_logprobs else -1
     gens = [
-        manager.generate(ids, p, None, want_logprobs, top, prompt_start, group)
+        manager.generate(ids, p, None, want_logprobs, top, prompt_start, group, stream=False)
         for _, ids, p in jobs
     ]
     states = await unless_disconnected(request, run_all(gens))
@@ -106,7 +106,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servin
     envelope = Envelope.new("chatcmpl", body.model or serving.served_model)
     if body.stream:
         return event_stream(_chat_events(manager, body, jobs, envelope, group))
-    gens = [manager.generate(ids, p, None, body.logprobs, top, group=group) for _, _, p in jobs]
+    gens = [
+        manager.generate(ids, p, None, body.logprobs, top, group=group, stream=False)
+        for _, _, p in jobs
+    ]
     states = await unless_disconnected(request, run_all(gens))
     if isinstance(states, Response):
         return states

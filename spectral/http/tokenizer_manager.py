@@ -227,8 +227,10 @@ class TokenizerManager:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         group: str | None = None,
+        stream: bool = True,
     ) -> AsyncIterator[ReqState]:
-        """Yields the request's state after every update; the last one is finished. Leaving the
+        """Yields the request's state after every update (without `stream`, the scheduler sends
+        one, when it finishes); the last one is finished. Leaving the
         iteration early (a client that went away, a sibling that failed) aborts the request.
         The caller has run `check` on it (every element of a batch before any starts); the
         scheduler checks again and rejects what got past."""
@@ -248,6 +250,7 @@ class TokenizerManager:
                     top_logprobs_num,
                     logprob_start_len,
                     group,
+                    stream,
                 ),
             )
             while True:

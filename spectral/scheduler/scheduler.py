@@ -28,6 +28,7 @@ from spectral.scheduler.schedule_batch import ScheduleBatch
 from spectral.speculative.settings import SpecSettings
 from spectral.speculative.sources.round import SpecRound
 from spectral.worker.base import Worker
+from spectral.worker.grammar_follower import GrammarFollower
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +63,7 @@ class Scheduler:
             config.vocab_size,
             config.eos_token_ids,
             config.grammar_compile_timeout,
-            # only a speculative worker follows grammars (a plain one would answer True after
-            # a trip to its process)
-            worker.grammar_ready if spec is not None else None,
+            worker.grammar_ready if spec is not None else None,  # a speculative one follows
             config.grammar_cache_bytes,
         )
         self.finish = FinishChecker(tokenizer, config.eos_token_ids, config.max_context_len)
@@ -391,9 +390,11 @@ class Scheduler:
             self.spec_round.finished(req, reason)
 
 
-def build_scheduler(
-    args: ServerArgs, model: ResolvedModel, worker: Worker, tokenizer: Any
-) -> Scheduler:
+def build_scheduler(args: ServerArgs, model: ResolvedModel, worker: Worker, tok: Any) -> Scheduler:
     """The scheduler `args` describe over `worker` (the Engine's and the scheduler process's)."""
-    config = SchedulerConfig.of(args, model, worker.num_kv_slots)
-    return Scheduler(worker, tokenizer, config, args.spec)
+    scheduler = Scheduler(
+        worker, tok, SchedulerConfig.of(args, model, worker.num_kv_slots), args.spec
+    )
+    if worker.grammars is not None:  # a worker in this process follows with our compiler
+        worker.grammars = GrammarFollower(scheduler.grammars.backend)
+    return scheduler

@@ -1,6 +1,6 @@
-"""A server's processes: the detokenizer and the scheduler (which starts the model worker),
-each handed the resolved model and waited for until it reports ready. What serves HTTP in front
-of them is the entry point's (spectral.launch_server)."""
+"""A server's processes: the detokenizer and the scheduler (which holds the model worker, or
+starts its process), each handed the resolved model and waited for until it reports ready.
+What serves HTTP in front of them is the entry point's (spectral.launch_server)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class ServerProcesses:
             model, tokenizer = resolve_model(args)
         except (ModelNotFoundError, UnsupportedModelError) as err:
             raise RuntimeError(f"spectral: {err}") from None
-        roles = [*self.children, "worker"]
+        roles = [*self.children, *(["worker"] if args.worker_in_own_process() else [])]
         self._model_out = [hand_model(self.ctx, self.ipc_dir, role, model) for role in roles]
         info = _wait_ready(self._ready, self.children)["scheduler"]
         for sock in self._model_out:

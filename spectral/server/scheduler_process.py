@@ -1,5 +1,7 @@
-"""The scheduler process: receives tokenized requests and aborts, runs the Scheduler (whose
-model worker is a child process of its own), and streams new tokens to the detokenizer."""
+"""The scheduler process: receives tokenized requests and aborts, runs the Scheduler over its
+model worker (held in this process, or a child process of its own with --worker-process or
+--tensor-parallel ranks), and sends new tokens to the detokenizer: a streamed request's every
+`--stream-interval` tokens, another's when it finishes."""
 
 from __future__ import annotations
 
@@ -29,12 +31,26 @@ from spectral.server.worker_process import RemoteWorker, WorkerDiedError
 logger = logging.getLogger("spectral.scheduler")
 
 
+def news_due(req: Req, sent: int, stream_interval: int) -> bool:
+    """Whether the news of a request with `sent` output tokens sent goes out now: when it has
+    finished; a stream's first token at once, then every `stream_interval` tokens (its own
+    sampling param's where given); a request that does not stream gets all when it finishes."""
+    if req.finished:
+        return True
+    if not req.stream:
+        return False
+    every = req.sampling_params.stream_interval or stream_interval
+    return sent == 0 or len(req.output_ids) - sent >= every
+
+
 class SchedulerProcess:
     def __init__(self, args: ServerArgs, ipc_dir: str) -> None:
-        # The worker's load is the longest part of the start-up: it starts before this process
-        # imports the scheduler (torch, transformers; this module imports nothing heavy), and
-        # both import while the launching process resolves the model, which it hands to each.
-        self.worker = RemoteWorker(args, ipc_dir)
+        # A worker process of its own (--worker-process, --tp-size > 1) starts first: its load
+        # is the longest part of the start-up, and both import while the launching process
+        # resolves the model, which it hands to each. By default this process holds the worker
+        # (as SGLang's scheduler holds its TpModelWorker): a step then hands nothing between
+        # processes, which on a CPU whose cores the forward fills costs ~1 ms a step.
+        self.remote = RemoteWorker(args, ipc_dir) if args.worker_in_own_process() else None
         from spectral.models.resolved import load_tokenizer
         from spectral.scheduler.scheduler import build_scheduler
 
@@ -45,18 +61,25 @@ class SchedulerProcess:
         self.inbox.bind(f"ipc://{ipc_dir}/scheduler_in")
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.connect(f"ipc://{ipc_dir}/detokenizer_in")
-        self.worker.wait_ready()
-        self.scheduler = build_scheduler(args, model, self.worker, tokenizer)
+        if self.remote is not None:
+            worker = self.remote.wait_ready()
+        else:
+            from spectral.worker.factory import create_worker
+
+            worker = create_worker(args, model)
+        self.scheduler = build_scheduler(args, model, worker, tokenizer)
+        self.stream_interval = args.stream_interval
         self.sent: dict[str, int] = {}  # output ids already sent, per request in flight
         ready = self.ctx.socket(zmq.PUSH)
         ready.connect(f"ipc://{ipc_dir}/ready")
-        send_message(ready, ProcessReady("scheduler", {"num_kv_slots": self.worker.num_kv_slots}))
+        send_message(ready, ProcessReady("scheduler", {"num_kv_slots": worker.num_kv_slots}))
         ready.close(linger=1000)
         self.scheduler.grammars.start()
 
     def run(self) -> None:
         while True:
-            self.worker.check_alive()
+            if self.remote is not None:
+                self.remote.check_alive()
             self._receive(block=not self.scheduler.has_work)
             if self.scheduler.has_work:
                 self._emit(self.scheduler.step())
@@ -104,6 +127,8 @@ class SchedulerProcess:
         together is aborted and its client told why; the others' news goes out."""
         out = BatchTokenIDOut([], [], [], [], [], [])
         for req in reqs:
+            if not news_due(req, self.sent.get(req.rid, 0), self.stream_interval):
+                continue
             try:
                 self._add_news(out, req)
             except Exception as err:
@@ -154,7 +179,8 @@ def main() -> None:
         logger.error("%s; shutting down", err)
         sys.exit(1)
     finally:
-        process.worker.close()
+        if process.remote is not None:
+            process.remote.close()
 
 
 if __name__ == "__main__":
