@@ -30,7 +30,7 @@ from bench.data import DATASETS, chat  # noqa: E402
 from spectral.core.forward import ForwardMode  # noqa: E402
 from spectral.engine import Engine  # noqa: E402
 from spectral.scheduler.scheduler import Scheduler  # noqa: E402
-from spectral.speculative.sources import planner  # noqa: E402
+from spectral.speculative.sources import plan_record, planner  # noqa: E402
 from spectral.speculative.sources.round import SpecRound  # noqa: E402
 from spectral.worker.spec_worker import SpeculativeWorker  # noqa: E402
 
@@ -69,8 +69,9 @@ def instrument() -> None:
         when=lambda self, batch, *rest: batch.mode == ForwardMode.DECODE,
     )
     timed(Scheduler, "step", "decode step", when=lambda self: self.last_mode == ForwardMode.DECODE)
+    timed(SpecRound, "record_plan", "rounds")  # counted: there must be none
     # every round declined: no gain clears the margin, and no probe is tried
-    planner.MIN_GAIN = float("inf")
+    plan_record.MIN_GAIN = float("inf")  # min_gain() reads it at every plan
     planner.PROBE_EVERY = 1 << 30
 
 
@@ -99,6 +100,8 @@ def run(engine: Engine, prompts: list[str], new_tokens: int) -> tuple[dict, list
     engine.flush_cache()
     timers.clear()
     outputs = engine.generate(prompts, params)
+    if timers.pop("rounds", [0, 0])[1]:  # what once happened when the margin moved modules
+        sys.exit("rounds ran: the planner's margin is no longer where this bench sets it")
     steps = max(timers["decode step"][1], 1)
     per_step = {part: 1e6 * seconds / steps for part, (seconds, _) in timers.items()}
     return per_step, [o["output_ids"] for o in outputs]
