@@ -3,7 +3,8 @@ open-loop load (bench/soak_load.py: chat and completions, streaming and not, n >
 JSON-schema and EBNF requests with hostile ones among them, invalid fields, bodies over the
 limit, clients that hang up mid-stream, aborts) for `--minutes`, with faults on a schedule:
 
-- every 10 minutes from minute 3, the model worker stopped (SIGSTOP) for 5 s, then resumed;
+- every 10 minutes from minute 3, the model worker stopped (SIGSTOP) for 5 s, then resumed
+  (the scheduler process, which holds it, unless the server runs it in a process of its own);
 - with `--dp-size 2`, at minute 6 (then every 10) one server SIGKILLed with its children and
   started again on its port, the router serving meanwhile from the other;
 - at the end, the scheduler child SIGKILLed: the server must exit (every process gone) and say
@@ -57,9 +58,9 @@ RECOVERY_LIMIT_S = 10.0
 def role(pid: int) -> str:
     line = cmdline(pid)
     for key, name in (
-        ("worker_process", "worker"),
-        ("scheduler_process", "scheduler"),
-        ("detokenizer", "detokenizer"),
+        ("spectral.server.worker_process", "worker"),  # modules: the flags name a worker_process
+        ("spectral.server.scheduler_process", "scheduler"),
+        ("spectral.server.detokenizer", "detokenizer"),
         ("sglang_router", "router"),
         ("launch_server", "http"),
     ):
@@ -213,7 +214,9 @@ class Soak:
             await self.kill_a_server(http, index)
 
     async def stop_worker(self, http: httpx.AsyncClient, index: int) -> None:
-        worker = next(pid for pid, name in processes(self.proc.pid).items() if name == "worker")
+        tree = processes(self.proc.pid)
+        holder = "worker" if "worker" in tree.values() else "scheduler"  # which runs the model
+        worker = next(pid for pid, name in tree.items() if name == holder)
         await asyncio.sleep(10)
         self.faulting = True
         os.kill(worker, signal.SIGSTOP)

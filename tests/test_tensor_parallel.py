@@ -206,7 +206,9 @@ def test_two_machines_serve_as_one_and_a_lost_rank_takes_the_server_down(
         responses = generate_all(url, PROMPTS[:5])
         assert [r["output_ids"] for r in responses] == one_rank["greedy"][:5]
         below = descendants(server.pid) + descendants(node1.pid)
-        (rank1,) = [p for p in descendants(node1.pid) if "worker_process" in cmdline(p)]
+        (rank1,) = [
+            p for p in descendants(node1.pid) if "spectral.server.worker_process" in cmdline(p)
+        ]
         os.kill(rank1, signal.SIGKILL)
         node1.wait(timeout=10)
         assert node1.returncode != 0
