@@ -78,7 +78,7 @@ def _serve_http(args: ServerArgs, processes: ServerProcesses) -> int:
     )
     logger.info("serving %s on http://%s:%d", served, args.host, args.port)
     try:
-        import uvloop  # libuv's event loop: a streamed token costs this process a third less
+        import uvloop  # libuv's event loop (uvicorn.Config's `loop` is read by uvicorn.run only)
     except ImportError:  # not on Windows
         return asyncio.run(_serve(uvicorn.Server(config), manager, processes))
     return uvloop.run(_serve(uvicorn.Server(config), manager, processes))

@@ -230,8 +230,8 @@ class TokenizerManager:
         stream: bool = True,
     ) -> AsyncIterator[ReqState]:
         """Yields the request's state after every update (without `stream`, the scheduler sends
-        one, when it finishes); the last one is finished. Leaving the
-        iteration early (a client that went away, a sibling that failed) aborts the request.
+        one, when it finishes); the last one is finished. Leaving the iteration early (a client
+        that went away, a sibling that failed) aborts the request.
         The caller has run `check` on it (every element of a batch before any starts); the
         scheduler checks again and rejects what got past."""
         if rid is not None and rid in self.states:

@@ -1,6 +1,6 @@
 """The scheduler process: receives tokenized requests and aborts, runs the Scheduler over its
 model worker (held in this process, or a child process of its own with --worker-process or
---tensor-parallel ranks), and sends new tokens to the detokenizer: a streamed request's every
+--tp-size > 1), and sends new tokens to the detokenizer: a streamed request's every
 `--stream-interval` tokens, another's when it finishes."""
 
 from __future__ import annotations
