@@ -29,8 +29,8 @@ from data import chat, mtbench_first_turns  # noqa: E402
 from spectral import Engine  # noqa: E402
 from tests.server_utils import start_server, stop_server  # noqa: E402
 
-# Batch 1 runs each way this many times (the best counts): a fresh server's first pass ran up to
-# 25% under its second (an AMD EPYC, 2 cores).
+# Batch 1 runs each way this many times and the best counts: on a 2-core machine whose speed
+# drifts, passes of the same work differed by 10-25% (an AMD EPYC, an evening's runs).
 PASSES = 2
 
 
