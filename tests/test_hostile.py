@@ -61,8 +61,12 @@ def hostile(peaky_model_dir):
         "--grammar-cache-mib",
         str(GRAMMAR_CACHE_MIB),
     )
-    before = server_processes(proc)
-    assert len(before) >= 3  # the server, its detokenizer and scheduler (holding the worker)
+    try:
+        before = server_processes(proc)
+        assert len(before) >= 3  # the server, its detokenizer and scheduler (holding the worker)
+    except BaseException:  # a server the module cannot use is stopped, not left running
+        stop_server(proc)
+        raise
     yield proc, url
     if proc.poll() is not None:  # ended by the module's last test, which kills its scheduler
         return
