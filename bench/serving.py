@@ -34,6 +34,11 @@ from tests.server_utils import start_server, stop_server  # noqa: E402
 PASSES = 2
 
 
+def greedy(new_tokens: int) -> dict:
+    """The sampling parameters of every request here: greedy, `new_tokens` exactly."""
+    return {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     if not values:
@@ -46,7 +51,7 @@ async def stream_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: i
     body = {
         "text": text,
         "stream": True,
-        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
+        "sampling_params": greedy(new_tokens),
     }
     start = time.perf_counter()
     stamps: list[float] = []
@@ -64,8 +69,8 @@ async def stream_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: i
 
 async def whole_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: int) -> dict:
     """One request answered when it finishes (not streamed)."""
-    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    reply = await http.post(url + "/generate", json={"text": text, "sampling_params": params})
+    body = {"text": text, "sampling_params": greedy(new_tokens)}
+    reply = await http.post(url + "/generate", json=body)
     return {"tokens": reply.json()["meta_info"]["completion_tokens"]}
 
 
@@ -135,7 +140,7 @@ def main() -> None:
         stop_server(proc)
 
     engine = Engine(model_path=args.model_path, dtype=args.dtype, max_total_tokens=32768)
-    params = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
+    params = greedy(new_tokens)
     engine.generate(prompts[0], {**params, "max_new_tokens": 4})
     engine_seq = 0.0
     for _ in range(PASSES):

@@ -17,12 +17,12 @@ import openai
 import pytest
 
 from tests.server_utils import (
-    alive,
     cmdline,
     descendants,
     free_port,
     launch_command,
     run_bench_serving,
+    survivors_after,
 )
 
 pytest.importorskip("sglang_router", reason="make test installs sglang-router (spectral[router])")
@@ -145,7 +145,4 @@ def test_a_killed_server_fails_no_later_request_and_sigterm_stops_all(cluster, e
     assert proc.poll() is None  # the other server goes on serving
     proc.send_signal(signal.SIGTERM)
     proc.wait(60)
-    deadline = time.monotonic() + 30
-    while any(alive(pid) for pid in family) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert [pid for pid in family if alive(pid)] == []
+    assert survivors_after(list(family), timeout=30) == []

@@ -199,7 +199,7 @@ def test_a_server_with_a_worker_process_answers_and_stops_with_an_error_when_it_
     process of the server is left."""
     import httpx
 
-    from tests.server_utils import alive, server_processes, start_server, stop_server
+    from tests.server_utils import server_processes, start_server, stop_server, survivors_after
 
     ids = mixed_prompts(1, seed=7)[0]
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
@@ -220,7 +220,4 @@ def test_a_server_with_a_worker_process_answers_and_stops_with_an_error_when_it_
         if proc.poll() is None:
             stop_server(proc)
     assert got == expected
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in family) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [family[pid] for pid in family if alive(pid)]
+    assert not [family[pid] for pid in survivors_after(list(family))]

@@ -127,10 +127,11 @@ class SchedulerProcess:
         together is aborted and its client told why; the others' news goes out."""
         out = BatchTokenIDOut([], [], [], [], [], [])
         for req in reqs:
-            if not news_due(req, self.sent.get(req.rid, 0), self.stream_interval):
+            sent = self.sent.get(req.rid, 0)
+            if not news_due(req, sent, self.stream_interval):
                 continue
             try:
-                self._add_news(out, req)
+                self._add_news(out, req, sent)
             except Exception as err:
                 logger.exception("sending the output of request %s failed", req.rid)
                 self.scheduler.abort(req.rid)
@@ -139,8 +140,8 @@ class SchedulerProcess:
         if out.rids:
             send_message(self.outbox, out)
 
-    def _add_news(self, out: BatchTokenIDOut, req: Req) -> None:
-        start = self.sent.get(req.rid, 0)
+    def _add_news(self, out: BatchTokenIDOut, req: Req, start: int) -> None:
+        """Add `req`'s output from its `start`-th token on (what is not sent yet) to `out`."""
         new = req.output_ids[start:]
         p = req.sampling_params
         logprobs = []
