@@ -220,16 +220,21 @@ struct DotSum {
     return iv::madd16(v, scale);
 #endif
   }
-  // A sum that starts at minus c's two int16 (the same pair in every lane), so that what it
-  // holds once the products are added is their sum less c's: exact in int32 with VNNI; in
-  // int16 pairs the adds wrap on the way, and the difference comes out exact wherever it fits.
-  static DotSum less(int32_t c) {
-    DotSum sum;
+  // What a sum that is to come out as its products' sum less c starts at, in the lanes'
+  // natural width: minus c in int32 with VNNI; without, minus c's two parts (c = low + high,
+  // each within int16) in the int16 pair, whose adds wrap on the way, the difference coming out
+  // exact wherever it fits. Made once per row (`starting_at` reads it into every lane).
+  static int32_t start_less(int32_t low, int32_t high) {
 #if defined(SPECTRAL_VNNI)
-    sum.v = iv::words(-(static_cast<int16_t>(c & 0xFFFF) + (c >> 16)));
+    return -(low + high);
 #else
-    sum.v = iv::sub16(iv::zero(), iv::words(c));
+    return static_cast<int32_t>(static_cast<uint32_t>(-high) << 16 |
+                                static_cast<uint16_t>(-low));
 #endif
+  }
+  static DotSum starting_at(const int32_t* start) {
+    DotSum sum;
+    sum.v = iv::words(*start);
     return sum;
   }
 };

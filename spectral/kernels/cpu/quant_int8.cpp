@@ -21,10 +21,18 @@ struct Q8Buffers {
   std::vector<int32_t> s;
 };
 struct TileExtras {
-  std::vector<int32_t> bias, pairs;
+  std::vector<int32_t> starts, pairs;
 };
 // Buffers grown past this many bytes (a long prefill's) are let go after the call.
 constexpr size_t kKeptBytes = size_t{1} << 20;
+
+// v's storage for at least n elements: grown, never shrunk, so that calls of alternating sizes
+// (a layer's linears) do not zero their buffers' new parts again and again.
+template <typename T>
+T* at_least(std::vector<T>& v, int64_t n) {
+  if (v.size() < static_cast<size_t>(n)) v.resize(n);
+  return v.data();
+}
 
 Q8Buffers& q8_buffers(bool superblocks) {
   thread_local Q8Buffers kept[2];
@@ -41,21 +49,30 @@ void release_large_buffers() {
     Q8Buffers& b = q8_buffers(superblocks);
     if (b.q.capacity() > kKeptBytes) b = Q8Buffers{};
   }
-  if (tile_extras().bias.capacity() * sizeof(int32_t) > kKeptBytes) tile_extras() = TileExtras{};
+  if (tile_extras().starts.capacity() * sizeof(int32_t) > kKeptBytes) tile_extras() = TileExtras{};
 }
 
 // The Q8Rows of x quantized (q, d, s, shift) for the tile of `kind`: Q6_K's vector tiles take
-// its quants unsigned and 32 x off after (q6_biases; the scalar loops need none of it: they
-// subtract 32 from each quant), Q4_K's take the minimums' sums two blocks at a time (s_pairs),
-// both made into `extra`'s buffers.
+// its quants unsigned and their sums begun at minus 32 x (q6_starts; the scalar loops need none
+// of it: they subtract 32 from each quant), Q4_K's take the minimums' sums two blocks at a time
+// (s_pairs), both made into `extra`'s buffers.
 Q8Rows q8_rows(int kind, const int8_t* q, const float* d, const int32_t* s, const int8_t* shift,
                int64_t m, int64_t k, TileExtras& extra) {
   const int64_t nb = k / kBlock;
-  extra.bias.resize(kind == kQ6_K ? m * k / 16 : 0);
-  if (kind == kQ6_K) q6_biases(q, m, k, extra.bias.data());
-  extra.pairs.resize(kind == kQ4_K ? m * nb / 2 : 0);
-  if (kind == kQ4_K) s_pairs(s, shift, m * nb, extra.pairs.data());
-  return Q8Rows{q, d, s, k, shift, extra.bias.data(), extra.pairs.data()};
+  Q8Rows rows{q, d, s, k, shift};
+#if defined(SPECTRAL_VEC)
+  if (kind == kQ6_K) {
+    int32_t* starts = at_least(extra.starts, m * k / 16);
+    q6_starts(q, m, k, starts);
+    rows.q6_start = starts;
+  }
+#endif
+  if (kind == kQ4_K) {
+    int32_t* pairs = at_least(extra.pairs, m * nb / 2);
+    s_pairs(s, shift, m * nb, pairs);
+    rows.s_pairs = pairs;
+  }
+  return rows;
 }
 
 // x quantized into `b` (per superblock of 256 with each block's shift, or per block of 32).
@@ -69,13 +86,12 @@ Q8Rows quantize_into(const torch::Tensor& x, bool superblocks, Q8Buffers& b) {
   const torch::Tensor xf = x.scalar_type() == torch::kFloat32 && x.is_contiguous()
                                ? x
                                : x.to(torch::kFloat32).contiguous();
-  b.q.resize(m * k);
-  b.d.resize(m * k / kBlock);
-  b.s.resize(m * k / kBlock);
-  b.shift.resize(superblocks ? m * k / kBlock : 0);
-  quantize_rows(xf.data_ptr<float>(), m, k, b.q.data(), b.d.data(), b.s.data(),
-                superblocks ? b.shift.data() : nullptr);
-  return Q8Rows{b.q.data(), b.d.data(), b.s.data(), k, superblocks ? b.shift.data() : nullptr};
+  int8_t* q = at_least(b.q, m * k);
+  float* d = at_least(b.d, m * k / kBlock);
+  int32_t* s = at_least(b.s, m * k / kBlock);
+  int8_t* shift = superblocks ? at_least(b.shift, m * k / kBlock) : nullptr;
+  quantize_rows(xf.data_ptr<float>(), m, k, q, d, s, shift);
+  return Q8Rows{q, d, s, k, shift};
 }
 
 // out[r * ld + c] (r < m, c < n) = row r of x @ w.T through the tile of `kind`.

@@ -28,18 +28,34 @@ namespace {
 constexpr float kFinestStep = 1.f / (1 << kMaxFiner);
 
 #if defined(SPECTRAL_VEC)
-// sums[r][v] + block b's integer sums of rows row0 + r with columns kIntLanes v.., each times its
-// scale (Q4_K: a block's 6-bit scale; Q6_K: each half's int8 scale) and 2^shift of the row's
-// block.
+// Where rows row0.. of x begin in each of its arrays that a K-quant tile reads block by block:
+// found once a tile, not once a block (a row's offsets, 16 scalar instructions each, ran beside
+// every block's 128 multiply-adds).
+template <int R>
+struct RowStarts {
+  const int8_t* q[R];
+  const int8_t* shift[R];
+  const int32_t* q6_start[R];
+  RowStarts(const Q8Rows& x, int64_t row0) {
+    for (int r = 0; r < R; ++r) {
+      q[r] = x.q + (row0 + r) * x.k;
+      shift[r] = x.shift + (row0 + r) * (x.k / kBlock);
+      q6_start[r] = x.q6_start ? x.q6_start + (row0 + r) * (x.k / 16) : nullptr;
+    }
+  }
+};
+
+// sums[r][v] + block b's integer sums of rows r with columns kIntLanes v.., each times its scale
+// (Q4_K: a block's 6-bit scale; Q6_K: each half's int8 scale) and 2^shift of the row's block.
 template <int Kind, int R>
-inline void scaled_block_sums(const uint8_t* blk, const Q8Rows& x, int64_t row0, int64_t b,
+inline void scaled_block_sums(const uint8_t* blk, const RowStarts<R>& rows, int64_t b,
                               IVec (&sums)[R][kV]) {
   const uint8_t* qw = blk + q8_quants_offset(Kind);
   const int8_t* xq[R];
   __m128i shift[R];
   for (int r = 0; r < R; ++r) {
-    xq[r] = x.q + (row0 + r) * x.k + b * kBlock;
-    shift[r] = _mm_cvtsi32_si128(x.shift[(row0 + r) * (x.k / kBlock) + b]);
+    xq[r] = rows.q[r] + b * kBlock;
+    shift[r] = _mm_cvtsi32_si128(rows.shift[r][b]);
   }
   if constexpr (Kind == kQ4_K) {
     DotSum acc[R][kV];
@@ -52,15 +68,15 @@ inline void scaled_block_sums(const uint8_t* blk, const Q8Rows& x, int64_t row0,
   } else {
     // Quants u = q + 32 (0..63) rebuilt from nibbles and high bits and taken unsigned, the
     // first 16 inputs (low nibbles) and then the last 16 (high nibbles), their sums begun at
-    // minus 32 x (x.q6_bias): the sums of q itself (at most 8 * 32 * 127 a lane) fit int16, those
+    // minus 32 x (q6_starts): the sums of q itself (at most 8 * 32 * 127 a lane) fit int16, those
     // of u, a maddubs pair at most 2 * 63 * 127, wrap there on the way but come out exact.
     const IVec mask = iv::bytes(0x0F), high_bits = iv::bytes(0x30);
     // Unrolled, so that each group's shifts are constants (the compiler leaves these loops be).
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
-      DotSum acc[R][kV];  // from minus 32 x (x.q6_bias), the sums of q come out of those of u
+      DotSum acc[R][kV];  // from minus 32 x, the sums of q come out of those of u
       for (int r = 0; r < R; ++r) {
-        const DotSum start = DotSum::less(x.q6_bias[(row0 + r) * x.k / 16 + 2 * b + half]);
+        const DotSum start = DotSum::starting_at(rows.q6_start[r] + 2 * b + half);
         for (int v = 0; v < kV; ++v) acc[r][v] = start;
       }
 #pragma GCC unroll 4
@@ -123,6 +139,7 @@ template <int Kind, int R>
 void k_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
   const int64_t nb = x.k / kBlock;
   const int64_t header = q8_header_bytes(Kind, nb) / (nb / 8);  // a superblock's d (and -dmin)
+  const RowStarts<R> rows(x, row0);
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kV; ++v) iv::fstore(out + r * kNR + kIntLanes * v, iv::fzero());
   const uint8_t* blocks = panel + q8_header_bytes(Kind, nb);
@@ -133,7 +150,7 @@ void k_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
     for (int64_t b = 8 * sb; b < 8 * sb + 8; ++b) {
       const uint8_t* blk = blocks + b * q8_block_bytes(Kind);
       prefetch_for_rows<R>(blk, q8_block_bytes(Kind));
-      scaled_block_sums<Kind, R>(blk, x, row0, b, sums);
+      scaled_block_sums<Kind, R>(blk, rows, b, sums);
     }
     if constexpr (Kind == kQ4_K) q4_k_min_sums<R>(blocks, x, row0, sb, mins);
     const float* d = reinterpret_cast<const float*>(panel + sb * header);

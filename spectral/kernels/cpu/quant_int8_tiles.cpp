@@ -42,7 +42,7 @@ constexpr int kQ8Rows = 4;
 
 // x quantized: q [m, k] int8, d [m, k / 32] float32, s [m, k / 32] int32; for the K-quant tiles
 // per superblock, with each block's shift [m, k / 32] (quantize_rows); for Q6_K's vector tiles
-// also q6_bias [m, k / 16] (q6_biases), for Q4_K's s_pairs [m, k / 64] (s_pairs; the other
+// also q6_start [m, k / 16] (q6_starts), for Q4_K's s_pairs [m, k / 64] (s_pairs; the other
 // layouts leave them unread).
 struct Q8Rows {
   const int8_t* q;
@@ -50,7 +50,7 @@ struct Q8Rows {
   const int32_t* s;
   int64_t k;
   const int8_t* shift = nullptr;
-  const int32_t* q6_bias = nullptr;
+  const int32_t* q6_start = nullptr;
   const int32_t* s_pairs = nullptr;
 };
 
@@ -150,10 +150,12 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, in
   });
 }
 
-// What 32 times x adds per int16 lane to the sums of Q6_K's quants taken unsigned (q + 32; its
-// vector tiles), per row and half of 16 inputs of q [m, k]: inputs 4g and 4g + 1 (g = 0..3) in
-// the low 16 bits, 4g + 2 and 4g + 3 in the high 16; 32 * 8 * 127 at most, each fits.
-void q6_biases(const int8_t* q, int64_t m, int64_t k, int32_t* bias) {
+#if defined(SPECTRAL_VEC)
+// Where the sums of Q6_K's quants taken unsigned (q + 32; its vector tiles) start, per row and
+// half of 16 inputs of q [m, k]: at minus 32 x, so that they come out as the sums of q
+// (DotSum::start_less; without VNNI, inputs 4g and 4g + 1 (g = 0..3) make the low int16 of
+// the pair, 4g + 2 and 4g + 3 the high: 32 * 8 * 127 at most, each fits).
+void q6_starts(const int8_t* q, int64_t m, int64_t k, int32_t* start) {
   for (int64_t i = 0; i < m * k / 16; ++i) {
     const int8_t* x = q + 16 * i;
     int32_t low = 0, high = 0;
@@ -161,10 +163,10 @@ void q6_biases(const int8_t* q, int64_t m, int64_t k, int32_t* bias) {
       low += x[4 * g] + x[4 * g + 1];
       high += x[4 * g + 2] + x[4 * g + 3];
     }
-    bias[i] = static_cast<int32_t>(static_cast<uint32_t>(32 * high) << 16 |
-                                   static_cast<uint16_t>(32 * low));
+    start[i] = DotSum::start_less(32 * low, 32 * high);
   }
 }
+#endif
 
 // s [m, k / 32] times 2^shift as int16 pairs: block 2i's in the low 16 bits of s_pairs[i],
 // 2i + 1's in the high (each at most 32 * 127 * 8: it fits).
