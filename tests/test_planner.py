@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -174,7 +175,12 @@ def rate_of(planner: TreePlanner, reqs: list[PlanInput], sources, sizes) -> floa
     # a stale head runs at the request's last position first: one more level's forward
     stale = sum(1 for (kind, _), s in zip(sources, sizes) if s and kind == head_bucket(None))
     refresh = cost.draft_ms(stale, 2) - cost.draft_ms(stale, 1) if stale else 0.0
-    return expected / (cost.verify_ms(B + sum(sizes)) + cost.draft_ms(len(head), levels) + refresh)
+    # a draft model computes its KV over what each request it drafts for committed since
+    catch_up = sum(
+        r.catch_up_ms for r, (kind, _), s in zip(reqs, sources, sizes) if s and family(kind) == HEAD
+    )
+    draft = cost.draft_ms(len(head), levels) + refresh + catch_up
+    return expected / (cost.verify_ms(B + sum(sizes)) + draft)
 
 
 def brute_force(planner: TreePlanner, reqs: list[PlanInput]) -> float:
@@ -288,6 +294,60 @@ def test_a_stale_heads_tree_pays_for_the_heads_run_at_its_last_position() -> Non
     for bucket in (head_bucket(None), head_bucket(0.9)):
         planner.stats[bucket] = planner.stats[HEAD]
     assert planner.plan([fresh]).speculate and not planner.plan([stale]).speculate
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_a_draft_models_tree_pays_for_its_catch_up(batch: int) -> None:
+    """A draft model computes its KV over what a request committed since it last drafted for
+    it (its prompt, the plain steps since) before it drafts: plans with those catch-ups stay the
+    best of every choice of sources and sizes; a request far behind takes its n-gram tree
+    where one caught up takes the head's; and one whose catch-up costs more than its tree
+    gains gets no round at all (a probe included), though the same request caught up does."""
+    planner = planner_with_sources()
+    for behind in (0.0, 8.0, 200.0):
+        reqs = [dataclasses.replace(r, catch_up_ms=behind * (i + 1)) for i, r in enumerate(SOURCES)]
+        plan = planner.plan(reqs[:batch])
+        assert plan_rate(planner, reqs[:batch], plan) == pytest.approx(
+            brute_force(planner, reqs[:batch])
+        )
+    caught_up, behind = SOURCES[0], dataclasses.replace(SOURCES[0], catch_up_ms=200.0)
+    assert planner.plan([caught_up]).sources == [1]  # the confident head
+    assert planner.plan([behind]).sources == [0]  # its n-gram tree instead
+    head_only = PlanInput(head_bucket(0.9), 7)
+    assert planner.plan([head_only]).speculate
+    assert not planner.plan([dataclasses.replace(head_only, catch_up_ms=200.0)]).speculate
+    assert not planner._best_plan_at(
+        [dataclasses.replace(head_only, catch_up_ms=200.0)], 1.0
+    ).speculate
+
+
+def test_a_draft_models_requests_are_charged_what_it_has_not_computed() -> None:
+    """STANDALONE's SpecRound charges each request's head tree the cost model's catch-up for
+    every token since the draft last drafted for it (a new request: all of it), and a round
+    whose tree the draft gives brings the request level again; EAGLE3's heads, whose upkeep
+    runs each step, are charged none."""
+    cost = dataclasses.replace(STEEP, catch_up=0.05)
+    spec = SpecSettings.from_args(
+        ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="draft")
+    )
+    spec_round = SpecRound(spec, cost, None, 4096)
+    req = Req("r", list(range(3, 43)), SamplingParams())
+    req.kv_slots = list(range(40))
+    assert spec_round._plan_input(req, None, "").catch_up_ms == pytest.approx(0.05 * 40)
+    observe_chains(spec_round.planner.stats_for(head_bucket(None)), 0.95, 6, random.Random(5))
+    sizes = spec_round.plan([req])
+    assert sizes is not None and sizes[0] > 1 and req.spec.draft_tokens is None
+    # the round emits two tokens (the draft computed the first, the root's, the scheduler
+    # keeps it), then three plain steps
+    round_result = SimpleNamespace(node_next_ids=None, node_ranks=[], emitted_ids=[[7, 8]])
+    spec_round.observe(req, round_result, 0, sizes[0] - 1)
+    assert req.spec.draft_synced == 42
+    req.kv_slots += [40, 41, 42, 43, 44]
+    assert spec_round._plan_input(req, None, "").catch_up_ms == pytest.approx(0.05 * 3)
+    eagle = SpecRound(
+        SpecSettings.from_args(ServerArgs(speculative_algorithm="EAGLE3")), cost, None, 4096
+    )
+    assert eagle._plan_input(req, None, "").catch_up_ms == 0.0
 
 
 # STEEP with a drafter whose upkeep costs a plain step 1-8% (EAGLE-3's, measured: ~0.3 ms of
@@ -485,6 +545,9 @@ def test_cost_model_interpolates_and_rejects_malformed_files() -> None:
     model = CostModel.from_dict(json.loads(json.dumps(STEEP.to_dict())))
     assert model == STEEP
     assert CostModel.from_dict(json.loads(json.dumps(IDLE.to_dict()))) == IDLE
+    behind = dataclasses.replace(STEEP, catch_up=1.5)  # a draft model's, a token
+    assert CostModel.from_dict(json.loads(json.dumps(behind.to_dict()))) == behind
+    assert CostModel.from_dict({"verify": [[1, 1.0]], "decode_one": 1.0}).catch_up == 0.0
     assert IDLE.idle_ms(2) == pytest.approx(0.6) and IDLE.plain_ms(1) == pytest.approx(11.4)
     for bad in (
         {},

@@ -219,6 +219,7 @@ def test_a_measured_cost_model_times_the_heads_upkeep_apart_and_outputs_stay_pla
     assert [n for n, _ in model.idle] == list(cost_measure.DRAFT_POINTS)
     assert all(ms > 0 for _, ms in model.idle)
     assert model.plain_ms(1) == pytest.approx(model.decode_ms(1) + model.idle[0][1])
+    assert model.catch_up == 0.0  # a head's upkeep runs each step: it has nothing to catch up
     assert s.worker.drafter._queue.take() is None  # nothing queued is left to land later
     assert len(list(tmp_path.glob("*.json"))) == 1
     reqs = run(s, prompts(20)[:8], at_once=4, temperature=0.0)

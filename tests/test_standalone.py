@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import statistics
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -195,6 +196,32 @@ def test_a_draft_equal_to_the_target_is_accepted_nearly_always(
     assert accepted_per_round(s) > 3.4  # of 4 drafted (a request's last round is cut short)
     # 4 accepted: levels 1-3 computed three, the fourth and the root left (5 without copies)
     assert statistics.median(caught_up) <= 2
+
+
+def test_a_measured_cost_model_prices_the_drafts_catch_up_a_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, peaky_model_dir: str
+) -> None:
+    """Measured at start-up, a draft model's cost model holds what its KV costs a token to
+    catch up: its first draft over the measuring prefix, less a draft of a row it is level
+    with, a token of the prefix. Each catch-up token made to cost 0.2 ms more here (the draft
+    otherwise as cheap as the target, a tiny model), the model says at least that; the
+    planner charges it (tests/test_planner.py)."""
+    from spectral.worker import cost_measure
+
+    original = DraftModelDrafter._logprobs
+
+    def logprobs(self, batch):
+        if batch.mode == ForwardMode.EXTEND:
+            until = time.perf_counter() + 0.0002 * sum(batch.extend_lens)
+            while time.perf_counter() < until:
+                pass
+        return original(self, batch)
+
+    monkeypatch.setattr(DraftModelDrafter, "_logprobs", logprobs)
+    monkeypatch.setattr(cost_measure, "CACHE_DIR", tmp_path)
+    s = standalone(peaky_model_dir, peaky_model_dir, speculative_cost_model=None)
+    assert s.worker.cost_model.catch_up >= 0.2
+    assert s.worker.cost_model.summary()["catch_up_ms_per_token"] >= 0.2
 
 
 def test_retraction_and_aborts_keep_output_equal_and_free_everything(

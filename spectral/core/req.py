@@ -45,6 +45,9 @@ class SpecState:
     kind: str = ""
     expected_drafts: float = 0.0
     draft_top1: float | None = None
+    # Its length when the worker's drafter last drafted its tree: a draft model computes its KV
+    # from there before it drafts again (the planner charges that catch-up).
+    draft_synced: int = 0
     verify_ct: int = 0  # rounds, and the draft tokens they accepted (meta_info)
     accepted_tokens: int = 0
 

@@ -39,6 +39,10 @@ class CostModel:
     # (requests, ms a plain step of that many costs the drafter: recording the step for its
     # next draft, its share of the queued work that recording defers)
     idle: list[tuple[int, float]] = field(default_factory=lambda: [(1, 0.0)])
+    # ms a token of a request's context the drafter computes before it drafts for it again
+    # (a draft model's catch-up over what was committed since it last did; 0: a head, whose
+    # upkeep of each step is `idle`)
+    catch_up: float = 0.0
 
     def verify_ms(self, nodes: int) -> float:
         return max(interpolate(self.verify, nodes), 0.0)
@@ -75,6 +79,7 @@ class CostModel:
                     for n, first, level in data.get("draft", [[1, 0.0, 0.0]])
                 ),
                 idle=sorted((int(n), float(ms)) for n, ms in data.get("idle", [[1, 0.0]])),
+                catch_up=float(data.get("catch_up", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(
@@ -95,6 +100,7 @@ class CostModel:
             "verify_ms": {str(n): round(self.verify_ms(n), 2) for n in (1, 2, 4, 8, 16, 32)},
             "decode_ms": {str(b): round(self.decode_ms(b), 2) for b in (1, 4, 16)},
             "idle_ms": {str(b): round(self.idle_ms(b), 3) for b in (1, 4, 16)},
+            "catch_up_ms_per_token": round(self.catch_up, 4),
             "draft_ms_one_and_three_levels": {
                 str(b): [round(self.draft_ms(b, 1), 2), round(self.draft_ms(b, 3), 2)]
                 for b in (1, 4, 16)

@@ -47,6 +47,10 @@ class Algorithm:
     token_map: bool = False
     # drafts from a datastore (--speculative-datastore) alone: no n-gram matches of its own
     datastore_only: bool = False
+    # its KV over what a request committed since it last drafted for it is computed before it
+    # drafts again (a draft model's lazy catch-up): the planner charges a request's tree that
+    # (the cost model's `catch_up` a token)
+    catches_up: bool = False
     # the shortest suffix its n-gram trees (its own, or a hybrid's) match by default
     ngram_min_match: int = 2
 
@@ -119,6 +123,7 @@ register(
         # never measured)
         acceptance_prior=(0.8, 0.9),
         token_map=True,
+        catches_up=True,
     )
 )
 register(

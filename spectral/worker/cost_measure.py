@@ -38,8 +38,9 @@ IDLE_STEPS = 64
 # round whose trees the head did not draft queues the head's KV instead of extending it; 3: a
 # plain step's time is the target's alone, the drafter's upkeep measured apart as `idle`; 4:
 # the verify curve and the plain step timed in interleaved passes; 5: the idle steps' queued
-# work timed with them; 6: the draft and the upkeep timed each right after a target step).
-MEASURE_VERSION = 6
+# work timed with them; 6: the draft and the upkeep timed each right after a target step; 7: a
+# draft model's catch-up a token).
+MEASURE_VERSION = 7
 
 
 def cache_key(parts: dict) -> str:
@@ -53,6 +54,7 @@ def load_or_measure(
     parts: dict,
     path: str | None = None,
     tensor_parallel: TensorParallel | None = None,
+    catches_up: bool = False,
 ) -> CostModel | None:
     """The cost model at `path` (given by hand), else the cached one for `parts`, else measured
     now and cached. Under `tensor_parallel` the measuring forwards are collective: rank 0's
@@ -70,7 +72,7 @@ def load_or_measure(
     if cached is not None:
         return cached
     start = time.perf_counter()
-    model = measure(worker)
+    model = measure(worker, catches_up)
     if tensor_parallel is not None and tensor_parallel.rank:
         return None
     logger.info(
@@ -135,10 +137,11 @@ def interleaved_ms(fns: dict, passes: int = PASSES) -> dict:
 
 
 @torch.inference_mode()
-def measure(worker: SpeculativeWorker) -> CostModel:
+def measure(worker: SpeculativeWorker, catches_up: bool = False) -> CostModel:
     """Measure the curves on `worker` before it serves anyone: request row 0 and the slots
     from 1 up are used as scratch (nothing is allocated yet, and a request that later takes
-    them rewrites what it reads)."""
+    them rewrites what it reads). `catches_up`: the drafter computes its KV over the prefix
+    when it first drafts (a draft model), timed against its later drafts as `catch_up`."""
     target = worker.target
     max_nodes = min(max(VERIFY_POINTS), target.num_kv_slots - PREFIX - 2)
     greedy = RequestSampling(SamplingParams(temperature=0.0, max_new_tokens=1))
@@ -177,7 +180,7 @@ def measure(worker: SpeculativeWorker) -> CostModel:
     times = interleaved_ms(fns)
     decode_one = times.pop(0)
     verify = sorted(times.items())
-    draft, idle = [(1, 0.0, 0.0)], [(1, 0.0)]
+    draft, idle, catch_up = [(1, 0.0, 0.0)], [(1, 0.0)], 0.0
     drafter = worker.drafter
     if drafter is not None:
         idle = [(b, _idle_ms(worker, step, b)) for b in DRAFT_POINTS]
@@ -193,10 +196,16 @@ def measure(worker: SpeculativeWorker) -> CostModel:
             def run(levels: int, rows=rows, roots=roots, root_slots=root_slots) -> None:
                 drafter.draft(rows, seq.expand(len(rows)), levels, roots, root_slots)
 
+            if catches_up and b == 1:  # its first draft computes its KV over the prefix
+                behind = 1000 * timed(lambda run=run: run(1), repeats=1, warmup=0, before=plain)
             first = 1000 * timed(lambda run=run: run(1), before=plain)
             deep = 1000 * timed(lambda run=run, levels=levels: run(levels), before=plain)
             draft.append((b, first, max(deep - first, 0.0) / (levels - 1)))
-    return CostModel(verify=verify, decode_one=decode_one, draft=draft, idle=idle)
+            if catches_up and b == 1:
+                catch_up = max(behind - first, 0.0) / PREFIX
+    return CostModel(
+        verify=verify, decode_one=decode_one, draft=draft, idle=idle, catch_up=catch_up
+    )
 
 
 def _idle_ms(worker: SpeculativeWorker, step: WorkerBatch, b: int) -> float:

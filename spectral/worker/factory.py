@@ -74,7 +74,7 @@ def create_worker(
         if tensor_parallel is not None:
             parts["tp_size"] = tensor_parallel.world
         spec_worker.cost_model = load_or_measure(
-            spec_worker, parts, spec.cost_model_path, tensor_parallel
+            spec_worker, parts, spec.cost_model_path, tensor_parallel, spec.entry.catches_up
         )
     return spec_worker
 

@@ -44,6 +44,7 @@ class PlanInput:
     accepted: float = 0.0
     expected: float = 0.0
     others: tuple[tuple[str, int], ...] = ()
+    catch_up_ms: float = 0.0  # what the worker's drafter computes before it drafts its tree
 
     @property
     def options(self) -> list[tuple[str, int]]:
@@ -104,6 +105,15 @@ class Record:
     plain_measured_ms: float = 0.0
     probes: int = 0  # rounds run at no margin after PROBE_EVERY plain steps
     replans: int = 0  # plans made again where an n-gram tree came out smaller than planned
+
+    def add_round(self, plan: Plan, nodes: list[int]) -> None:
+        """A round about to run: `plan`, with the tree sizes it got."""
+        self.rounds += 1
+        self.requests += len(nodes)
+        self.verified_nodes += sum(nodes)
+        self.predicted_tokens += plan.expected_tokens
+        self.predicted_ms += plan.predicted_ms
+        self.plain_ms += plan.plain_ms
 
     def to_dict(self) -> dict:
         out = dict(self.__dict__)

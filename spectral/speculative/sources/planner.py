@@ -126,23 +126,26 @@ class TreePlanner:
 
     def _best_or_declined(self, reqs: list[PlanInput]) -> Plan:
         """`best_plan`, or a declined plan kept for the same inputs (at calibration factors
-        within DECLINED_TOLERANCE or the margin of today's, the statistics unchanged since)."""
+        within DECLINED_TOLERANCE or the margin of today's, the statistics unchanged since, and
+        catch-ups no smaller: a plan declined at a draft's catch-up is declined at a longer one)."""
         if self._declined_version != self._version:
             self._declined_plans.clear()
             self._declined_version = self._version
         key = tuple((r.kind, r.max_nodes, r.accepted, r.expected, r.others) for r in reqs)
         factors = [math.log(f) for f in self.factors(len(reqs))]
+        catch_ups = [r.catch_up_ms for r in reqs]
         last = self._declined_plans.get(key)
         tolerance = min(DECLINED_TOLERANCE, math.log(self.margin(len(reqs))))
         if last is not None and all(abs(a - b) <= tolerance for a, b in zip(factors, last[0])):
-            return last[1]  # a declined plan: no one reads or changes its nodes
+            if all(c >= d for c, d in zip(catch_ups, last[2])):
+                return last[1]  # a declined plan: no one reads or changes its nodes
         best = self.best_plan(reqs)
         if best.speculate:
             self._declined_plans.pop(key, None)
         else:
             if len(self._declined_plans) >= DECLINED_KEPT:
                 self._declined_plans.clear()
-            self._declined_plans[key] = (factors, best)
+            self._declined_plans[key] = (factors, best, catch_ups)
         return best
 
     def replan(self, reqs: list[PlanInput]) -> Plan:
@@ -210,8 +213,9 @@ class TreePlanner:
             for kind, max_nodes in req.options:
                 head = head_kind(kind)
                 node_cost = rate * node_ms * (drafted if head else rounds)
-                # a stale head's run at the request's last position comes with its first node
-                net = -rate * drafted * self.curves.refresh(1) if head == STALE else 0.0
+                # a stale head's run at its last position, a draft model's catch-up: first node's
+                refresh = self.curves.refresh(1) if head == STALE else 0.0
+                net = -rate * drafted * (refresh + req.catch_up_ms) if head else 0.0
                 best, scale = 0.0, self.request_scale(req, kind)
                 for n, g in enumerate(table[kind][: max(max_nodes - 1, 0)], start=1):
                     net += min(1.0, g * scale) - node_cost
@@ -247,7 +251,7 @@ class TreePlanner:
         best, taken = plain, []
         for cap in caps:
             entries = [e for e in gains if not e[3] or e[1] < cap]
-            plan, length = self._greedy(entries, B, plain_ms, choice, best)
+            plan, length = self._greedy(entries, B, plain_ms, choice, best, reqs)
             if length:
                 best, taken = plan, entries[:length]
         if not best.speculate:
@@ -259,16 +263,16 @@ class TreePlanner:
         return best
 
     def _greedy(
-        self, entries: list, B: int, plain_ms: float, choice: list[int], best: Plan
+        self, entries: list, B: int, plain_ms: float, choice: list[int], best: Plan, reqs: list
     ) -> tuple[Plan, int]:
         """The best prefix of `entries` (best gain first), if it beats `best`: (its plan, its
-        length); else (`best`, 0)."""
+        length); else (`best`, 0). The head's first node for request b adds its catch-up."""
         drafted: set[int] = set()
         stale: set[int] = set()  # of those, the rows whose head runs at their last position first
         deepest = 0  # the most nodes any tree the head drafts has so far (root included)
         nodes = [1] * B
         expected = float(B)
-        found = None  # (expected, ms, length) of the best prefix
+        found, catch_up = None, 0.0  # (expected, ms, length) of the best prefix; catch-ups
         threshold = (1.0 if best.speculate else self.margin(B)) * best.rate
         _, rounds, drafted_rounds = self._scale
         least = min(rounds, drafted_rounds) * self.curves.least_slope(B)
@@ -277,6 +281,7 @@ class TreePlanner:
             expected += gain
             nodes[b] += 1
             if head:
+                catch_up += 0.0 if b in drafted else reqs[b].catch_up_ms
                 drafted.add(b)
                 if head == STALE:
                     stale.add(b)
@@ -286,7 +291,7 @@ class TreePlanner:
             verify_ms = self.curves.verify(B + length)
             # A tree of n nodes needs at most n - 1 levels of draft.
             draft_ms = self.curves.draft(len(drafted), min(self.max_levels, deepest - 1))
-            draft_ms += self.curves.refresh(len(stale))
+            draft_ms += self.curves.refresh(len(stale)) + catch_up
             ms = (drafted_rounds if drafted else rounds) * (verify_ms + draft_ms)
             if expected > threshold * ms:
                 found = expected, ms, length, verify_ms, draft_ms
@@ -299,12 +304,7 @@ class TreePlanner:
     def record_plan(self, plan: Plan, nodes: list[int]) -> None:
         """The round about to run: `plan`, with the tree sizes it got (the pool may cut them)."""
         self._pending = plan
-        self.record.rounds += 1
-        self.record.requests += len(nodes)
-        self.record.verified_nodes += sum(nodes)
-        self.record.predicted_tokens += plan.expected_tokens
-        self.record.predicted_ms += plan.predicted_ms
-        self.record.plain_ms += plan.plain_ms
+        self.record.add_round(plan, nodes)
         self.last = {
             "batch": len(nodes),
             "speculate": True,

@@ -102,6 +102,8 @@ class SpecRound:
         if spec.uses_lookahead:
             self.lookahead = LookaheadDrafter(*spec.lookahead)
         self.planner: TreePlanner | None = None
+        # ms a token the worker's drafter computes for a request before drafting it (draft models)
+        self._catch_up = cost_model.catch_up if cost_model and spec.entry.catches_up else 0.0
         if cost_model is not None and not spec.fixed_tree:
             self.planner = TreePlanner(
                 cost_model, spec.num_steps, spec.entry.acceptance_prior, spec.has_drafter
@@ -262,19 +264,18 @@ class SpecRound:
     def _plan_input(self, req: Req, nodes: int | None, kind: str) -> PlanInput:
         """What the planner knows of `req`: its head tree's, or a tree of the scheduler's of
         at most `nodes` non-root nodes beside the head's where both could give it."""
-        spec = self.spec
+        spec, record = self.spec, (req.spec.accepted_tokens, req.spec.expected_drafts)
         room = self.max_context_len - req.seq_len
         head = (head_bucket(req.spec.draft_top1), min(spec.num_draft_tokens, room))
+        catch_up = self._catch_up * max(req.seq_len - req.spec.draft_synced, 0)
         if nodes is None and not self.head_idle:
-            return PlanInput(*head, req.spec.accepted_tokens, req.spec.expected_drafts)
+            return PlanInput(*head, *record, catch_up_ms=catch_up)
         if nodes is None:  # the drafter idles: no tree
             nodes, kind = 0, ngram_bucket(0)
         size = self._tree_base + nodes
         beside = spec.has_drafter and not spec.hybrid_merge and not self.head_idle
         others = (head,) if beside else ()
-        return PlanInput(
-            kind, min(size, room), req.spec.accepted_tokens, req.spec.expected_drafts, others
-        )
+        return PlanInput(kind, min(size, room), *record, others, catch_up)
 
     def _build_trees(self, drafts: list, inputs: list[PlanInput], plan: Plan | None) -> bool:
         """Build the n-gram trees `plan` verifies (every one without a plan), in place in
@@ -368,6 +369,8 @@ class SpecRound:
         """Learn acceptance by rank from request `req`'s (row `i`) verified round of
         `verified` non-root nodes."""
         req.spec.draft_tokens = req.spec.draft_parents = None
+        if verified and family(req.spec.kind) == HEAD:  # the worker's drafter is level with it
+            req.spec.draft_synced = req.seq_len + len(result.emitted_ids[i])
         if self.lookahead is not None and result.node_next_ids:
             grams = self.lookahead.observe(
                 req.spec.lookahead, result.node_next_ids[i], verified, len(result.emitted_ids[i])
