@@ -137,7 +137,7 @@ class TreePlanner:
         last = self._declined_plans.get(key)
         tolerance = min(DECLINED_TOLERANCE, math.log(self.margin(len(reqs))))
         if last is not None and all(abs(a - b) <= tolerance for a, b in zip(factors, last[0])):
-            if all(c >= d for c, d in zip(catch_ups, last[2])):
+            if all(c >= d for c, d in zip(catch_ups, last[2])):  # no cheaper to draft now
                 return last[1]  # a declined plan: no one reads or changes its nodes
         best = self.best_plan(reqs)
         if best.speculate:
@@ -251,7 +251,7 @@ class TreePlanner:
         best, taken = plain, []
         for cap in caps:
             entries = [e for e in gains if not e[3] or e[1] < cap]
-            plan, length = self._greedy(entries, B, plain_ms, choice, best, reqs)
+            plan, length = self._greedy(entries, plain_ms, choice, best, reqs)
             if length:
                 best, taken = plan, entries[:length]
         if not best.speculate:
@@ -263,11 +263,11 @@ class TreePlanner:
         return best
 
     def _greedy(
-        self, entries: list, B: int, plain_ms: float, choice: list[int], best: Plan, reqs: list
+        self, entries: list, plain_ms: float, choice: list[int], best: Plan, reqs: list
     ) -> tuple[Plan, int]:
         """The best prefix of `entries` (best gain first), if it beats `best`: (its plan, its
         length); else (`best`, 0). The head's first node for request b adds its catch-up."""
-        drafted: set[int] = set()
+        B, drafted = len(reqs), set()
         stale: set[int] = set()  # of those, the rows whose head runs at their last position first
         deepest = 0  # the most nodes any tree the head drafts has so far (root included)
         nodes = [1] * B

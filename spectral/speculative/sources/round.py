@@ -369,7 +369,7 @@ class SpecRound:
         """Learn acceptance by rank from request `req`'s (row `i`) verified round of
         `verified` non-root nodes."""
         req.spec.draft_tokens = req.spec.draft_parents = None
-        if verified and family(req.spec.kind) == HEAD:  # the worker's drafter is level with it
+        if verified and self._catch_up and family(req.spec.kind) == HEAD:  # drafter level
             req.spec.draft_synced = req.seq_len + len(result.emitted_ids[i])
         if self.lookahead is not None and result.node_next_ids:
             grams = self.lookahead.observe(
