@@ -45,6 +45,101 @@ struct RowStarts {
   }
 };
 
+// Q6_K's quants u = q + 32 (0..63) of block qw, group g (4 inputs) of half `half` (the first 16
+// inputs, low nibbles, or the last 16, high nibbles), columns kIntLanes v..: rebuilt from the
+// nibbles and the high bits, taken unsigned. Inlined where g and half are constants (unrolled
+// loops), so that the shifts are too.
+inline IVec q6_quants(const uint8_t* qw, int half, int g, int v) {
+  const IVec mask = iv::bytes(0x0F), high_bits = iv::bytes(0x30);
+  const int bit = (g / 2) * 4 + half * 2;  // where the group's high bits are, put at 4
+  const IVec w = group_vec(qw, g, v);
+  const IVec h = iv::load(qw + 16 * kNR + (g % 2) * kNR * 4 + v * kVecBytes);
+  const IVec low = iv::and_(half ? iv::srl16(w, 4) : w, mask);
+  const IVec high = bit < 4 ? iv::sll16(h, 4 - bit) : bit > 4 ? iv::srl16(h, bit - 4) : h;
+  return iv::or_(low, iv::and_(high, high_bits));
+}
+
+// The int8 scales of half `half` of a Q6_K block, in both int16 halves of each column's lane.
+inline void q6_scales(const uint8_t* blk, int half, IVec (&scale)[kV]) {
+  for (int v = 0; v < kV; ++v)
+    scale[v] = iv::both_halves(iv::i8_lanes(blk + half * kNR + kIntLanes * v));
+}
+
+// The products of one half of a Q6_K block (its quants u, 16 inputs) with rows R0..R0 + G of x,
+// begun at minus 32 x (q6_starts): the sums of q itself (at most 8 * 32 * 127 a lane) fit int16,
+// those of u, a maddubs pair at most 2 * 63 * 127, wrap there on the way but come out exact.
+template <int R0, int G, int R>
+struct Q6HalfSums {
+  DotSum acc[G][kV];
+  const int8_t* const* xq;
+  int half;
+
+  Q6HalfSums(const RowStarts<R>& rows, const int8_t* const* xq_, int64_t b, int half_)
+      : xq(xq_), half(half_) {
+    for (int r = 0; r < G; ++r) {
+      const DotSum start = DotSum::starting_at(rows.q6_start[R0 + r] + 2 * b + half);
+      for (int v = 0; v < kV; ++v) acc[r][v] = start;
+    }
+  }
+  // + group g's products (u: its quants)
+  void add(const IVec (&u)[kV], int g) {
+    for (int r = 0; r < G; ++r) {
+      const IVec xg = bcast4(xq[R0 + r] + 16 * half + 4 * g);
+      for (int v = 0; v < kV; ++v) {
+        acc[r][v].add(u[v], xg);
+        settle(acc[r][v]);
+      }
+    }
+  }
+  // sums + these times the half's scales and 2^shift of each row's block
+  void scale_into(const IVec (&scale)[kV], const __m128i* shift, IVec (&sums)[R][kV]) const {
+    for (int r = 0; r < G; ++r)
+      for (int v = 0; v < kV; ++v)
+        sums[R0 + r][v] = iv::add32(sums[R0 + r][v],
+                                    iv::sll32(acc[r][v].widen_scaled(scale[v]), shift[R0 + r]));
+  }
+};
+
+// Q6_K's scaled_block_sums (qw: the block's quants), half after half, each group's quants
+// rebuilt as its products are taken; at 8 rows in two groups of 4 rows over the half's quants
+// rebuilt once (with every row's sums live beside the half's, the registers ran out and the
+// tile spilled: 0.96x the rate of these on an AMD EPYC, in cache). The loops are unrolled, so
+// that each group's shifts are constants (the compiler leaves them be).
+template <int R>
+inline void q6_block_sums(const uint8_t* blk, const uint8_t* qw, const RowStarts<R>& rows,
+                          int64_t b, const int8_t* const* xq, const __m128i* shift,
+                          IVec (&sums)[R][kV]) {
+#pragma GCC unroll 2
+  for (int half = 0; half < 2; ++half) {
+    IVec scale[kV];
+    if constexpr (R == 8) {
+      q6_scales(blk, half, scale);
+      IVec u[4][kV];
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g)
+        for (int v = 0; v < kV; ++v) u[g][v] = q6_quants(qw, half, g, v);
+      Q6HalfSums<0, 4, R> first(rows, xq, b, half);
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) first.add(u[g], g);
+      first.scale_into(scale, shift, sums);
+      Q6HalfSums<4, R - 4, R> rest(rows, xq, b, half);
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) rest.add(u[g], g);
+      rest.scale_into(scale, shift, sums);
+    } else {
+      Q6HalfSums<0, R, R> part(rows, xq, b, half);
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        IVec u[kV];
+        for (int v = 0; v < kV; ++v) u[v] = q6_quants(qw, half, g, v);
+        part.add(u, g);
+      }
+      q6_scales(blk, half, scale);
+      part.scale_into(scale, shift, sums);
+    }
+  }
+}
+
 // sums[r][v] + block b's integer sums of rows r with columns kIntLanes v.., each times its scale
 // (Q4_K: a block's 6-bit scale; Q6_K: each half's int8 scale) and 2^shift of the row's block.
 template <int Kind, int R>
@@ -66,47 +161,7 @@ inline void scaled_block_sums(const uint8_t* blk, const RowStarts<R>& rows, int6
         sums[r][v] = iv::add32(sums[r][v], iv::sll32(acc[r][v].widen_scaled(scale), shift[r]));
     }
   } else {
-    // Quants u = q + 32 (0..63) rebuilt from nibbles and high bits and taken unsigned, the
-    // first 16 inputs (low nibbles) and then the last 16 (high nibbles), their sums begun at
-    // minus 32 x (q6_starts): the sums of q itself (at most 8 * 32 * 127 a lane) fit int16, those
-    // of u, a maddubs pair at most 2 * 63 * 127, wrap there on the way but come out exact.
-    const IVec mask = iv::bytes(0x0F), high_bits = iv::bytes(0x30);
-    // Unrolled, so that each group's shifts are constants (the compiler leaves these loops be).
-#pragma GCC unroll 2
-    for (int half = 0; half < 2; ++half) {
-      DotSum acc[R][kV];  // from minus 32 x, the sums of q come out of those of u
-      for (int r = 0; r < R; ++r) {
-        const DotSum start = DotSum::starting_at(rows.q6_start[r] + 2 * b + half);
-        for (int v = 0; v < kV; ++v) acc[r][v] = start;
-      }
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g) {
-        const int bit = (g / 2) * 4 + half * 2;  // where the group's high bits are, put at 4
-        IVec u[kV];
-        for (int v = 0; v < kV; ++v) {
-          const IVec w = group_vec(qw, g, v);
-          const IVec h = iv::load(qw + 16 * kNR + (g % 2) * kNR * 4 + v * kVecBytes);
-          const IVec low = iv::and_(half ? iv::srl16(w, 4) : w, mask);
-          const IVec high = bit < 4   ? iv::sll16(h, 4 - bit)
-                            : bit > 4 ? iv::srl16(h, bit - 4)
-                                      : h;
-          u[v] = iv::or_(low, iv::and_(high, high_bits));
-        }
-        for (int r = 0; r < R; ++r) {
-          const IVec xg = bcast4(xq[r] + 16 * half + 4 * g);
-          for (int v = 0; v < kV; ++v) {
-            acc[r][v].add(u[v], xg);
-            settle(acc[r][v]);
-          }
-        }
-      }
-      IVec scale[kV];  // the half's int8 scales, in both int16 halves of each column's lane
-      for (int v = 0; v < kV; ++v)
-        scale[v] = iv::both_halves(iv::i8_lanes(blk + half * kNR + kIntLanes * v));
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < kV; ++v)
-          sums[r][v] = iv::add32(sums[r][v], iv::sll32(acc[r][v].widen_scaled(scale[v]), shift[r]));
-    }
+    q6_block_sums<R>(blk, qw, rows, b, xq, shift, sums);
   }
 }
 
