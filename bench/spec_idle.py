@@ -9,9 +9,9 @@ step record) and the worker's (the drafter's upkeep of a decode step: a head que
 draft model its tokens), each as a share of the plain engine's decode step in the same pass;
 and the decode step itself, spec engine over plain (the end-to-end ratio, noisier), with the
 model's forward inside it timed apart. `--controls` more plain engines (PLAIN-2, ...) run
-beside: identical engines' forwards differ by up to 10% on a VM (where each one's weights landed
-in memory), which is what an end-to-end ratio beyond the drafters' timed share is. Outputs
-are checked identical to plain.
+beside: on a VM whose speed moves between the seconds each engine runs, identical engines'
+forwards differed by up to 10% (2026-12-01), the noise an end-to-end ratio carries beyond the
+drafters' timed share. Outputs are checked identical to plain.
 
     python bench/spec_idle.py                     # MT-Bench, batches 1 and 16
     python bench/spec_idle.py --batches 1 --passes 5 --algorithms NGRAM,EAGLE3+NGRAM+LOOKAHEAD
