@@ -98,6 +98,15 @@ struct Q6HalfSums {
         sums[R0 + r][v] = iv::add32(sums[R0 + r][v],
                                     iv::sll32(acc[r][v].widen_scaled(scale[v]), shift[R0 + r]));
   }
+  // sums + rows R0..R0 + G's products with a half's quants u (all four groups), scaled
+  static void over(const IVec (&u)[4][kV], const RowStarts<R>& rows, const int8_t* const* xq,
+                   int64_t b, int half, const IVec (&scale)[kV], const __m128i* shift,
+                   IVec (&sums)[R][kV]) {
+    Q6HalfSums part(rows, xq, b, half);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) part.add(u[g], g);
+    part.scale_into(scale, shift, sums);
+  }
 };
 
 // Q6_K's scaled_block_sums (qw: the block's quants), half after half, each group's quants
@@ -118,14 +127,8 @@ inline void q6_block_sums(const uint8_t* blk, const uint8_t* qw, const RowStarts
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g)
         for (int v = 0; v < kV; ++v) u[g][v] = q6_quants(qw, half, g, v);
-      Q6HalfSums<0, 4, R> first(rows, xq, b, half);
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g) first.add(u[g], g);
-      first.scale_into(scale, shift, sums);
-      Q6HalfSums<4, R - 4, R> rest(rows, xq, b, half);
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g) rest.add(u[g], g);
-      rest.scale_into(scale, shift, sums);
+      Q6HalfSums<0, 4, R>::over(u, rows, xq, b, half, scale, shift, sums);
+      Q6HalfSums<4, R - 4, R>::over(u, rows, xq, b, half, scale, shift, sums);
     } else {
       Q6HalfSums<0, R, R> part(rows, xq, b, half);
 #pragma GCC unroll 4
