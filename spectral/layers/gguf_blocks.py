@@ -49,10 +49,12 @@ class BlockParts:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [n, k]: d * q (+ m), bit-equal to gguf's dequantization of the blocks."""
-        w = self.scales.repeat_interleave(self.group, dim=1) * self.quants.float()
+        n = self.quants.shape[0]
+        q = self.quants.reshape(n, -1, self.group).float()  # each group against its scale
+        w = self.scales.unsqueeze(-1) * q
         if self.mins is not None:
-            w = w + self.mins.repeat_interleave(self.group, dim=1)
-        return w
+            w = w + self.mins.unsqueeze(-1)
+        return w.view(n, -1)
 
     @classmethod
     def join(cls, parts: list[BlockParts]) -> BlockParts:
