@@ -318,6 +318,31 @@ inline void block_sums(const uint8_t* qw, const Q8Rows& x, int64_t row0, int64_t
   }
 }
 
+// acc[R0..R0 + G] + block b's products with those rows of x, its sums combined in float32. At 8
+// rows Q4_1's tile takes two groups of 4 (8 rows' sums beside their float sums spilled: one
+// group of 8 read 0.98-0.99x two of 4 on an AMD EPYC, in cache; Q8_0's tile read 0.90x so).
+template <int Kind, int R0, int G, int R>
+inline void block_rows(const uint8_t* blk, const Q8Rows& x, int64_t row0, int64_t b,
+                       const FVec (&dw)[kV], const FVec (&mw)[kV], FVec (&acc)[R][kV]) {
+  constexpr int Q = quant_kind(Kind);
+  const int64_t nb = x.k / kBlock;
+  IVec isum[G][2 * kV];
+  block_sums<Q, G>(blk + q8_quants_offset(Kind), x, row0 + R0, b, isum);
+  for (int r = 0; r < G; ++r) {
+    const FVec dx = iv::fset1(x.d[(row0 + R0 + r) * nb + b]);
+    const FVec sx = iv::fset1(static_cast<float>(x.s[(row0 + R0 + r) * nb + b]));
+    for (int v = 0; v < kV; ++v) {
+      FVec u = iv::fmul(dw[v], iv::to_float(isum[r][v]));
+      if constexpr (Q == kQ4_1 || Q == kQ8_0m || Q == kQ5_1) {
+        u = iv::fadd(u, iv::fmul(mw[v], sx));
+      } else if constexpr (Q == kQ8_0h) {
+        u = iv::fadd(u, iv::fmul(mw[v], iv::to_float(isum[r][kV + v])));
+      }
+      acc[R0 + r][v] = iv::fadd(acc[R0 + r][v], iv::fmul(dx, u));
+    }
+  }
+}
+
 // out[R][kNR]: rows row0.. of x over one panel, block sums combined block after block.
 template <int Kind, int R>
 void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
@@ -342,20 +367,11 @@ void q8_tile(const Q8Rows& x, int64_t row0, const uint8_t* panel, float* out) {
         if constexpr (Kind != kQ8_0) mw[v] = iv::fload(d + kNR + kIntLanes * v);
       }
     }
-    IVec isum[R][2 * kV];
-    block_sums<Q, R>(blk + q8_quants_offset(Kind), x, row0, b, isum);
-    for (int r = 0; r < R; ++r) {
-      const FVec dx = iv::fset1(x.d[(row0 + r) * nb + b]);
-      const FVec sx = iv::fset1(static_cast<float>(x.s[(row0 + r) * nb + b]));
-      for (int v = 0; v < kV; ++v) {
-        FVec u = iv::fmul(dw[v], iv::to_float(isum[r][v]));
-        if constexpr (Q == kQ4_1 || Q == kQ8_0m || Q == kQ5_1) {
-          u = iv::fadd(u, iv::fmul(mw[v], sx));
-        } else if constexpr (Q == kQ8_0h) {
-          u = iv::fadd(u, iv::fmul(mw[v], iv::to_float(isum[r][kV + v])));
-        }
-        acc[r][v] = iv::fadd(acc[r][v], iv::fmul(dx, u));
-      }
+    if constexpr (R == 8 && Q == kQ4_1) {  // two groups of rows (block_rows)
+      block_rows<Kind, 0, 4, R>(blk, x, row0, b, dw, mw, acc);
+      block_rows<Kind, 4, 4, R>(blk, x, row0, b, dw, mw, acc);
+    } else {
+      block_rows<Kind, 0, R, R>(blk, x, row0, b, dw, mw, acc);
     }
   }
   for (int r = 0; r < R; ++r)
