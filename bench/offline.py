@@ -20,7 +20,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import chat, mtbench_first_turns  # noqa: E402
-
 from models import model_file  # noqa: E402
 from spectral import Engine  # noqa: E402
 from spectral.models.resolve import resolve_model_path  # noqa: E402

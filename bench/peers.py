@@ -43,14 +43,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import DATASETS, chat, pyplot  # noqa: E402
+from models import model_file  # noqa: E402
 from offline import (  # noqa: E402
     spectral_batch1,
     spectral_batched,
     transformers_batch1,
     transformers_batched,
 )
-
-from models import model_file  # noqa: E402
 from spectral import Engine  # noqa: E402
 from spectral.models.resolve import gguf_source, resolve_model_path  # noqa: E402
 

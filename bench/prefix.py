@@ -17,7 +17,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import mtbench_first_turns  # noqa: E402
-
 from spectral import Engine  # noqa: E402
 
 

@@ -25,7 +25,6 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from data import chat, mtbench_first_turns  # noqa: E402
-
 from spectral import Engine  # noqa: E402
 from tests.server_utils import start_server, stop_server  # noqa: E402
 

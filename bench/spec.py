@@ -55,7 +55,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import DATASETS, chat, humaneval_prompts, pyplot  # noqa: E402
 from interleave import TURN_S, generate, interleaved_pass, sampling, spec_counts  # noqa: E402
-
 from spectral import Engine  # noqa: E402
 
 
@@ -386,7 +385,6 @@ def llama_runs(args, prompts: list[str]) -> dict[str, float]:
     """tok/s of each of --llama-modes over `prompts` at batch 1, given as the same token ids
     (peers.py's runs; a mode that is not installed or fails is left out, saying so)."""
     from peers import llama_job, llama_mode
-
     from spectral.models.resolve import gguf_source, model_files_dir
     from spectral.models.resolved import load_tokenizer
 

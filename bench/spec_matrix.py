@@ -38,7 +38,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from data import pyplot  # noqa: E402
 from interleave import TURN_S  # noqa: E402
-
 from models import KIT_DIR, MODELS  # noqa: E402
 
 SINGLE = ["NGRAM", "LOOKAHEAD", "EAGLE3"]

@@ -14,7 +14,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import chat, mtbench_first_turns  # noqa: E402
 from spec import measure  # noqa: E402
-
 from spectral import Engine  # noqa: E402
 
 TREES = "3/1/4,4/1/5,4/2/6,5/2/8,5/4/8,6/4/10,6/4/12,7/4/16"

@@ -29,7 +29,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import chat  # noqa: E402
 from spec import timed_generate  # noqa: E402
-
 from spectral import Engine, constrained  # noqa: E402
 from spectral.scheduler.schedule_batch import ScheduleBatch  # noqa: E402
 from spectral.worker import sampler, spec_worker  # noqa: E402

@@ -20,7 +20,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from data import DATASETS, chat  # noqa: E402
 from interleave import interleaved_pass, sampling  # noqa: E402
-
 from spectral import Engine  # noqa: E402
 
 
