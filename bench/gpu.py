@@ -6,7 +6,8 @@ bench/shapes.py's shapes with random weights made on the device (--load-format d
   fraction of the bandwidth bound (bandwidth / the model's weight bytes) it reaches;
 - verify_8b: a 64-token tree's verify forward against a decode step (the start-up cost curve);
 - spec_<shape>: an EAGLE-3 round (random head, fixed tree) against a plain step;
-- profile, profile_1.5b: kernel launches and device time a decoded token (bench/gpu_profile.py);
+- profile, profile_1.5b, profile_8b: kernel launches and device time a decoded token, by kind
+  of kernel (bench/gpu_profile.py);
 - in_turn_1.5b: decode_1.5b's batches up to 16 with steps in turn (--disable-overlap-schedule),
   against decode_1.5b (steps launched ahead, the default on a GPU);
 - peer_1.5b: HF transformers, static cache and torch.compile, on the same config and prompts.
@@ -62,6 +63,7 @@ PARTS: dict[str, tuple[Callable[[Bench], dict], float]] = {
     "spec_8b": (lambda b: part_spec(b, "8b"), 15),
     "profile": (lambda b: part_profile(b, "default"), 5),
     "profile_1.5b": (lambda b: part_profile(b, "1.5b"), 5),
+    "profile_8b": (lambda b: part_profile(b, "8b"), 8),
     "in_turn_1.5b": (lambda b: part_in_turn(b, "1.5b"), 5),
     "peer_1.5b": (lambda b: part_peer(b, "1.5b"), 60),
 }

@@ -108,7 +108,7 @@ def test_the_gpu_check_runs_every_step_dry(kit, tmp_path):
         name: "ok"
         for name in (
             "bandwidth", "decode_8b", "decode_1.5b", "decode_default", "verify_8b", "spec_1.5b",
-            "spec_8b", "profile", "profile_1.5b", "in_turn_1.5b", "peer_1.5b",
+            "spec_8b", "profile", "profile_1.5b", "profile_8b", "in_turn_1.5b", "peer_1.5b",
         )
     }  # fmt: skip
     assert all(check["value"] is not None for check in bench["checks"])
@@ -135,3 +135,29 @@ def test_the_gpu_bench_skips_parts_past_its_budget_and_still_writes_the_report(t
     assert [p["status"] for p in report["parts"].values()] == ["skipped", "skipped"]
     assert all(c["value"] is None for c in report["checks"])
     assert any(note.startswith("decode_8b: skipped") for note in report["notes"])
+
+
+def test_the_profile_sorts_device_time_by_kind_of_kernel():
+    from bench.gpu_profile import TOP_KERNELS, device_breakdown
+
+    per_token_ms = {
+        "void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>": 0.010,
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": 0.500,
+        "nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT": 0.250,
+        "_tree_attention_kernel": 0.040,
+        "void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>": 0.030,
+        "void flashinfer::BatchQKApplyRotaryPosIdsCosSinCache<...>": 0.005,
+        "at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<...>>": 0.002,
+        "Memcpy DtoH (Device -> Pinned)": 0.001,
+        "something_new": 0.003,
+    } | {f"tiny_gemm_{i}": 0.0001 for i in range(20)}
+    out = device_breakdown(per_token_ms)
+    assert out["device_us_by_class"] == {
+        "attention": 70.0, "copy": 1.0, "elementwise": 2.0, "matmul": 752.0, "norm": 10.0,
+        "other": 3.0, "rotary": 5.0,
+    }  # fmt: skip
+    top = list(out["top_kernels_us"].items())
+    assert len(top) == TOP_KERNELS and top[0] == (
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64",
+        500.0,
+    )
