@@ -44,6 +44,7 @@ from spectral.speculative.sources.plan_record import (
     HEAD_VALUE_ROUNDS,
     PLAN_BACKOFF_AFTER,
     PLAN_BACKOFF_MOST,
+    SHORTFALL_FLOOR,
     UNPLANNED_TIMED,
     HeadLedger,
     min_gain,
@@ -694,6 +695,41 @@ def test_rounds_slower_than_the_cost_model_turn_speculation_off() -> None:
     ngram.record_step(ForwardMode.TARGET_VERIFY, 1, 0.5 * plan.predicted_ms / 1000)
     assert ngram.calibration["rounds"].factor < 1.0
     assert ngram.calibration["drafted_rounds"].count == 0
+
+
+def run_round(planner: TreePlanner, plan, share: float) -> None:
+    """A round of `plan` that took the time it predicted and emitted `share` of the tokens it
+    expected (the statistics left as they were: only the record sees it)."""
+    planner.record_plan(plan, plan.nodes)
+    planner.record.emitted_tokens += round(share * plan.expected_tokens)
+    planner.record_step(ForwardMode.TARGET_VERIFY, len(plan.nodes), plan.predicted_ms / 1000)
+
+
+def test_rounds_of_a_batch_short_of_their_predictions_raise_its_margin() -> None:
+    """Rounds of 4 requests predicted at ~1.15x a plain step that give 0.9x: within a few the
+    planner declines them (the margin grows by at most 1 / SHORTFALL_FLOOR), while a probe (no
+    margin) still runs, one request's rounds are planned as before, and rounds that meet their
+    predictions bring the margin back."""
+    planner = trained_planner()
+    reqs = [PlanInput(NGRAM, 4)] * 4
+    plan = planner.plan(reqs)
+    assert plan.speculate and 1.1 < plan.predicted_gain < plan_record.MIN_GAIN / SHORTFALL_FLOOR
+    ran = 0
+    while plan.speculate and ran < 50:
+        run_round(planner, plan, 0.9 / plan.predicted_gain)
+        ran += 1
+        plan = planner.plan(reqs)
+    assert not plan.speculate and 2 <= ran <= 12
+    assert SHORTFALL_FLOOR <= planner.shortfall.factor(4) < 1.0
+    assert planner.to_dict()["shortfall"] == {"4-7": round(planner.shortfall.factor(4), 3)}
+    assert planner.calibration["rounds"].factor == pytest.approx(1.0)  # the time was as planned
+    assert planner.shortfall.factor(1) == 1.0 and planner.plan(reqs[:1]).speculate
+    runs = [planner.plan(reqs) for _ in range(PROBE_EVERY)]
+    assert [p.speculate for p in runs] == [False] * (PROBE_EVERY - 1) + [True]  # the probe
+    before = planner.shortfall.factor(4)
+    for _ in range(30):
+        run_round(planner, runs[-1], 1.0)
+    assert planner.shortfall.factor(4) > before and planner.plan(reqs).speculate
 
 
 VOCAB = 30  # few matches: trees often smaller than their lookups allow

@@ -146,3 +146,16 @@ class RankStats:
 def probabilities(logprobs: list[float]) -> list[float]:
     """Cumulative draft log-probabilities as probabilities, best first."""
     return sorted((math.exp(lp) for lp in logprobs if lp > -math.inf), reverse=True)
+
+
+# A head tree's request whose top-k is known (FRESH) or stale (STALE: its last positions went by
+# in plain steps or scheduler-drafted rounds; the head runs there before drafting).
+FRESH, STALE = 1, 2
+
+
+def head_kind(kind: str) -> int:
+    """FRESH or STALE for a head tree's statistics (the head's top-k after the request's last
+    token kept, or to be computed first), 0 for a scheduler's tree."""
+    if family(kind) != HEAD:
+        return 0
+    return STALE if kind == head_bucket(None) else FRESH

@@ -10,13 +10,15 @@ import math
 
 from spectral.core.forward import ForwardMode
 from spectral.speculative.cost_model import BatchCalibration, CostCurves, CostModel
+from spectral.speculative.sources import plan_record
 from spectral.speculative.sources.acceptance import (
     HEAD,
     NGRAM_DECAY,
     NGRAM_FIRST,
+    STALE,
     RankStats,
     family,
-    head_bucket,
+    head_kind,
     ngram_bucket,
     reach_range,
 )
@@ -24,9 +26,6 @@ from spectral.speculative.sources.plan_record import HeadLedger, Plan, PlanInput
 
 __all__ = ["Plan", "PlanInput", "TreePlanner"]
 
-# A head tree's request whose top-k is known (FRESH) or stale (STALE: its last positions went by
-# in plain steps or scheduler-drafted rounds; the head runs there before drafting).
-FRESH, STALE = 1, 2
 # The prior a request's record starts from: accepted drafts against the statistics' expectation
 # over every request's rounds with trees of one family (head or n-gram), each round's weight
 # decaying by this factor a request-round, behind this many pseudo-tokens at 1. Ranks the
@@ -71,6 +70,7 @@ class TreePlanner:
         self._scale = (1.0, 1.0, 1.0)  # this plan's factors, in that order
         self.record = Record()
         self.head_ledger = HeadLedger()
+        self.shortfall = plan_record.Shortfall()
         self._emitted_seen = 0  # the record's emitted tokens at the last step timed
         self.last: dict = {}
         self._pending: Plan | None = None
@@ -155,8 +155,10 @@ class TreePlanner:
         return self._best_plan_at(reqs, 1.0 if self._probing else self._margin)
 
     def margin(self, batch: int) -> float:
-        """`min_gain` for `batch` requests, or a probe's 1.0."""
-        return min_gain(batch, self.worker_drafter) if self._margin is None else self._margin
+        """`min_gain` over the rounds' `Shortfall` for `batch` requests, or a probe's 1.0."""
+        if self._margin is None:
+            return min_gain(batch, self.worker_drafter) / self.shortfall.factor(batch)
+        return self._margin
 
     def _best_plan_at(self, reqs: list[PlanInput], margin: float | None) -> Plan:
         """`best_plan` with `margin` in place of the usual one."""
@@ -325,8 +327,10 @@ class TreePlanner:
             base = plan.verify_ms + plan.draft_ms
             start = plan.predicted_ms / base if base > 0 else 1.0
             self.calibration[kind].observe(ms, base, len(plan.nodes), start)
+            self.shortfall.round(plan, emitted, ms)
+            self._version += 1  # plans declined at the margin before it are planned again
+            B = len(plan.nodes)
             if plan.draft_ms > 0:  # the head drafted: its ledger, against plain steps without it
-                B = len(plan.nodes)
                 plain_step = self.curves.plain(B) * self.factors(B)[0] - self.cost.idle_ms(B)
                 self.head_ledger.round(emitted, B, plain_step, ms)
         elif mode == ForwardMode.DECODE:
@@ -387,12 +391,5 @@ class TreePlanner:
                 for name, (a, e) in sorted(self._family.items())
             },
             "calibration": {name: cal.to_dict() for name, cal in self.calibration.items()},
+            "shortfall": self.shortfall.to_dict(),
         }
-
-
-def head_kind(kind: str) -> int:
-    """FRESH or STALE for a head tree's statistics (the head's top-k after the request's last
-    token kept, or to be computed first), 0 for a scheduler's tree."""
-    if family(kind) != HEAD:
-        return 0
-    return STALE if kind == head_bucket(None) else FRESH
