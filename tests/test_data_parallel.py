@@ -114,8 +114,8 @@ def test_native_and_openai_requests_through_the_router_match_the_engine(cluster,
 def test_concurrent_requests_reach_both_servers(cluster, engine):
     """Bursts of 8 concurrent requests, every output the Engine's, until both servers have
     generated some (at most 3 bursts: once, with the rest of the suite loading the machine, a
-    whole burst reached one server; the router leaves a server out until its next health
-    check, 2 s on, after it misses one)."""
+    whole burst reached one server; a server the router took out after missed health checks
+    comes back after two that pass, 2 s apart)."""
     _, url, servers = cluster
     expected = [o["text"] for o in engine.generate(PROMPTS, GREEDY)]
     before = [generated_tokens(s) for s in servers]
@@ -126,7 +126,7 @@ def test_concurrent_requests_reach_both_servers(cluster, engine):
         after = [generated_tokens(s) for s in servers]
         if all(a > b for a, b in zip(after, before)):
             break
-        time.sleep(2.5)  # the router's next health check
+        time.sleep(2.5)  # the router's next health check (two bursts on: both)
     assert all(a > b for a, b in zip(after, before)), (before, after)
 
 

@@ -47,11 +47,11 @@ class Shortfall:
     def round(self, plan: Plan, emitted: int, ms: float) -> None:
         """A round of `plan` emitted `emitted` tokens in `ms`."""
         batch = len(plan.nodes)
-        if batch <= 1 or ms <= 0 or plan.plain_ms <= 0:
+        if batch <= 1 or ms <= 0:
             return
         measured, predicted = self.sums.get(batch.bit_length(), (0.0, 0.0))
         self.sums[batch.bit_length()] = (
-            SHORTFALL_DECAY * measured + (emitted / ms) / (batch / plan.plain_ms),
+            SHORTFALL_DECAY * measured + plan.gain(emitted, ms),
             SHORTFALL_DECAY * predicted + plan.predicted_gain,
         )
 
@@ -128,8 +128,13 @@ class Plan:
     @property
     def predicted_gain(self) -> float:
         """Expected tokens/s of the plan over a plain step's."""
-        plain = len(self.nodes) / self.plain_ms
-        return (self.expected_tokens / self.predicted_ms) / plain if self.predicted_ms else 1.0
+        return self.gain(self.expected_tokens, self.predicted_ms)
+
+    def gain(self, tokens: float, ms: float) -> float:
+        """`tokens` in `ms` over what plain steps of the plan's batch give (1.0 unknown)."""
+        if ms <= 0 or self.plain_ms <= 0:
+            return 1.0
+        return (tokens / ms) / (len(self.nodes) / self.plain_ms)
 
 
 @dataclass

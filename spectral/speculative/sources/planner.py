@@ -125,17 +125,19 @@ class TreePlanner:
         return not self._best_or_declined(reqs).speculate
 
     def _best_or_declined(self, reqs: list[PlanInput]) -> Plan:
-        """`best_plan`, or a declined plan kept for the same inputs (at calibration factors
-        within DECLINED_TOLERANCE or the margin of today's, the statistics unchanged since, and
-        catch-ups no smaller: a plan declined at a draft's catch-up is declined at a longer one)."""
+        """`best_plan`, or a declined plan kept for the same inputs (at calibration factors and
+        margin within DECLINED_TOLERANCE or the margin of today's, the statistics unchanged
+        since, and catch-ups no smaller: a plan declined at a draft's catch-up is declined at a
+        longer one)."""
         if self._declined_version != self._version:
             self._declined_plans.clear()
             self._declined_version = self._version
         key = tuple((r.kind, r.max_nodes, r.accepted, r.expected, r.others) for r in reqs)
-        factors = [math.log(f) for f in self.factors(len(reqs))]
+        margin = self.margin(len(reqs))  # a factor too: the rounds' shortfall moves it
+        factors = [math.log(f) for f in (*self.factors(len(reqs)), margin)]
         catch_ups = [r.catch_up_ms for r in reqs]
         last = self._declined_plans.get(key)
-        tolerance = min(DECLINED_TOLERANCE, math.log(self.margin(len(reqs))))
+        tolerance = min(DECLINED_TOLERANCE, math.log(margin))
         if last is not None and all(abs(a - b) <= tolerance for a, b in zip(factors, last[0])):
             if all(c >= d for c, d in zip(catch_ups, last[2])):  # no cheaper to draft now
                 return last[1]  # a declined plan: no one reads or changes its nodes
@@ -328,9 +330,8 @@ class TreePlanner:
             start = plan.predicted_ms / base if base > 0 else 1.0
             self.calibration[kind].observe(ms, base, len(plan.nodes), start)
             self.shortfall.round(plan, emitted, ms)
-            self._version += 1  # plans declined at the margin before it are planned again
-            B = len(plan.nodes)
             if plan.draft_ms > 0:  # the head drafted: its ledger, against plain steps without it
+                B = len(plan.nodes)
                 plain_step = self.curves.plain(B) * self.factors(B)[0] - self.cost.idle_ms(B)
                 self.head_ledger.round(emitted, B, plain_step, ms)
         elif mode == ForwardMode.DECODE:
