@@ -58,7 +58,7 @@ HEAD_WAKE_MOST = 8192
 # a fifth of a short run's steps, each with its upkeep (~1.6% of a step) and its planning.
 HEAD_SHORTER_WAKES = 2
 # It also idles as soon as HEAD_IDLE_DECLINES plans in a row have run no round of any source
-# (the PlanBackoff's count, which a request joining restarts): nothing pays, and until
+# (the PlanBackoff's count, which a round or its waking restarts): nothing pays, and until
 # something changes the planner declines again, so the wait in tokens only adds its upkeep
 # (the head alone at batch 1 on HumanEval: an awake step 2.4-4.1% slower than a plain step).
 HEAD_IDLE_DECLINES = 16
