@@ -222,9 +222,10 @@ class HeadLedger:
 # steps: where no source has paid for a while (chat at batches 4 and 16) the lookups and
 # planning, 1.5-2.5% of a plain step, cost a few tenths of that, and a source that starts to
 # pay is planned again within that many steps. A request joining is planned for at once, its
-# lookups may pay from its first step; where that plan declines too, the plans stay as far
-# apart as before (at batch 16 a request joins every few steps: a join that planned every step
-# again kept two plans in three, ~1% of a step on HumanEval).
+# lookups may pay from its first step, and the count of declines keeps the share of it that the
+# requests still running saw: a batch of one that a new request replaces plans every step
+# again, while at batch 16 a join keeps 15/16 of it and the plans stay as far apart (a join that
+# planned every step again kept two plans in three there, ~1% of a step on HumanEval).
 PLAN_BACKOFF_AFTER = 16
 PLAN_BACKOFF_MOST = 8
 # A plain step that no plan came before (the head idle with no other source, the backoff's
@@ -250,9 +251,10 @@ class PlanBackoff:
     def plans(self, rids: list[str]) -> bool:
         """Whether this step is planned (else it is a plain step, counted)."""
         running = frozenset(rids)
-        joined = not running <= self.batch
+        joined = len(running - self.batch)
         self.batch = running
-        if joined:  # its lookups may pay at once: planned, the count of declines kept
+        if joined:  # its lookups may pay at once: planned, the others' share of declines kept
+            self.declined = self.declined * (len(running) - joined) // len(running)
             self.skip = 0
             return True
         if self.skip > 0:
