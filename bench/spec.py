@@ -128,7 +128,8 @@ def main() -> None:
         help="PLAIN: a second engine without speculation, timed as the algorithms are (a "
         "control); EAGLE3+NGRAM: the head, with n-gram trees where they match (hybrid); "
         "EAGLE3+NGRAM+MERGE: the n-gram tree joins the head's there; EAGLE3+NGRAM+LOOKAHEAD: "
-        "every source, LOOKAHEAD's window and pool with the n-gram trees",
+        "every source, LOOKAHEAD's window and pool with the n-gram trees; +MIX (any, PLAIN "
+        "too): prefill steps decode the running requests (--enable-mixed-chunk)",
     )
     ap.add_argument("--draft", default="default", help="EAGLE3 head directory")
     ap.add_argument(
@@ -247,7 +248,11 @@ def spec_engine(args, common: dict, spec_options: dict, size: int, algo: str) ->
     one without speculation, timed as the algorithms are (a control: its cell is what the
     method gives where nothing differs)."""
     name, *extras = algo.split("+")
-    sizing = dict(max_running_requests=size, max_total_tokens=kv_tokens(size))
+    sizing = dict(
+        max_running_requests=size,
+        max_total_tokens=kv_tokens(size),
+        enable_mixed_chunk="MIX" in extras,
+    )
     if name == "PLAIN":
         return Engine(**common, **sizing)
     return Engine(

@@ -115,6 +115,7 @@ def make_spec_scheduler(
         eos_token_ids=(2,),
         vocab_size=model.vocab_size,
         chunked_prefill_size=options.get("chunked_prefill_size"),
+        mixed_chunk=options.get("mixed_chunk", False),
     )
     return Scheduler(create_worker(args, model), tokenizer, limits, args.spec)
 

@@ -40,6 +40,8 @@ class ServerArgs:
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int | None = None
     schedule_policy: str = "fcfs"
+    # A prefill step also decodes the running requests (SGLang's flag)
+    enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
     disable_cpu_kernels: bool = False
@@ -272,8 +274,8 @@ class ServerArgs:
         by_name = {f.name: f for f in fields(ServerArgs)}
         for group, helps in HELP.items():
             section = parser.add_argument_group(group)
-            for name, text in helps.items():
-                _add_flag(section, by_name[name], text)
+            for name, text in helps.items():  # argparse formats help with % (escaped)
+                _add_flag(section, by_name[name], text.replace("%", "%%"))
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:

@@ -32,6 +32,10 @@ HELP: dict[str, dict[str, str]] = {
         "max_prefill_tokens": "most prompt tokens in one prefill batch",
         "chunked_prefill_size": "prefill long prompts in chunks of this many tokens",
         "schedule_policy": "fcfs (arrival order) or lpm (longest cached prefix first)",
+        "enable_mixed_chunk": (
+            "a prefill step decodes the running requests too, in the same forward, instead of "
+            "a step of its own (one pass over the weights for both)"
+        ),
         "disable_radix_cache": "do not share KV between requests with a common prefix",
     },
     "compute": {

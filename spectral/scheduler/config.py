@@ -25,6 +25,7 @@ class SchedulerConfig:
     grammar_compile_timeout: float = 300.0  # seconds a request waits for its grammar
     grammar_cache_bytes: int = 512 * 2**20  # compiled grammars kept
     overlap_schedule: bool = False  # plain decode steps launched ahead (DecodeOverlap)
+    mixed_chunk: bool = False  # a prefill step decodes the running requests too
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -45,4 +46,5 @@ class SchedulerConfig:
             grammar_compile_timeout=args.grammar_compile_timeout,
             grammar_cache_bytes=args.grammar_cache_mib * 2**20,
             overlap_schedule=args.resolved_overlap_schedule(),
+            mixed_chunk=args.enable_mixed_chunk,
         )

@@ -60,7 +60,7 @@ class ResultIntake:
         req.spec.draft_top1 = result.draft_top1[i] if result.draft_top1 else None
         if batch.mode == ForwardMode.TARGET_VERIFY:
             return self._take_round(result, i, req)
-        if batch.mode == ForwardMode.EXTEND:
+        if batch.prefills(req):
             self.stats.prefill_tokens += req.extend_len
             if req.wants_input_logprobs:
                 if not req.input_logprobs:

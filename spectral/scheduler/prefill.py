@@ -103,6 +103,18 @@ class PrefillAdder:
         return False
 
 
+def mix_running(running: list[Req], kv: KVManager) -> list[Req]:
+    """The running requests that a prefill step decodes too (--enable-mixed-chunk): each its
+    newest token, a slot taken for it as a decode step takes one; none where the pool cannot
+    give every one a slot (the decode step after retracts as usual)."""
+    if kv.available < len(running):
+        return []
+    for req in running:
+        req.kv_slots.extend(kv.take(req, 1))
+        req.extend_start, req.extend_len = req.seq_len - 1, 1
+    return list(running)
+
+
 def order_waiting(waiting: deque[Req], policy: str, kv: KVManager, running: list[Req]) -> list[Req]:
     """fcfs: arrival order. lpm: longest cached prefix first (fcfs for long queues). Either
     way fair between groups: a request whose group has fewer sequences running or queued

@@ -17,6 +17,18 @@ from spectral.core.worker_io import RequestSampling, WorkerBatch
 class ScheduleBatch:
     mode: ForwardMode
     reqs: list[Req]
+    # running requests decoding their newest token in a prefill step (--enable-mixed-chunk)
+    decoding: frozenset[str] = frozenset()
+
+    @classmethod
+    def prefill(cls, admitted: list[Req], decoding: list[Req]) -> ScheduleBatch:
+        """A prefill step of the `admitted` requests' prompts (chunks), with `decoding` running
+        requests' newest tokens."""
+        return cls(ForwardMode.EXTEND, admitted + decoding, frozenset(r.rid for r in decoding))
+
+    def prefills(self, req: Req) -> bool:
+        """Whether the batch computes part of `req`'s prompt (not a decode's newest token)."""
+        return self.mode == ForwardMode.EXTEND and req.rid not in self.decoding
 
     def new_token_range(self, req: Req) -> tuple[int, int]:
         """[start, end) of the positions this batch computes for `req`."""
@@ -53,7 +65,7 @@ class ScheduleBatch:
             prefix_lens.append(start)
             extend_lens.append(end - start)
             n = len(req.input_ids)
-            wanted = self.mode == ForwardMode.EXTEND and req.wants_input_logprobs
+            wanted = self.prefills(req) and req.wants_input_logprobs
             first = max(min(req.logprob_start_len, n - 1), start)
             last_row = min(end, n - 1) - 1  # rows score the token after them, inside the prompt
             logprob_starts.append(first if wanted and first <= last_row else -1)

@@ -23,7 +23,7 @@ from spectral.scheduler.grammar_intake import GrammarIntake
 from spectral.scheduler.kv_manager import KVManager
 from spectral.scheduler.output import ResultIntake, SchedulerStats
 from spectral.scheduler.overlap import DecodeOverlap
-from spectral.scheduler.prefill import PrefillAdder, fan_out_victim, order_waiting
+from spectral.scheduler.prefill import PrefillAdder, fan_out_victim, mix_running, order_waiting
 from spectral.scheduler.schedule_batch import ScheduleBatch
 from spectral.speculative.settings import SpecSettings
 from spectral.speculative.sources.round import SpecRound
@@ -44,8 +44,7 @@ class Scheduler:
     def __init__(
         self, worker: Worker, tokenizer: Any, config: SchedulerConfig, spec: SpecSettings | None
     ) -> None:
-        """`tokenizer` decodes stop strings and encodes grammar-forced text; `spec` turns
-        speculative rounds on."""
+        """`tokenizer` decodes stop strings, encodes grammar-forced text; `spec`: rounds on."""
         self.worker = worker
         self.config = config
         self.spec = spec
@@ -221,7 +220,7 @@ class Scheduler:
             return [
                 req
                 for part in (batch.reqs[:half], batch.reqs[half:])
-                for req in self._run(ScheduleBatch(batch.mode, part))
+                for req in self._run(ScheduleBatch(batch.mode, part, batch.decoding))
             ]
         return self._process_result(batch, result)
 
@@ -285,7 +284,8 @@ class Scheduler:
         if not adder.admitted:
             return None
         self.chunked = adder.new_chunked
-        return ScheduleBatch(ForwardMode.EXTEND, adder.admitted)
+        mixed = mix_running(self.running, self.kv) if self.config.mixed_chunk else []
+        return ScheduleBatch.prefill(adder.admitted, mixed)
 
     def _decode_batch(self) -> ScheduleBatch | None:
         """Every running request gets one slot for its newest token; when the pool runs
@@ -374,7 +374,7 @@ class Scheduler:
                 if req in self.running:
                     self.running.remove(req)
                 self._finish(req, verdict.finished)
-            elif batch.mode == ForwardMode.EXTEND and verdict.changed:
+            elif batch.prefills(req) and verdict.changed:
                 self.kv.cache_unfinished(req)
                 self.running.append(req)
             if verdict.changed:
