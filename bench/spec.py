@@ -154,6 +154,13 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=None, help="speculate up to this")
     ap.add_argument("--humaneval", type=int, default=16, help="HumanEval prompts for τ (0: none)")
     ap.add_argument(
+        "--order-offset",
+        type=int,
+        default=0,
+        help="the algorithms' engines are made in the order given at the first batch size, "
+        "reversed at the next, and so on; 1 starts reversed",
+    )
+    ap.add_argument(
         "--llama-modes",
         default="",
         help="at batch 1, llama.cpp on the same prompts (make bench-peers): 'plain' "
@@ -220,10 +227,14 @@ def main() -> None:
         speculative_fixed_tree=args.fixed_tree,
     )
     algorithms = [a for a in args.algorithms.split(",") if a]
-    for size in [int(b) for b in args.batches.split(",") if b]:
+    for index, size in enumerate(int(b) for b in args.batches.split(",") if b):
         wanted = args.min_batches * size
         sized = questions if len(questions) >= wanted else DATASETS[args.dataset](wanted)
-        rows, prompts = run_size(args, size, algorithms, sized, common, spec_options)
+        # engines made in the order given and reversed at every other batch size: where an
+        # engine sits among the process's engines moves its speed by up to 4% (a machine's
+        # memory; docs/benchmarks.md, 2026-12-02), which no algorithm should always carry
+        order = algorithms if (index + args.order_offset) % 2 == 0 else algorithms[::-1]
+        rows, prompts = run_size(args, size, order, sized, common, spec_options)
         if size == 1 and args.llama_modes:
             llama = llama_runs(args, prompts)
             if llama:

@@ -6,8 +6,10 @@ batches' worth of prompts, `--min-batches`: batch 16 runs 64 prompts where `--nu
 8, so that the batch runs full, refilled from the queue as requests finish, and the last
 requests' drain is a small part of a pass; `--passes` passes, 3 by default, over two plain
 engines and every algorithm interleaved a scheduler step of each in turn, each engine kept
-across the passes, every pass from a flushed cache; a cell is the median over the passes of its pass
-against the faster of the two plain engines' in the same pass): the default model (float32
+across the passes, every pass from a flushed cache, the algorithms' engines made in the order
+given or reversed by turns of dataset and batch size (an engine's place among the process's
+moves its speed by up to 4%); a cell is the median over the passes of its pass against the
+faster of the two plain engines' in the same pass): the default model (float32
 activations, so that outputs compare token for token; its weights on the path `--quantization`
 names, by default auto's: the integer path on a CPU) on MT-Bench, HumanEval and code edits at
 every batch size, with NGRAM, LOOKAHEAD, EAGLE3, EAGLE3+NGRAM and every source
@@ -55,7 +57,7 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     if args.num_prompts:
         sizing += ["--num-prompts", str(args.num_prompts)]
     out = []
-    for dataset in args.datasets.split(","):
+    for index, dataset in enumerate(args.datasets.split(",")):
         out.append(
             (
                 f"matrix-default-{dataset}.json",
@@ -63,6 +65,7 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
                     "--dataset", dataset, "--dtype", "float32", "--batches", args.batches,
                     "--quantization", args.quantization,
                     "--algorithms", ",".join(DEFAULT_ALGORITHMS), "--humaneval", "0", *sizing,
+                    "--order-offset", str(index),  # early in some parts, late in others
                 ],
             )
         )  # fmt: skip
