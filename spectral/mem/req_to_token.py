@@ -7,6 +7,7 @@ batch in static buffers (a CUDA graph's) read it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -18,6 +19,11 @@ class ReqToTokenPool:
         self.table = torch.zeros(
             (max_requests + 1, max_context_len), dtype=torch.int64, device=device
         )
+        # The table's memory as a flat NumPy array where it is on the CPU (else None), for the
+        # few slots a step writes: torch's per-operation cost is most of a tiny write on a
+        # CPU (a decode step's slot by `index_copy_` ~24 us after a forward; bench/step_parts.py).
+        on_cpu = self.table.device.type == "cpu"
+        self.host: np.ndarray | None = self.table.view(-1).numpy() if on_cpu else None
 
     def write(self, row: int, start: int, slots: list[int] | torch.Tensor) -> None:
         """Record the slots of positions start, start+1, ... of request `row`."""

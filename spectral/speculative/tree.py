@@ -156,12 +156,13 @@ def _assemble_lists(
         fields[5, b, 1:m] = range(m - 1)
         mask[b, [j * n + a for j in range(1, m) for a in ancestors[j]]] = True
         num_nodes.append(m)
-    tokens, parents, depths, first, sibling, ranks = torch.from_numpy(fields)
+    # one tensor an array (NumPy's views are cheaper than torch's selects of one tensor)
+    tokens, parents, depths, first, sibling, ranks = (torch.from_numpy(f) for f in fields)
     return DraftTrees(
         tokens=tokens,
         parents=parents,
         depths=depths,
-        mask=torch.from_numpy(mask).view(B, n, n),
+        mask=torch.from_numpy(mask.reshape(B, n, n)),
         next_token=first,
         next_sibling=sibling,
         num_nodes=num_nodes,

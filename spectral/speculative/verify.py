@@ -26,20 +26,27 @@ class VerifyResult:
     node_next: list[list[int]] = field(default_factory=list)
 
 
-def verify_greedy(trees: DraftTrees, target_ids: torch.Tensor) -> VerifyResult:
-    """Accept the path the target's argmax follows. `target_ids` [B, n]: the target's argmax
-    after each node (padding entries are ignored). At each node the child whose token equals
-    the target's choice there is accepted (the first such child in sibling order); the walk
-    stops when there is none and emits the target's choice at the last accepted node."""
-    if target_ids.shape != trees.tokens.shape:
+def verify_greedy(trees: DraftTrees, target_ids: torch.Tensor | list[list[int]]) -> VerifyResult:
+    """Accept the path the target's argmax follows. `target_ids` [B, n] (a tensor, or a list
+    of a list a request, each at least as long as its tree): the target's argmax after each
+    node (padding entries are ignored). At each node the child whose token equals the target's
+    choice there is accepted (the first such child in sibling order); the walk stops when
+    there is none and emits the target's choice at the last accepted node."""
+    B, n = trees.tokens.shape
+    if isinstance(target_ids, list):
+        if len(target_ids) != B:
+            raise ValueError(f"target_ids must have one row a tree, {B} (got {len(target_ids)})")
+        all_ids = target_ids
+    elif target_ids.shape != trees.tokens.shape:
         raise ValueError(
             f"target_ids must be [B, n] = {tuple(trees.tokens.shape)} "
             f"(got {tuple(target_ids.shape)})"
         )
+    else:
+        all_ids = target_ids.cpu().tolist()
     all_tokens = trees.tokens.tolist()
     all_first = trees.next_token.tolist()
     all_sibling = trees.next_sibling.tolist()
-    all_ids = target_ids.cpu().tolist()
     accepted: list[list[int]] = []
     emitted: list[list[int]] = []
     for tokens, first, sibling, ids in zip(all_tokens, all_first, all_sibling, all_ids):

@@ -249,22 +249,24 @@ class ModelWorker:
         for row, prefix, ext in zip(wb.req_pool_indices, wb.prefix_lens, wb.extend_lens):
             self.req_to_token.check_fits(prefix + ext)
             new_places.extend(range(row * width + prefix, row * width + prefix + ext))
-        staged = stage(
-            {
-                "input_ids": wb.input_ids,
-                "positions": wb.positions,
-                "out_cache_loc": wb.out_cache_loc,
-                "req_pool_indices": wb.req_pool_indices,
-                "prefix_places": prefix_places,
-                "prefix_slots": prefix_slots,
-                "new_places": new_places,
-            },
-            self.device,
-        )
-        table = self.req_to_token.table.view(-1)
-        if prefix_places:
-            table.index_copy_(0, staged["prefix_places"], staged["prefix_slots"])
-        table.index_copy_(0, staged["new_places"], staged["out_cache_loc"])
+        fields = {
+            "input_ids": wb.input_ids,
+            "positions": wb.positions,
+            "out_cache_loc": wb.out_cache_loc,
+            "req_pool_indices": wb.req_pool_indices,
+        }
+        host = self.req_to_token.host
+        if host is not None:  # the table on the CPU: written through NumPy
+            host[prefix_places] = prefix_slots
+            host[new_places] = wb.out_cache_loc
+            staged = stage(fields, self.device)
+        else:
+            places = {"prefix_places": prefix_places, "prefix_slots": prefix_slots}
+            staged = stage({**fields, **places, "new_places": new_places}, self.device)
+            table = self.req_to_token.table.view(-1)
+            if prefix_places:
+                table.index_copy_(0, staged["prefix_places"], staged["prefix_slots"])
+            table.index_copy_(0, staged["new_places"], staged["out_cache_loc"])
         custom = None
         if wb.custom_mask is not None:
             custom = to_device(torch.tensor(wb.custom_mask, dtype=torch.bool), self.device)

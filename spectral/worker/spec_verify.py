@@ -40,36 +40,39 @@ def verify_trees(
     emitted: list[list[int]] = [[] for _ in range(B)]
     greedy_rows = [b for b, s in enumerate(sampling) if s.params.is_greedy]
     sampled_rows = [b for b, s in enumerate(sampling) if not s.params.is_greedy]
-    adjusted: list[torch.Tensor] = []
+    # per request its rows of logits adjusted, or None where nothing adjusts them (its rows
+    # are sliced only where read: a round's tiny tensor operations cost it more than its walk)
+    adjusted: list[torch.Tensor | None] = []
     starts: list[int] = []
-    untouched = True  # every block the raw logits' rows
     offset = 0
     for b, size in enumerate(sizes):
         starts.append(offset)
-        raw = logits[offset : offset + size]
-        block = raw
         node_sampling = _node_sampling(trees, b, size, sampling[b])
+        block = None
         if node_sampling is not None:
-            block = apply_penalties(block, node_sampling)  # a copy where it changes any
+            block = apply_penalties(logits[offset : offset + size], node_sampling)  # may copy
         if masks and b in masks:
             # in place, on a copy: the logprobs read the raw logits
-            block = block.clone() if block is raw else block
+            raw = logits[offset : offset + size]
+            block = raw.clone() if block is None or block.data_ptr() == raw.data_ptr() else block
             block = apply_bitmask(block, masks[b], kernels)
         adjusted.append(block)
-        untouched = untouched and block is raw
         offset += size
+
+    def rows(b: int) -> torch.Tensor:
+        block = adjusted[b]
+        return logits[starts[b] : starts[b] + sizes[b]] if block is None else block
+
     # the target's choice after each node: greedy verification's, and what a round that
     # reports node choices reports for every request
     chosen_rows = range(B) if report_node_choices else greedy_rows
-    if untouched:  # one call over every node
-        everyone = argmax_rows(logits[:offset], kernels)
+    if all(block is None for block in adjusted):  # one call over every node
+        everyone = argmax_rows(logits[:offset], kernels).tolist()
         choices = {b: everyone[starts[b] : starts[b] + sizes[b]] for b in chosen_rows}
     else:
-        choices = {b: argmax_rows(adjusted[b], kernels) for b in chosen_rows}
+        choices = {b: argmax_rows(rows(b), kernels).tolist() for b in chosen_rows}
     if greedy_rows:
-        ids = torch.full((len(greedy_rows), n), -1, dtype=torch.int64, device=logits.device)
-        for i, b in enumerate(greedy_rows):
-            ids[i, : sizes[b]] = choices[b]
+        ids = [choices[b] + [-1] * (n - sizes[b]) for b in greedy_rows]
         part = verify_greedy(trees if len(greedy_rows) == B else _select(trees, greedy_rows), ids)
         for i, b in enumerate(greedy_rows):
             accepted[b], emitted[b] = part.accepted[i], part.emitted[i]
@@ -78,7 +81,7 @@ def verify_trees(
         generators: list[torch.Generator | None] = []
         for i, b in enumerate(sampled_rows):
             s = sampling[b]
-            probs[i, : sizes[b]] = filtered_probs(adjusted[b], [s] * sizes[b])
+            probs[i, : sizes[b]] = filtered_probs(rows(b), [s] * sizes[b])
             probs[i, sizes[b] :, 0] = 1.0  # padding rows: never reached
             gen = None
             if s.params.seed is not None:
@@ -90,7 +93,7 @@ def verify_trees(
         part = verify_sampling(_select(trees, sampled_rows), probs, generators=generators)
         for i, b in enumerate(sampled_rows):
             accepted[b], emitted[b] = part.accepted[i], part.emitted[i]
-    node_next = [choices[b].tolist() for b in range(B)] if report_node_choices else []
+    node_next = [choices[b] for b in range(B)] if report_node_choices else []
     return VerifyResult(accepted, emitted, node_next)
 
 

@@ -161,7 +161,11 @@ class SpeculativeWorker:
             self.target.device,
         )
         kept_slots = batch.out_cache_loc[kept["rows"]]
-        self.target.req_to_token.table.view(-1).index_copy_(0, kept["places"], kept_slots)
+        table = self.target.req_to_token
+        if table.host is not None:  # on the CPU, through NumPy (`host_int64`)
+            table.host[kept["places"].numpy()] = kept_slots.numpy()
+        else:
+            table.table.view(-1).index_copy_(0, kept["places"], kept_slots)
         drafter = self.awake(wb)
         if drafter is not None:
             features = None
@@ -197,10 +201,12 @@ class SpeculativeWorker:
         token_ids: list[int] = []
         positions: list[int] = []
         mask: list[bool] = []
+        # the host's trees read through NumPy: torch's slices cost a round more on a CPU
+        tokens, depths, tree_mask = (t.numpy() for t in (trees.tokens, trees.depths, trees.mask))
         for b, n in enumerate(sizes):
-            token_ids.extend(trees.tokens[b, :n].tolist())
-            positions.extend((trees.depths[b, :n] + wb.prefix_lens[b]).tolist())
-            mask.extend(trees.mask[b, :n, :n].reshape(-1).tolist())
+            token_ids.extend(tokens[b, :n].tolist())
+            positions.extend((depths[b, :n] + wb.prefix_lens[b]).tolist())
+            mask.extend(tree_mask[b, :n, :n].ravel().tolist())
         verify_wb = dataclasses.replace(
             wb, input_ids=token_ids, positions=positions, custom_mask=mask
         )
