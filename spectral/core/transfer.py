@@ -29,16 +29,19 @@ def stage(parts: dict[str, list[int]], device: torch.device | str) -> dict[str, 
     """Named lists of ints as int64 tensors on `device`, in one copy (`to_device`): views of
     one staged tensor, by name."""
     flat = [v for values in parts.values() for v in values]
-    if torch.device(device).type == "cpu":  # NumPy's views: torch's cost more on tiny tensors
-        staged = np.array(flat, dtype=np.int64)
-        out, start = {}, 0
-        for name, values in parts.items():
-            out[name] = torch.from_numpy(staged[start : start + len(values)])
-            start += len(values)
-        return out
-    staged = to_device(torch.tensor(flat, dtype=torch.int64), device)
+    if torch.device(device).type == "cpu":  # views of a NumPy array: torch's slices cost more
+        array = np.array(flat, dtype=np.int64)
+
+        def view(start: int, end: int) -> torch.Tensor:
+            return torch.from_numpy(array[start:end])
+    else:
+        staged = to_device(torch.tensor(flat, dtype=torch.int64), device)
+
+        def view(start: int, end: int) -> torch.Tensor:
+            return staged[start:end]
+
     out, start = {}, 0
     for name, values in parts.items():
-        out[name] = staged[start : start + len(values)]
+        out[name] = view(start, start + len(values))
         start += len(values)
     return out

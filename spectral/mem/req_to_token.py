@@ -19,11 +19,22 @@ class ReqToTokenPool:
         self.table = torch.zeros(
             (max_requests + 1, max_context_len), dtype=torch.int64, device=device
         )
-        # The table's memory as a flat NumPy array where it is on the CPU (else None), for the
-        # few slots a step writes: torch's per-operation cost is most of a tiny write on a
-        # CPU (a decode step's slot by `index_copy_` ~24 us after a forward; bench/step_parts.py).
-        on_cpu = self.table.device.type == "cpu"
-        self.host: np.ndarray | None = self.table.view(-1).numpy() if on_cpu else None
+        # The table's memory as a flat NumPy array where it is on the CPU (else None): see
+        # `write_places`.
+        self.on_cpu = self.table.device.type == "cpu"
+        self._host: np.ndarray | None = self.table.view(-1).numpy() if self.on_cpu else None
+
+    def write_places(
+        self, places: torch.Tensor | list[int], slots: torch.Tensor | list[int]
+    ) -> None:
+        """Record `slots` at `places` of the flattened table: int64 tensors where the table
+        is, or on a CPU host lists too. On a CPU through NumPy: torch's per-operation cost is
+        most of the few slots a step writes (a decode step's one by `index_copy_` ~24 us after
+        a forward; bench/step_parts.py)."""
+        if self._host is not None:
+            self._host[np.asarray(places, dtype=np.int64)] = np.asarray(slots)
+        else:
+            self.table.view(-1).index_copy_(0, places, slots)
 
     def write(self, row: int, start: int, slots: list[int] | torch.Tensor) -> None:
         """Record the slots of positions start, start+1, ... of request `row`."""

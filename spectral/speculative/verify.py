@@ -32,7 +32,7 @@ def verify_greedy(trees: DraftTrees, target_ids: torch.Tensor | list[list[int]])
     node (padding entries are ignored). At each node the child whose token equals the target's
     choice there is accepted (the first such child in sibling order); the walk stops when
     there is none and emits the target's choice at the last accepted node."""
-    B, n = trees.tokens.shape
+    B = trees.tokens.shape[0]
     if isinstance(target_ids, list):
         if len(target_ids) != B:
             raise ValueError(f"target_ids must have one row a tree, {B} (got {len(target_ids)})")

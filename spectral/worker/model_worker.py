@@ -255,18 +255,15 @@ class ModelWorker:
             "out_cache_loc": wb.out_cache_loc,
             "req_pool_indices": wb.req_pool_indices,
         }
-        host = self.req_to_token.host
-        if host is not None:  # the table on the CPU: written through NumPy
-            host[prefix_places] = prefix_slots
-            host[new_places] = wb.out_cache_loc
-            staged = stage(fields, self.device)
-        else:
-            places = {"prefix_places": prefix_places, "prefix_slots": prefix_slots}
-            staged = stage({**fields, **places, "new_places": new_places}, self.device)
-            table = self.req_to_token.table.view(-1)
-            if prefix_places:
-                table.index_copy_(0, staged["prefix_places"], staged["prefix_slots"])
-            table.index_copy_(0, staged["new_places"], staged["out_cache_loc"])
+        writes = {"prefix_places": prefix_places, "prefix_slots": prefix_slots}
+        writes["new_places"] = new_places
+        table = self.req_to_token
+        # on a CPU the table is written from the host's lists (nothing staged for it)
+        staged = stage(fields if table.on_cpu else {**fields, **writes}, self.device)
+        written = {**writes, "out_cache_loc": wb.out_cache_loc} if table.on_cpu else staged
+        if prefix_places:
+            table.write_places(written["prefix_places"], written["prefix_slots"])
+        table.write_places(written["new_places"], written["out_cache_loc"])
         custom = None
         if wb.custom_mask is not None:
             custom = to_device(torch.tensor(wb.custom_mask, dtype=torch.bool), self.device)

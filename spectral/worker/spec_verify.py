@@ -48,14 +48,16 @@ def verify_trees(
     for b, size in enumerate(sizes):
         starts.append(offset)
         node_sampling = _node_sampling(trees, b, size, sampling[b])
+        masked = bool(masks) and b in masks
         block = None
-        if node_sampling is not None:
-            block = apply_penalties(logits[offset : offset + size], node_sampling)  # may copy
-        if masks and b in masks:
-            # in place, on a copy: the logprobs read the raw logits
-            raw = logits[offset : offset + size]
-            block = raw.clone() if block is None or block.data_ptr() == raw.data_ptr() else block
-            block = apply_bitmask(block, masks[b], kernels)
+        if node_sampling is not None or masked:
+            raw = block = logits[offset : offset + size]
+            if node_sampling is not None:
+                block = apply_penalties(block, node_sampling)  # a copy where it changes any
+            if masked:  # in place, on a copy: the logprobs read the raw logits
+                block = apply_bitmask(block.clone() if block is raw else block, masks[b], kernels)
+            if block is raw:  # nothing changed it
+                block = None
         adjusted.append(block)
         offset += size
 

@@ -161,11 +161,7 @@ class SpeculativeWorker:
             self.target.device,
         )
         kept_slots = batch.out_cache_loc[kept["rows"]]
-        table = self.target.req_to_token
-        if table.host is not None:  # on the CPU, through NumPy (`host_int64`)
-            table.host[kept["places"].numpy()] = kept_slots.numpy()
-        else:
-            table.table.view(-1).index_copy_(0, kept["places"], kept_slots)
+        self.target.req_to_token.write_places(kept["places"], kept_slots)
         drafter = self.awake(wb)
         if drafter is not None:
             features = None
