@@ -52,22 +52,40 @@ def test_kernels_use_the_widest_vector_unit_the_cpu_has():
 
 
 @pytest.mark.parametrize(
-    "vendor, flags, locality, min_rows",
+    "vendor, family, flags, locality, min_rows, ahead",
     [
-        ("GenuineIntel", "fpu avx2 avx512f", 3, 1),
-        ("AuthenticAMD", "fpu avx2 avx512f avx512bw", 0, 2),
-        ("AuthenticAMD", "fpu avx2 fma", 0, 1),
+        ("GenuineIntel", 6, "fpu avx2 avx512f", 3, 1, 1024),
+        ("AuthenticAMD", 25, "fpu avx2 avx512f avx512bw", 0, 2, 1024),
+        ("AuthenticAMD", 26, "fpu avx2 avx512f avx512bw", 0, 1, 4096),
+        ("AuthenticAMD", 23, "fpu avx2 fma", 0, 1, 1024),
     ],
 )
 def test_weights_are_asked_for_ahead_as_measured_for_the_cpu(
-    monkeypatch, vendor, flags, locality, min_rows
+    monkeypatch, vendor, family, flags, locality, min_rows, ahead
 ):
     """Non-temporal hints on AMD, into every level on Intel; one-row integer tiles without
-    them only on an AMD with AVX-512 (vec.h's prefetch_for_rows)."""
-    lines = ("processor\t: 0", f"vendor_id\t: {vendor}", f"flags\t\t: {flags}")
+    them only on a Zen 4 (an AMD with AVX-512 before family 26); 4 KiB ahead on a Zen 5
+    (vec.h's prefetch_ahead, prefetch_for_rows)."""
+    lines = (
+        "processor\t: 0",
+        f"vendor_id\t: {vendor}",
+        f"cpu family\t: {family}",
+        f"flags\t\t: {flags}",
+    )
     monkeypatch.setattr(kernel_builds, "cpuinfo_lines", lambda: lines)
     assert kernel_builds.prefetch_locality() == locality
     assert kernel_builds.prefetch_min_rows() == min_rows
+    assert kernel_builds.prefetch_ahead() == ahead
+
+
+def test_the_runtime_build_asks_ahead_as_chosen_for_this_cpu():
+    native = kernel_builds.ISA_FLAGS["native"]
+    for define in (
+        f"SPECTRAL_PREFETCH_LOCALITY={kernel_builds.prefetch_locality()}",
+        f"SPECTRAL_PREFETCH_MIN_ROWS={kernel_builds.prefetch_min_rows()}",
+        f"SPECTRAL_PREFETCH_AHEAD={kernel_builds.prefetch_ahead()}",
+    ):
+        assert f"-D{define}" in native
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

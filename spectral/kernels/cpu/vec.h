@@ -107,7 +107,9 @@ inline Vec::R load(const float* p) { return Vec::load(p); }
 
 // How far ahead of the block a matmul reads it asks for the weights it reads next. They stream
 // from memory once a step, and the hardware prefetchers alone kept a core at ~60% of what a
-// plain sum reads (bench/stream.py measures the builds; 0 turns the hint off). The locality is
+// plain sum reads (bench/stream.py measures the builds; 0 turns the hint off). Far enough that
+// the line is in before the tile gets there: cpu_kernels.prefetch_ahead() chooses it for the
+// runtime's build (further on a CPU whose tiles run faster). The locality is
 // __builtin_prefetch's: 0 non-temporal (what an AMD EPYC reads fastest), 3 into every level
 // (an Intel Xeon: non-temporal lines skip its L2, and a matrix that fits there left it);
 // cpu_kernels.prefetch_locality() chooses it for the runtime's build.
