@@ -77,6 +77,25 @@ def test_auto_takes_the_integer_path_for_a_gguf_on_a_cpu_with_its_kernels():
         assert ServerArgs(device="cpu", quantization=chosen).resolved_quantization(True) == chosen
 
 
+def test_auto_dtype_is_float32_for_the_integer_path_on_a_cpu(monkeypatch):
+    """Its activations are quantized to 8 bits for the matmuls anyway; elsewhere auto is
+    bfloat16 where the CPU has it natively."""
+    import torch
+
+    import spectral.args as args_module
+    from spectral.args import ServerArgs
+
+    monkeypatch.setattr(args_module, "cpu_has_native_bf16", lambda: True)
+    auto = ServerArgs(device="cpu")
+    assert auto.resolved_dtype(gguf=True) == torch.float32
+    assert auto.resolved_dtype(gguf=False) == torch.bfloat16
+    assert ServerArgs(device="cpu", quantization="gguf").resolved_dtype(True) == torch.bfloat16
+    assert ServerArgs(device="cpu", disable_cpu_kernels=True).resolved_dtype(True) == torch.bfloat16
+    assert ServerArgs(device="cpu", dtype="bfloat16").resolved_dtype(True) == torch.bfloat16
+    monkeypatch.setattr(args_module, "cpu_has_native_bf16", lambda: False)
+    assert ServerArgs(device="cpu").resolved_dtype(gguf=False) == torch.float32
+
+
 SPECULATIVE = {
     "EAGLE3": dict(speculative_algorithm="EAGLE3"),
     "NGRAM": dict(speculative_algorithm="NGRAM"),

@@ -7,7 +7,10 @@ HELP: dict[str, dict[str, str]] = {
             "where a GGUF's config and tokenizer are extracted, once (default ~/.cache/spectral)"
         ),
         "tokenizer_path": "tokenizer directory (default: the model's)",
-        "dtype": "auto (bf16 where native), float32, bfloat16, float16",
+        "dtype": (
+            "auto (float32 for a GGUF on the CPU integer path, else bf16 where native), "
+            "float32, bfloat16, float16"
+        ),
         "device": "auto, cpu or cuda",
         "context_length": "override the model's context length",
         "quantization": (

@@ -99,7 +99,7 @@ def target_worker(
         gguf_native=quantization != "none",
         gguf_int8=quantization == "gguf-int8",
         dummy_weights=args.load_format == "dummy",
-        dtype=args.resolved_dtype(),
+        dtype=args.resolved_dtype(gguf_file is not None),
         device=args.resolved_device(),
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,
