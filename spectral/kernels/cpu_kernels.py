@@ -91,6 +91,8 @@ def prefetch_ahead() -> int:
     return 4096 if _zen5_or_later() else 1024
 
 
+_AHEAD = f"-DSPECTRAL_PREFETCH_AHEAD={prefetch_ahead()}"  # the runtime's, in the builds that hint
+
 # Builds of the same sources: the widest vector unit the CPU has (what the runtime uses), and
 # narrower ones of the kernels without the fused layer (SPECTRAL_TEST_BUILD) that tests hold
 # to the same references (AVX2 on an AVX-512 CPU, the scalar loops), at -O1 to cost the suite
@@ -100,7 +102,7 @@ ISA_FLAGS = {
         "-O3",
         f"-DSPECTRAL_PREFETCH_LOCALITY={prefetch_locality()}",
         f"-DSPECTRAL_PREFETCH_MIN_ROWS={prefetch_min_rows()}",
-        f"-DSPECTRAL_PREFETCH_AHEAD={prefetch_ahead()}",
+        _AHEAD,
     ],
     "avx2": ["-O1", "-mno-avx512f", "-DSPECTRAL_TEST_BUILD"],
     "scalar": ["-O1", "-DSPECTRAL_SCALAR", "-DSPECTRAL_TEST_BUILD"],
@@ -110,8 +112,8 @@ ISA_FLAGS = {
     # the runtime's build without its software prefetches: bench/stream.py's baseline
     "noprefetch": ["-O3", "-DSPECTRAL_PREFETCH_AHEAD=0"],
     # the two ways of asking for the weights ahead (vec.h's prefetch_ahead): bench/stream.py
-    "prefetch_nta": ["-O3", "-DSPECTRAL_PREFETCH_LOCALITY=0"],
-    "prefetch_t0": ["-O3", "-DSPECTRAL_PREFETCH_LOCALITY=3"],
+    "prefetch_nta": ["-O3", "-DSPECTRAL_PREFETCH_LOCALITY=0", _AHEAD],
+    "prefetch_t0": ["-O3", "-DSPECTRAL_PREFETCH_LOCALITY=3", _AHEAD],
 }
 # A build lock older than this was left by a killed build.
 STALE_LOCK_S = 900
