@@ -241,8 +241,7 @@ def main() -> None:
     sizes = [int(b) for b in args.batches.split(",") if b]
 
     engine = Engine(model_path=args.model_path, dtype=args.dtype, max_total_tokens=65536)
-    gguf = engine.model.gguf_file is not None
-    dtype = str(engine.args.resolved_dtype(gguf)).removeprefix("torch.")
+    dtype = engine.get_server_info()["dtype"]
     texts = [chat(engine.tokenizer, q) for q in DATASETS[args.dataset]()]
     ids = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
     engine.shutdown()

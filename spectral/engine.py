@@ -346,10 +346,12 @@ class Engine:
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     def get_server_info(self) -> dict[str, Any]:
+        gguf = self.model.gguf_file is not None
         return {
             "model_path": self.args.model_path,
             "context_length": self.model.context_len,
-            "quantization": self.args.resolved_quantization(self.model.gguf_file is not None),
+            "quantization": self.args.resolved_quantization(gguf),
+            "dtype": str(self.args.resolved_dtype(gguf)).removeprefix("torch."),
             **self.scheduler.info(),
         }
 

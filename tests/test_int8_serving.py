@@ -106,7 +106,8 @@ SPECULATIVE = {
 def plain_engine():
     with engine() as e:
         assert e.worker.model.lm_head_packed.gguf_type.endswith("+q8")
-        assert e.get_server_info()["quantization"] == "gguf-int8"
+        info = e.get_server_info()
+        assert info["quantization"] == "gguf-int8" and info["dtype"] == "float32"
         yield e
 
 

@@ -246,7 +246,7 @@ class ServerArgs:
             return False
         return self.enable_overlap_schedule or self.resolved_device().startswith("cuda")
 
-    def resolved_dtype(self, gguf: bool = False) -> torch.dtype:
+    def resolved_dtype(self, gguf: bool) -> torch.dtype:
         """What --dtype means for a model that is (`gguf`) or is not a GGUF file: auto is
         bfloat16 on a GPU (float16 where it has none); on a CPU float32 for a GGUF served
         through the integer path (its activations go into the matmuls quantized to 8 bits

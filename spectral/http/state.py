@@ -47,6 +47,7 @@ def server_info(args: ServerArgs, model: ResolvedModel, num_kv_slots: int) -> di
         "features": model.features,
         # how the weights are served (--quantization as resolved: auto says which)
         "quantization": args.resolved_quantization(model.gguf_file is not None),
+        "dtype": str(args.resolved_dtype(model.gguf_file is not None)).removeprefix("torch."),
         "context_length": model.context_len,
         "max_total_tokens": num_kv_slots,
         "tp_size": 1,

@@ -77,7 +77,7 @@ def prefetch_min_rows() -> int:
     decode forward 0.921x the time with its one-row tiles left to the hardware prefetchers,
     its verify forward of 4 rows 1.36x slower with no hint at any row count), else 1 (a Zen 5
     EPYC: the 1.5B's decode forward 0.944x the time with the hint at one row too)."""
-    zen4 = cpu_vendor() == "AuthenticAMD" and "avx512f" in cpu_flags() and not _zen5_or_later()
+    zen4 = "avx512f" in cpu_flags() and cpu_vendor() == "AuthenticAMD" and cpu_family() < 26
     return 2 if zen4 else 1
 
 
